@@ -1,0 +1,111 @@
+//! GPU facts from NVML through `nvml-wrapper`: devices (index, UUID, minor number, total
+//! memory) and processes with a compute context, with the memory each uses per device.
+//!
+//! The library is loaded from a configurable path, so the same code runs against the
+//! real `libnvidia-ml.so` and against the test suite's fake.
+
+use std::ffi::OsString;
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::error::NvmlError;
+
+/// The library `nvml-wrapper` loads when no path is given.
+pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so";
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// NVML index: the index genv uses in `devices.json`.
+    pub index: u32,
+    pub uuid: String,
+    /// The `N` of `/dev/nvidiaN`; in general not the index.
+    pub minor: Option<u32>,
+    pub total_memory: u64,
+}
+
+/// One compute context: a process on one device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ComputeContext {
+    pub pid: u32,
+    pub index: u32,
+    /// `None` where NVML reports the figure as not available.
+    pub used_memory: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("NVML {call}: {source}")]
+pub struct GpuQueryError {
+    call: &'static str,
+    #[source]
+    source: NvmlError,
+}
+
+fn at(call: &'static str) -> impl FnOnce(NvmlError) -> GpuQueryError {
+    move |source| GpuQueryError { call, source }
+}
+
+/// Where the enforcer's GPU facts come from; a trait so that snapshot assembly can be
+/// tested without any library.
+pub trait GpuBackend {
+    fn devices(&self) -> Result<Vec<GpuInfo>, GpuQueryError>;
+    /// Contexts in NVML's order: by device, then as the driver lists them.
+    fn compute_contexts(&self) -> Result<Vec<ComputeContext>, GpuQueryError>;
+}
+
+pub struct NvmlBackend {
+    nvml: Nvml,
+}
+
+impl NvmlBackend {
+    pub fn load(library: &OsString) -> Result<Self, GpuQueryError> {
+        Nvml::builder()
+            .lib_path(library)
+            .init()
+            .map(|nvml| Self { nvml })
+            .map_err(at("init"))
+    }
+}
+
+impl GpuBackend for NvmlBackend {
+    fn devices(&self) -> Result<Vec<GpuInfo>, GpuQueryError> {
+        let count = self.nvml.device_count().map_err(at("device count"))?;
+        (0..count)
+            .map(|index| {
+                let device = self
+                    .nvml
+                    .device_by_index(index)
+                    .map_err(at("device handle"))?;
+                Ok(GpuInfo {
+                    index,
+                    uuid: device.uuid().map_err(at("device UUID"))?,
+                    // MIG and some virtual GPUs have no minor number of their own.
+                    minor: device.minor_number().ok(),
+                    total_memory: device.memory_info().map_err(at("memory info"))?.total,
+                })
+            })
+            .collect()
+    }
+
+    fn compute_contexts(&self) -> Result<Vec<ComputeContext>, GpuQueryError> {
+        let count = self.nvml.device_count().map_err(at("device count"))?;
+        let mut contexts = Vec::new();
+        for index in 0..count {
+            let device = self
+                .nvml
+                .device_by_index(index)
+                .map_err(at("device handle"))?;
+            let processes = device
+                .running_compute_processes()
+                .map_err(at("running compute processes"))?;
+            contexts.extend(processes.into_iter().map(|p| ComputeContext {
+                pid: p.pid,
+                index,
+                used_memory: match p.used_gpu_memory {
+                    UsedGpuMemory::Used(bytes) => Some(bytes),
+                    UsedGpuMemory::Unavailable => None,
+                },
+            }));
+        }
+        Ok(contexts)
+    }
+}

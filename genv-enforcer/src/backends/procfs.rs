@@ -1,0 +1,230 @@
+//! What `/proc` tells about a process: whether it exists, who it is (start time, so a
+//! reused pid is never mistaken for it), whether it is a kernel thread, its real uid, its
+//! genv environment, and which NVIDIA GPU device nodes it holds open.
+
+use std::io;
+use std::os::unix::fs::FileTypeExt;
+use std::path::Path;
+
+use rustix::process::{Pid, test_kill_process};
+
+/// The variable genv sets in every process of an environment.
+pub const ENV_VAR: &str = "GENV_ENVIRONMENT_ID";
+
+/// NVIDIA's character-device major for `/dev/nvidiaN`, `nvidiactl` (255) and
+/// `nvidia-modeset` (254). Minors below 254 are GPUs.
+pub const NVIDIA_MAJOR: u32 = 195;
+pub const NVIDIA_FIRST_CONTROL_MINOR: u32 = 254;
+
+/// The kernel's `PF_KTHREAD` flag in `/proc/<pid>/stat`.
+const PF_KTHREAD: u32 = 0x0020_0000;
+
+/// As genv's `poll_pid`: `kill(pid, 0)` succeeds or fails with EPERM. Non-positive pids
+/// never count (they would name process groups).
+pub fn pid_exists(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    match Pid::from_raw(pid) {
+        Some(pid) => match test_kill_process(pid) {
+            Ok(()) => true,
+            Err(e) => e == rustix::io::Errno::PERM,
+        },
+        None => false,
+    }
+}
+
+/// The fields of `/proc/<pid>/stat` the enforcer relies on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcStat {
+    pub state: char,
+    pub ppid: i32,
+    pub flags: u32,
+    /// Clock ticks since boot: with the pid, a unique identity for the process.
+    pub start_time: u64,
+}
+
+impl ProcStat {
+    pub fn is_kernel_thread(&self) -> bool {
+        self.flags & PF_KTHREAD != 0
+    }
+
+    pub fn is_zombie(&self) -> bool {
+        matches!(self.state, 'Z' | 'X')
+    }
+}
+
+pub fn stat(pid: u32) -> io::Result<ProcStat> {
+    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat"))?).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("/proc/{pid}/stat: unexpected format"),
+        )
+    })
+}
+
+/// `comm` may hold spaces and parentheses, so fields are counted after the last `)`.
+fn parse_stat(text: &str) -> Option<ProcStat> {
+    let rest = &text[text.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
+    // After comm: state(3) ppid(4) ... flags(9) ... starttime(22), numbered as in proc(5).
+    Some(ProcStat {
+        state: fields.first()?.chars().next()?,
+        ppid: fields.get(1)?.parse().ok()?,
+        flags: fields.get(6)?.parse().ok()?,
+        start_time: fields.get(19)?.parse().ok()?,
+    })
+}
+
+/// The real uid, from the `Uid:` line of `/proc/<pid>/status`.
+pub fn real_uid(pid: u32) -> io::Result<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))
+        .and_then(|ids| ids.split_whitespace().next())
+        .and_then(|uid| uid.parse().ok())
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("/proc/{pid}/status: no Uid line"),
+            )
+        })
+}
+
+/// Why a process's environment could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvironError {
+    #[error("process {0} is gone")]
+    Gone(u32),
+    #[error("not enough permissions to read /proc/{0}/environ")]
+    Unreadable(u32),
+    #[error("cannot read /proc/{0}/environ: {1}")]
+    Other(u32, #[source] io::Error),
+}
+
+/// The value of `GENV_ENVIRONMENT_ID` in the process's initial environment, read as genv
+/// reads it (the last assignment wins).
+pub fn environment_id(pid: u32) -> Result<Option<String>, EnvironError> {
+    let bytes = std::fs::read(format!("/proc/{pid}/environ")).map_err(|e| match e.kind() {
+        io::ErrorKind::NotFound => EnvironError::Gone(pid),
+        io::ErrorKind::PermissionDenied => EnvironError::Unreadable(pid),
+        _ if e.raw_os_error() == Some(libc::ESRCH) => EnvironError::Gone(pid),
+        _ => EnvironError::Other(pid, e),
+    })?;
+    Ok(find_var(&bytes, ENV_VAR))
+}
+
+fn find_var(environ: &[u8], name: &str) -> Option<String> {
+    environ
+        .split(|b| *b == 0)
+        .filter_map(|entry| entry.strip_prefix(name.as_bytes())?.strip_prefix(b"="))
+        .next_back()
+        .map(|value| String::from_utf8_lossy(value).into_owned())
+}
+
+/// Every process holding an NVIDIA GPU node open, with the GPU minors it holds, in pid
+/// order. Nodes are recognised by `st_rdev` (major 195, minor below 254), never by path,
+/// so renamed nodes, links and private `mknod` copies count too.
+pub fn gpu_node_holders(proc_root: &Path) -> io::Result<Vec<(u32, Vec<u32>)>> {
+    let mut holders = Vec::new();
+    for entry in std::fs::read_dir(proc_root)? {
+        let Some(pid) = entry?
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(proc_root.join(pid.to_string()).join("fd")) else {
+            continue; // gone, or not ours to read
+        };
+        let mut minors: Vec<u32> = fds
+            .filter_map(|fd| std::fs::metadata(fd.ok()?.path()).ok())
+            .filter(|meta| meta.file_type().is_char_device())
+            .filter_map(|meta| {
+                let rdev = std::os::unix::fs::MetadataExt::rdev(&meta);
+                let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+                (major == NVIDIA_MAJOR && minor < NVIDIA_FIRST_CONTROL_MINOR).then_some(minor)
+            })
+            .collect();
+        if !minors.is_empty() {
+            minors.sort_unstable();
+            minors.dedup();
+            holders.push((pid, minors));
+        }
+    }
+    holders.sort_unstable_by_key(|(pid, _)| *pid);
+    Ok(holders)
+}
+
+/// GPU minors in NVML index order (PCI bus order), from the driver's
+/// `/proc/driver/nvidia/gpus/<bus id>/information`. `None` without the driver.
+pub fn driver_minors_in_pci_order() -> Option<Vec<u32>> {
+    let mut gpus: Vec<(String, u32)> = std::fs::read_dir("/proc/driver/nvidia/gpus")
+        .ok()?
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let info = std::fs::read_to_string(entry.path().join("information")).ok()?;
+            let minor = info
+                .lines()
+                .find_map(|l| l.strip_prefix("Device Minor:"))?
+                .trim()
+                .parse()
+                .ok()?;
+            Some((entry.file_name().to_string_lossy().to_lowercase(), minor))
+        })
+        .collect();
+    gpus.sort();
+    Some(gpus.into_iter().map(|(_, minor)| minor).collect())
+}
+
+/// `pid` and its ancestors up to PID 1: processes the enforcer must never signal.
+pub fn self_and_ancestors(pid: u32) -> Vec<u32> {
+    let mut chain = vec![pid];
+    let mut current = pid;
+    while let Ok(stat) = stat(current) {
+        if stat.ppid <= 0 || chain.contains(&(stat.ppid as u32)) {
+            break;
+        }
+        current = stat.ppid as u32;
+        chain.push(current);
+    }
+    chain
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_stat_with_a_hostile_comm() {
+        let line =
+            "4242 (a) b (c) S 17 4242 4242 0 -1 4194560 99 0 0 0 0 0 0 0 20 0 1 0 123456 1000 100";
+        let stat = parse_stat(line).unwrap();
+        assert_eq!(
+            (stat.state, stat.ppid, stat.flags, stat.start_time),
+            ('S', 17, 4194560, 123456)
+        );
+        assert!(!stat.is_kernel_thread());
+    }
+
+    #[test]
+    fn finds_the_last_assignment_like_genv() {
+        let environ =
+            b"A=1\0GENV_ENVIRONMENT_ID=x\0GENV_ENVIRONMENT_IDX=no\0GENV_ENVIRONMENT_ID=y=z\0";
+        assert_eq!(find_var(environ, ENV_VAR).as_deref(), Some("y=z"));
+        assert_eq!(find_var(b"A=1\0", ENV_VAR), None);
+    }
+
+    #[test]
+    fn reads_this_process() {
+        let me = std::process::id();
+        let stat = stat(me).unwrap();
+        assert!(!stat.is_kernel_thread() && !stat.is_zombie());
+        assert!(pid_exists(me as i32));
+        assert!(!pid_exists(0) && !pid_exists(-1));
+        assert_eq!(real_uid(me).unwrap(), rustix::process::getuid().as_raw());
+        assert!(self_and_ancestors(me).len() >= 2);
+    }
+}

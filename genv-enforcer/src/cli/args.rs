@@ -1,0 +1,199 @@
+//! The command line, as clap parses it: `genv enforce`'s flags, one for one, plus the
+//! enforcer's own. Nothing here touches the system.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::backends::nvml::DEFAULT_LIBRARY;
+use crate::snapshot::SnapshotJson;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "genv-enforcer",
+    version,
+    about = "Enforces genv's GPU-usage policy; a drop-in for `genv enforce`"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Enforce GPU usage (genv enforce).
+    Enforce(EnforceArgs),
+    /// Take a usage snapshot or execute a report (genv usage), wire-compatible with genv.
+    #[command(subcommand)]
+    Usage(UsageCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum UsageCommand {
+    /// Print a snapshot of GPU usage as JSON.
+    Snapshot {
+        /// Output format.
+        #[arg(long, value_parser = ["json"], default_value = "json")]
+        format: String,
+        /// Print only this part of the snapshot.
+        #[arg(long = "type", value_enum)]
+        part: Option<SnapshotJson>,
+        #[command(flatten)]
+        sources: SourceArgs,
+    },
+    /// Execute the report passed as JSON on stdin.
+    Execute {
+        #[command(flatten)]
+        execution: ExecutionArgs,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct EnforceArgs {
+    /// Seconds between enforcement cycles; 0 runs one cycle and exits.
+    #[arg(long, default_value_t = 10.0, value_parser = non_negative_seconds, allow_hyphen_values = true)]
+    pub interval: f64,
+
+    /// Terminate processes that are not running in a GPU environment [default: off].
+    #[arg(long, overrides_with = "no_non_env_processes")]
+    pub non_env_processes: bool,
+    /// Do not terminate processes outside environments.
+    #[arg(long, overrides_with = "non_env_processes")]
+    pub no_non_env_processes: bool,
+
+    /// Enforce environment attached devices [default: on].
+    #[arg(long, overrides_with = "no_env_devices")]
+    pub env_devices: bool,
+    /// Do not enforce environment attached devices.
+    #[arg(long, overrides_with = "env_devices")]
+    pub no_env_devices: bool,
+
+    /// Enforce environment memory capacity if set [default: on].
+    #[arg(long, overrides_with = "no_env_memory")]
+    pub env_memory: bool,
+    /// Do not enforce environment memory capacity.
+    #[arg(long, overrides_with = "env_memory")]
+    pub no_env_memory: bool,
+
+    /// Maximum allowed attached devices for each user.
+    #[arg(long, value_name = "N", allow_hyphen_values = true)]
+    pub max_devices_per_user: Option<u32>,
+
+    /// Per-user maximum of attached devices (with --max-devices-per-user).
+    #[arg(long, value_name = "USERNAME=MAXIMUM", num_args = 1.., value_parser = user_limit, action = clap::ArgAction::Append)]
+    pub max_devices_for_user: Vec<(String, u32)>,
+
+    /// genv's behaviour: a process whose GENV_ENVIRONMENT_ID names no active environment
+    /// still counts as inside one.
+    #[arg(long)]
+    pub allow_unknown_env: bool,
+
+    /// genv's behaviour: a process may claim another user's environment.
+    #[arg(long)]
+    pub allow_foreign_env: bool,
+
+    #[command(flatten)]
+    pub execution: ExecutionArgs,
+
+    #[command(flatten)]
+    pub sources: SourceArgs,
+}
+
+/// How reports are carried out.
+#[derive(Debug, Args)]
+pub struct ExecutionArgs {
+    /// SIGKILL a process still running this many seconds after SIGTERM; 0 never (genv).
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0, value_parser = non_negative_seconds, allow_hyphen_values = true)]
+    pub kill_after: f64,
+
+    /// Print what would be done without signalling or detaching anything.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// Where facts come from.
+#[derive(Debug, Args)]
+pub struct SourceArgs {
+    /// The NVML library to load.
+    #[arg(long, value_name = "PATH", env = "GENV_ENFORCER_NVML_LIB", default_value = DEFAULT_LIBRARY)]
+    pub nvml_lib: OsString,
+
+    /// genv's state directory.
+    #[arg(long, value_name = "DIR", env = "GENV_TMPDIR", default_value = crate::state::DEFAULT_DIR)]
+    pub genv_tmpdir: PathBuf,
+}
+
+fn non_negative_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s.is_finite() && s >= 0.0 => Ok(s),
+        _ => Err(format!("{text:?} is not a number of seconds (0 or more)")),
+    }
+}
+
+fn user_limit(text: &str) -> Result<(String, u32), String> {
+    let invalid = || format!("not a valid spec: {text} (expected USERNAME=MAXIMUM)");
+    let (user, maximum) = text.split_once('=').ok_or_else(invalid)?;
+    if user.is_empty() || maximum.contains('=') {
+        return Err(invalid());
+    }
+    Ok((user.to_owned(), maximum.parse().map_err(|_| invalid())?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn enforce(args: &[&str]) -> Result<EnforceArgs, clap::Error> {
+        let cli = Cli::try_parse_from(["genv-enforcer", "enforce"].iter().chain(args))?;
+        match cli.command {
+            Command::Enforce(args) => Ok(args),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn accepts_genvs_command_line() {
+        let args = enforce(&[
+            "--interval",
+            "0",
+            "--non-env-processes",
+            "--no-env-memory",
+            "--max-devices-per-user",
+            "1",
+            "--max-devices-for-user",
+            "alice=2",
+            "bob=0",
+        ])
+        .unwrap();
+        assert_eq!(args.interval, 0.0);
+        assert!(args.non_env_processes && args.no_env_memory);
+        assert_eq!(
+            args.max_devices_for_user,
+            [("alice".into(), 2), ("bob".into(), 0)]
+        );
+    }
+
+    #[test]
+    fn the_last_of_a_flag_and_its_no_form_wins() {
+        let args = enforce(&["--no-env-devices", "--env-devices"]).unwrap();
+        assert!(args.env_devices && !args.no_env_devices);
+    }
+
+    #[test]
+    fn bad_values_name_the_flag() {
+        let err = enforce(&["--max-devices-for-user", "alice"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--max-devices-for-user") && err.contains("not a valid spec: alice"),
+            "{err}"
+        );
+        let err = enforce(&["--interval", "-1"]).unwrap_err().to_string();
+        assert!(err.contains("--interval"), "{err}");
+        let err = enforce(&["--max-devices-per-user", "-1"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--max-devices-per-user"), "{err}");
+    }
+}

@@ -1,0 +1,156 @@
+//! From the command line to a running enforcer: parsed flags ([`args`]) become
+//! validated settings, then the objects that do the work.
+
+pub mod args;
+
+use std::io::Read;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Parser;
+
+use crate::actions::{Executor, ExecutorConfig};
+use crate::cycle::Enforcer;
+use crate::report::Report;
+use crate::rules::{DeviceLimit, Rules};
+use crate::snapshot::{EnvPolicy, SnapshotBuilder};
+use crate::state::StateDir;
+use args::{Cli, Command, EnforceArgs, ExecutionArgs, SourceArgs, UsageCommand};
+
+/// Parses the command line and runs it; the only place exit codes are decided.
+pub fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("genv-enforcer: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+pub fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Command::Enforce(args) => enforce(args),
+        Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
+            let mut builder = builder(&sources, EnvPolicy::default());
+            let lock = builder
+                .state()
+                .lock()
+                .context("taking genv's global lock")?;
+            let (snapshot, warnings) = builder.take();
+            drop(lock);
+            for warning in warnings {
+                eprintln!("{warning}");
+            }
+            println!(
+                "{}",
+                snapshot
+                    .to_genv_json(part)
+                    .context("taking a usage snapshot")?
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Usage(UsageCommand::Execute { execution }) => {
+            let mut text = String::new();
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .context("reading the report from stdin")?;
+            let report = Report::from_genv_json(&text).context("the report on stdin")?;
+            let state = StateDir::from_env();
+            let mut executor = Executor::new(executor_config(&execution));
+            {
+                let _lock = state.lock().context("taking genv's global lock")?;
+                executor.execute(&report, &state);
+            }
+            executor.finish();
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn builder(sources: &SourceArgs, policy: EnvPolicy) -> SnapshotBuilder {
+    SnapshotBuilder::new(
+        StateDir::new(&sources.genv_tmpdir),
+        sources.nvml_lib.clone(),
+        policy,
+    )
+}
+
+fn executor_config(args: &ExecutionArgs) -> ExecutorConfig {
+    ExecutorConfig {
+        dry_run: args.dry_run,
+        // genv: `int(os.environ.get("GENV_TERMINATE_PROCESSES", "1")) == 0` disables it.
+        signals: std::env::var("GENV_TERMINATE_PROCESSES")
+            .map_or(true, |v| v.trim().parse::<i64>() != Ok(0)),
+        kill_after: (args.kill_after > 0.0).then(|| Duration::from_secs_f64(args.kill_after)),
+    }
+}
+
+/// The rules `genv enforce` would run with these flags.
+pub fn rules(args: &EnforceArgs) -> Rules {
+    if args.max_devices_per_user.is_none() && !args.max_devices_for_user.is_empty() {
+        eprintln!(
+            "[WARNING] --max-devices-for-user has no effect without --max-devices-per-user (as in genv)"
+        );
+    }
+    Rules {
+        non_env_processes: args.non_env_processes && !args.no_non_env_processes,
+        env_devices: !args.no_env_devices,
+        env_memory: !args.no_env_memory,
+        max_devices_per_user: args.max_devices_per_user.map(|default| DeviceLimit {
+            default,
+            per_user: args.max_devices_for_user.iter().cloned().collect(),
+        }),
+    }
+}
+
+fn enforce(args: EnforceArgs) -> Result<ExitCode> {
+    let policy = EnvPolicy {
+        trust_unknown_env_ids: args.allow_unknown_env,
+        trust_foreign_env_ids: args.allow_foreign_env,
+    };
+    let mut enforcer = Enforcer {
+        builder: builder(&args.sources, policy),
+        rules: rules(&args),
+        executor: Executor::new(executor_config(&args.execution)),
+    };
+    if args.interval == 0.0 {
+        enforcer.cycle();
+        enforcer.executor.finish();
+        return Ok(ExitCode::SUCCESS);
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .enable_io()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(daemon(enforcer, Duration::from_secs_f64(args.interval)))
+}
+
+/// Cycles every `interval` until SIGINT or SIGTERM, escalating to SIGKILL on time in
+/// between.
+async fn daemon(mut enforcer: Enforcer, interval: Duration) -> Result<ExitCode> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut next_cycle = Instant::now();
+    loop {
+        let now = Instant::now();
+        if now >= next_cycle {
+            enforcer.cycle();
+            next_cycle = now + interval;
+        }
+        enforcer.executor.escalate(Instant::now());
+        let wake = enforcer
+            .executor
+            .next_deadline()
+            .map_or(next_cycle, |deadline| deadline.min(next_cycle));
+        tokio::select! {
+            _ = tokio::time::sleep_until(wake.into()) => {}
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,15 @@
+//! genv-enforcer: enforces genv's GPU-usage policy on a shared GPU node.
+//!
+//! Data flows one way: backends (NVML, `/proc`) and genv's state files make a
+//! [`snapshot`]; pure [`rules`] turn it into findings; findings become a [`report`];
+//! [`actions`] carry the report out. The [`cli`] wires this into `genv enforce`'s
+//! command line.
+
+pub mod actions;
+pub mod backends;
+pub mod cli;
+pub mod cycle;
+pub mod report;
+pub mod rules;
+pub mod snapshot;
+pub mod state;

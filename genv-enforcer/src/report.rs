@@ -1,0 +1,151 @@
+//! What one host must do after the rules ran: genv's `Report`.
+//!
+//! Built as genv's `Survey` builds it: terminations are listed in snapshot order (not
+//! in the order rules asked for them), each process once; detaches are grouped by device
+//! in the order first asked, and a detach also terminates the environment's processes on
+//! that device.
+
+use serde_json::Value;
+
+use crate::rules::{Action, Finding, Survey};
+use crate::snapshot::GpuProcess;
+use crate::snapshot::WireError;
+use crate::state::Env;
+use crate::state::model::{self, ShapeError};
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Report {
+    pub terminate: Vec<GpuProcess>,
+    pub detach: Vec<Detach>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Detach {
+    pub index: u32,
+    pub envs: Vec<Env>,
+}
+
+impl Report {
+    pub fn is_empty(&self) -> bool {
+        self.terminate.is_empty() && self.detach.is_empty()
+    }
+
+    /// One report per survey, from every finding's actions.
+    pub fn build(surveys: &[Survey<'_>], findings: &[Finding]) -> Vec<Report> {
+        surveys
+            .iter()
+            .enumerate()
+            .map(|(host, survey)| Self::build_one(host, survey, findings))
+            .collect()
+    }
+
+    fn build_one(host: usize, survey: &Survey<'_>, findings: &[Finding]) -> Report {
+        let snapshot = survey.snapshot;
+        let mut pids: Vec<u32> = Vec::new();
+        let mut detach: Vec<(u32, Vec<&str>)> = Vec::new();
+        for action in findings.iter().flat_map(|f| &f.actions) {
+            match action {
+                Action::Terminate { host: h, pid } if *h == host => pids.push(*pid),
+                Action::Detach {
+                    host: h,
+                    index,
+                    eids,
+                } if *h == host => {
+                    let slot = match detach.iter().position(|(i, _)| i == index) {
+                        Some(slot) => slot,
+                        None => {
+                            detach.push((*index, Vec::new()));
+                            detach.len() - 1
+                        }
+                    };
+                    for eid in eids {
+                        detach[slot].1.push(eid);
+                        pids.extend(
+                            snapshot
+                                .processes
+                                .iter()
+                                .filter(|p| {
+                                    p.eid.as_deref() == Some(eid.as_str()) && p.is_on(*index)
+                                })
+                                .map(|p| p.pid),
+                        );
+                    }
+                }
+                _ => {}
+            }
+        }
+        let envs = snapshot.envs.as_deref().unwrap_or_default();
+        Report {
+            terminate: snapshot
+                .processes
+                .iter()
+                .filter(|p| pids.contains(&p.pid))
+                .cloned()
+                .collect(),
+            detach: detach
+                .into_iter()
+                .map(|(index, eids)| Detach {
+                    index,
+                    envs: envs
+                        .iter()
+                        .filter(|e| eids.contains(&e.eid.as_str()))
+                        .cloned()
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The JSON `genv usage execute` reads on stdin.
+    pub fn to_genv_json(&self) -> String {
+        use crate::snapshot::wire_process;
+        let detach: serde_json::Map<String, Value> = self
+            .detach
+            .iter()
+            .map(|d| (d.index.to_string(), serde_json::json!({ "envs": d.envs })))
+            .collect();
+        let value = serde_json::json!({
+            "terminate": {"processes": self.terminate.iter().map(wire_process).collect::<Vec<_>>()},
+            "detach": detach,
+        });
+        crate::state::to_python_json(&value).expect("a report serializes")
+    }
+
+    /// Reads a report as genv's `remote enforce` sends it to `usage execute`.
+    pub fn from_genv_json(text: &str) -> Result<Self, WireError> {
+        let document: Value = serde_json::from_str(text)?;
+        let shape = |path: &str, message: &str| ShapeError {
+            path: path.to_owned(),
+            message: message.to_owned(),
+        };
+        let terminate = document
+            .get("terminate")
+            .and_then(|t| t.get("processes"))
+            .and_then(Value::as_array)
+            .ok_or_else(|| shape("terminate.processes", "expected a list"))?;
+        let terminate = terminate
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                crate::snapshot::parse_wire_process(p, &format!("terminate.processes[{i}]"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let detach = document
+            .get("detach")
+            .and_then(Value::as_object)
+            .ok_or_else(|| shape("detach", "expected an object keyed by device index"))?;
+        let detach = detach
+            .iter()
+            .map(|(index, envs)| {
+                let index = index
+                    .parse()
+                    .map_err(|_| shape(&format!("detach[{index:?}]"), "not a device index"))?;
+                Ok(Detach {
+                    index,
+                    envs: model::parse_envs(envs)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ShapeError>>()?;
+        Ok(Self { terminate, detach })
+    }
+}

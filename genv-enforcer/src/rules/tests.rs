@@ -1,0 +1,237 @@
+//! Rule tests on JSON snapshots in genv's `usage snapshot` format; no system access.
+
+use std::collections::HashMap;
+
+use super::*;
+use crate::report::Report;
+use crate::snapshot::Snapshot;
+
+/// The observed reference run of shared/genv-compat.md, as genv would snapshot it.
+const REFERENCE: &str = r#"{
+  "processes": {"processes": [
+    {"pid": 21372, "used_gpu_memory": [{"index": 0, "gpu_memory": "2000mi"}], "eid": "21364"},
+    {"pid": 21375, "used_gpu_memory": [{"index": 1, "gpu_memory": "100mi"}], "eid": null}]},
+  "envs": {"envs": [{"eid": "21364", "uid": 0, "creation": "22/11/2026 02:28:47", "username": "root",
+    "config": {"name": null, "gpu_memory": "1g", "gpus": 2}, "pids": [21364], "kernel_ids": []}]},
+  "devices": {"devices": [
+    {"index": 0, "total_memory": "16384mi", "attachments": [{"eid": "21364", "gpu_memory": "1g", "time": "22/11/2026 02:28:47"}]},
+    {"index": 1, "total_memory": "16384mi", "attachments": [{"eid": "21364", "gpu_memory": "1g", "time": "22/11/2026 02:28:47"}]}]}
+}"#;
+
+fn run(json: &str, rules: &Rules) -> (Vec<String>, Report) {
+    let snapshot = Snapshot::from_genv_json(json).unwrap();
+    let surveys = [Survey {
+        hostname: None,
+        snapshot: &snapshot,
+    }];
+    let findings = check(&surveys, rules);
+    let lines = findings.iter().map(|f| f.line(&[None])).collect();
+    (lines, Report::build(&surveys, &findings).remove(0))
+}
+
+fn limit(default: u32, per_user: &[(&str, u32)]) -> Option<DeviceLimit> {
+    Some(DeviceLimit {
+        default,
+        per_user: per_user
+            .iter()
+            .map(|(u, n)| (u.to_string(), *n))
+            .collect::<HashMap<_, _>>(),
+    })
+}
+
+fn pids(report: &Report) -> Vec<u32> {
+    report.terminate.iter().map(|p| p.pid).collect()
+}
+
+#[test]
+fn reference_run_gives_genvs_lines_and_report() {
+    let rules = Rules {
+        non_env_processes: true,
+        max_devices_per_user: limit(1, &[]),
+        ..Rules::default()
+    };
+    let (lines, report) = run(REFERENCE, &rules);
+    assert_eq!(
+        lines,
+        [
+            "Process 21375 is not running in a GPU environment",
+            "Environment 21364 is using 2097m on device 0 which is 1097m over its capacity of 1g",
+            "User root is using 2 devices which is 1 more than the maximum allowed",
+        ]
+    );
+    assert_eq!(pids(&report), [21372, 21375]);
+    assert_eq!(report.detach.len(), 1);
+    assert_eq!(
+        (
+            report.detach[0].index,
+            report.detach[0].envs[0].eid.as_str()
+        ),
+        (0, "21364")
+    );
+}
+
+#[test]
+fn defaults_leave_non_env_processes_alone() {
+    let (lines, report) = run(REFERENCE, &Rules::default());
+    assert_eq!(lines.len(), 1, "only the memory rule: {lines:?}");
+    assert_eq!(pids(&report), [21372]);
+}
+
+const MEMORY: &str = r#"{
+  "processes": {"processes": [
+    {"pid": 30, "used_gpu_memory": [{"index": 0, "gpu_memory": "600mi"}, {"index": 1, "gpu_memory": "5000mi"}], "eid": "e"},
+    {"pid": 31, "used_gpu_memory": [{"index": 0, "gpu_memory": "600mi"}], "eid": "e"},
+    {"pid": 32, "used_gpu_memory": [{"index": 0, "gpu_memory": "600mi"}], "eid": "e"},
+    {"pid": 33, "used_gpu_memory": [{"index": 0, "gpu_memory": "600mi"}], "eid": "other"}]},
+  "envs": {"envs": [
+    {"eid": "e", "uid": 1000, "creation": "x", "username": "alice", "config": {"name": null, "gpu_memory": "1gi", "gpus": null}, "pids": [1], "kernel_ids": []},
+    {"eid": "other", "uid": 1001, "creation": "x", "username": "bob", "config": {"name": null, "gpu_memory": null, "gpus": null}, "pids": [1], "kernel_ids": []}]},
+  "devices": {"devices": [
+    {"index": 0, "total_memory": "16384mi", "attachments": [{"eid": "e", "gpu_memory": null, "time": "x"}, {"eid": "other", "gpu_memory": null, "time": "x"}]},
+    {"index": 1, "total_memory": "16384mi", "attachments": []}]}
+}"#;
+
+#[test]
+fn memory_rule_is_greedy_in_snapshot_order_and_counts_the_device_only() {
+    let rules = Rules {
+        env_devices: false,
+        ..Rules::default()
+    };
+    let (lines, report) = run(MEMORY, &rules);
+    // 1800 MiB on device 0 against 1 GiB: 776 MiB over; 30 frees 600, 31 covers the rest.
+    assert_eq!(
+        lines,
+        ["Environment e is using 1887m on device 0 which is 813m over its capacity of 1gi"]
+    );
+    assert_eq!(pids(&report), [30, 31]);
+}
+
+#[test]
+fn env_devices_names_each_non_attached_device() {
+    let (lines, report) = run(
+        MEMORY,
+        &Rules {
+            env_memory: false,
+            ..Rules::default()
+        },
+    );
+    assert_eq!(
+        lines,
+        ["Process 30 from environment e is using non-attached GPU(s) 1"]
+    );
+    assert_eq!(pids(&report), [30]);
+}
+
+#[test]
+fn per_user_override_and_detach_terminates_processes_on_that_device() {
+    let rules = Rules {
+        env_devices: false,
+        env_memory: false,
+        max_devices_per_user: limit(5, &[("bob", 0)]),
+        ..Rules::default()
+    };
+    let (lines, report) = run(MEMORY, &rules);
+    assert_eq!(
+        lines,
+        ["User bob is using 1 devices which is 1 more than the maximum allowed"]
+    );
+    assert_eq!(report.detach[0].envs[0].username.as_deref(), Some("bob"));
+    assert_eq!(pids(&report), [33]);
+}
+
+#[test]
+fn rules_needing_state_do_nothing_without_it() {
+    let mut snapshot = Snapshot::from_genv_json(MEMORY).unwrap();
+    snapshot.devices = None;
+    let surveys = [Survey {
+        hostname: None,
+        snapshot: &snapshot,
+    }];
+    let rules = Rules {
+        max_devices_per_user: limit(0, &[]),
+        ..Rules::default()
+    };
+    assert!(check(&surveys, &rules).is_empty());
+    snapshot.memory_known = false;
+    snapshot.devices = Snapshot::from_genv_json(MEMORY).unwrap().devices;
+    let surveys = [Survey {
+        hostname: None,
+        snapshot: &snapshot,
+    }];
+    let lines: Vec<String> = check(&surveys, &Rules::default())
+        .iter()
+        .map(|f| f.line(&[None]))
+        .collect();
+    assert_eq!(
+        lines,
+        ["Process 30 from environment e is using non-attached GPU(s) 1"]
+    );
+}
+
+#[test]
+fn several_hosts_prefix_their_lines_and_count_users_across_hosts() {
+    let a = Snapshot::from_genv_json(REFERENCE).unwrap();
+    let b = Snapshot::from_genv_json(REFERENCE).unwrap();
+    let surveys = [
+        Survey {
+            hostname: Some("h1"),
+            snapshot: &a,
+        },
+        Survey {
+            hostname: Some("h2"),
+            snapshot: &b,
+        },
+    ];
+    let rules = Rules {
+        non_env_processes: true,
+        env_memory: false,
+        max_devices_per_user: limit(1, &[]),
+        ..Rules::default()
+    };
+    let findings = check(&surveys, &rules);
+    let lines: Vec<String> = findings
+        .iter()
+        .map(|f| f.line(&[Some("h1"), Some("h2")]))
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "[h1] Process 21375 is not running in a GPU environment",
+            "[h2] Process 21375 is not running in a GPU environment",
+            "User root is using 4 devices on 2 hosts which is 3 more than the maximum allowed",
+        ]
+    );
+    let reports = Report::build(&surveys, &findings);
+    assert_eq!(
+        reports[0]
+            .detach
+            .iter()
+            .map(|d| d.index)
+            .collect::<Vec<_>>(),
+        [0, 1]
+    );
+    assert_eq!(
+        reports[1]
+            .detach
+            .iter()
+            .map(|d| d.index)
+            .collect::<Vec<_>>(),
+        [0]
+    );
+}
+
+#[test]
+fn report_round_trips_through_genvs_json() {
+    let rules = Rules {
+        non_env_processes: true,
+        max_devices_per_user: limit(1, &[]),
+        ..Rules::default()
+    };
+    let (_, report) = run(REFERENCE, &rules);
+    let text = report.to_genv_json();
+    assert!(
+        text.starts_with("{\n  \"terminate\": {\n    \"processes\": [\n"),
+        "{text}"
+    );
+    assert_eq!(Report::from_genv_json(&text).unwrap().to_genv_json(), text);
+}

@@ -1,0 +1,55 @@
+//! genv's state: `envs.json`, `devices.json` and the global lock under `$GENV_TMPDIR`.
+//!
+//! Reading follows genv (both shapes, cleanup of inactive environments); the only write
+//! is a detach, made as genv makes it. A file that cannot be read or parsed is reported
+//! with its path and the offending field, and is never written.
+
+mod dir;
+mod json;
+mod lock;
+pub mod memory;
+pub mod model;
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+pub use dir::{DEFAULT_DIR, StateDir};
+pub use json::to_python_json;
+pub use lock::GlobalLock;
+pub use memory::MemorySpec;
+pub use model::{Attachment, Device, Env, EnvConfig};
+
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {kind}", path.display())]
+pub struct StateError {
+    pub path: PathBuf,
+    pub kind: StateErrorKind,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateErrorKind {
+    /// The file exists but could not be read (permissions, I/O).
+    #[error("cannot read: {0}")]
+    Read(#[source] io::Error),
+    /// The file is empty (genv never writes an empty state file).
+    #[error("file is empty")]
+    Empty,
+    /// Not JSON, or truncated.
+    #[error("not valid JSON: {0}")]
+    Syntax(#[source] serde_json::Error),
+    /// JSON, but not in genv's shape.
+    #[error("{0}")]
+    Shape(#[source] model::ShapeError),
+    /// Writing the file back failed.
+    #[error("cannot write: {0}")]
+    Write(#[source] io::Error),
+}
+
+impl StateError {
+    fn new(path: &Path, kind: StateErrorKind) -> Self {
+        Self {
+            path: path.to_owned(),
+            kind,
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! The contents of genv's state files, in both the current and the legacy shapes.
+//!
+//! Field order in the records is genv's dataclass order: `usage snapshot` and
+//! `devices.json` are written in it, byte for byte as genv writes them.
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::Value;
+
+use super::memory::MemorySpec;
+
+/// An environment from `envs.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Env {
+    pub eid: String,
+    pub uid: u32,
+    /// `%d/%m/%Y %H:%M:%S`; unused by the rules, kept to write it back unchanged.
+    #[serde(default)]
+    pub creation: Option<String>,
+    #[serde(default)]
+    pub username: Option<String>,
+    #[serde(default)]
+    pub config: EnvConfig,
+    /// The activating shells, not every member process.
+    #[serde(default)]
+    pub pids: Vec<i32>,
+    #[serde(default)]
+    pub kernel_ids: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EnvConfig {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub gpu_memory: Option<MemorySpec>,
+    #[serde(default)]
+    pub gpus: Option<u32>,
+}
+
+/// A device from `devices.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Device {
+    /// The NVML index (PCI bus order), not the `/dev/nvidiaN` minor number.
+    pub index: u32,
+    pub total_memory: String,
+    #[serde(default)]
+    pub attachments: Vec<Attachment>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Attachment {
+    pub eid: String,
+    #[serde(default)]
+    pub gpu_memory: Option<String>,
+    pub time: String,
+}
+
+impl Device {
+    pub fn is_attached_to(&self, eid: &str) -> bool {
+        self.attachments.iter().any(|a| a.eid == eid)
+    }
+}
+
+impl Serialize for MemorySpec {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for MemorySpec {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        MemorySpec::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Where in a state file a value did not fit, and why.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{path}: {message}")]
+pub struct ShapeError {
+    /// A JSON path such as `envs[2].config.gpu_memory`.
+    pub path: String,
+    pub message: String,
+}
+
+fn shape_error(path: impl Into<String>, message: impl Into<String>) -> ShapeError {
+    ShapeError {
+        path: path.into(),
+        message: message.into(),
+    }
+}
+
+/// Deserializes `value`, reporting the exact field that failed under `prefix`.
+fn decode<T: serde::de::DeserializeOwned>(value: &Value, prefix: &str) -> Result<T, ShapeError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let inner = e.path().to_string();
+        let path = if inner == "." {
+            prefix.to_owned()
+        } else {
+            format!("{prefix}.{inner}")
+        };
+        shape_error(path, e.inner().to_string())
+    })
+}
+
+/// The top-level collection of a state file: a list (current) or an object keyed by id
+/// (legacy: `envs.json` of genv <= 0.9.0, `devices.json` of genv <= 0.8.0).
+fn collection<'a>(document: &'a Value, key: &str) -> Result<Collection<'a>, ShapeError> {
+    let Value::Object(top) = document else {
+        return Err(shape_error(
+            "$",
+            format!("expected an object with key {key:?}"),
+        ));
+    };
+    match top.get(key) {
+        Some(Value::Array(items)) => Ok(Collection::Current(items)),
+        Some(Value::Object(items)) => Ok(Collection::Legacy(items)),
+        Some(_) => Err(shape_error(key, "expected a list (or, legacy, an object)")),
+        None => Err(shape_error("$", format!("missing key {key:?}"))),
+    }
+}
+
+enum Collection<'a> {
+    Current(&'a Vec<Value>),
+    Legacy(&'a serde_json::Map<String, Value>),
+}
+
+pub fn parse_envs(document: &Value) -> Result<Vec<Env>, ShapeError> {
+    match collection(document, "envs")? {
+        Collection::Current(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| decode(item, &format!("envs[{i}]")))
+            .collect(),
+        // Legacy entries have the same fields as current ones.
+        Collection::Legacy(items) => items
+            .iter()
+            .map(|(eid, item)| decode(item, &format!("envs[{eid:?}]")))
+            .collect(),
+    }
+}
+
+/// A legacy `devices.json` entry: `{"total_memory", "eids": {eid: {"eid", "gpu_memory"?, "attached"}}}`.
+#[derive(Deserialize)]
+struct LegacyDevice {
+    total_memory: String,
+    #[serde(default)]
+    eids: serde_json::Map<String, Value>,
+}
+
+#[derive(Deserialize)]
+struct LegacyAttachment {
+    eid: String,
+    #[serde(default)]
+    gpu_memory: Option<String>,
+    attached: String,
+}
+
+pub fn parse_devices(document: &Value) -> Result<Vec<Device>, ShapeError> {
+    match collection(document, "devices")? {
+        Collection::Current(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| decode(item, &format!("devices[{i}]")))
+            .collect(),
+        Collection::Legacy(items) => items
+            .iter()
+            .map(|(key, item)| {
+                let prefix = format!("devices[{key:?}]");
+                let index = key
+                    .parse::<u32>()
+                    .map_err(|_| shape_error(&prefix, "legacy device key is not an index"))?;
+                let legacy: LegacyDevice = decode(item, &prefix)?;
+                let attachments = legacy
+                    .eids
+                    .iter()
+                    .map(|(eid, value)| {
+                        let a: LegacyAttachment =
+                            decode(value, &format!("{prefix}.eids[{eid:?}]"))?;
+                        Ok(Attachment {
+                            eid: a.eid,
+                            gpu_memory: a.gpu_memory,
+                            time: a.attached,
+                        })
+                    })
+                    .collect::<Result<_, ShapeError>>()?;
+                Ok(Device {
+                    index,
+                    total_memory: legacy.total_memory,
+                    attachments,
+                })
+            })
+            .collect(),
+    }
+}
+
+/// Both files must agree on identity: two records with one key would make every rule
+/// ambiguous, so they are refused rather than guessed at.
+pub fn check_unique(keys: impl Iterator<Item = String>, what: &str) -> Result<(), ShapeError> {
+    let mut seen = std::collections::HashSet::new();
+    for key in keys {
+        if !seen.insert(key.clone()) {
+            return Err(shape_error(what, format!("duplicate entry {key}")));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn reads_current_envs() {
+        let envs = parse_envs(&json!({"envs": [{"eid": "21210", "uid": 0,
+            "creation": "22/11/2026 02:28:47", "username": "root",
+            "config": {"name": "mem-env", "gpu_memory": "2g", "gpus": 1},
+            "pids": [21210], "kernel_ids": []}]}))
+        .unwrap();
+        assert_eq!(envs[0].eid, "21210");
+        assert_eq!(
+            envs[0].config.gpu_memory.as_ref().unwrap().bytes(),
+            2_000_000_000
+        );
+        assert_eq!(envs[0].pids, vec![21210]);
+    }
+
+    #[test]
+    fn reads_legacy_envs() {
+        let envs = parse_envs(&json!({"envs": {"7": {"eid": "7", "uid": 1000,
+            "creation": "01/01/2022 00:00:00", "username": null,
+            "config": {"name": null, "gpu_memory": null, "gpus": null},
+            "pids": [7], "kernel_ids": []}}}))
+        .unwrap();
+        assert_eq!(envs[0].eid, "7");
+        assert_eq!(envs[0].username, None);
+    }
+
+    #[test]
+    fn reads_legacy_devices() {
+        let devices = parse_devices(&json!({"devices": {"1": {"total_memory": "16384mi",
+            "eids": {"7": {"eid": "7", "gpu_memory": "1g", "attached": "01/01/2022 00:00:00"}}}}}))
+        .unwrap();
+        assert_eq!(devices[0].index, 1);
+        assert_eq!(devices[0].attachments[0].eid, "7");
+        assert_eq!(devices[0].attachments[0].time, "01/01/2022 00:00:00");
+    }
+
+    #[test]
+    fn names_the_field_that_has_the_wrong_type() {
+        let err = parse_envs(&json!({"envs": [{"eid": 5, "uid": 0}]})).unwrap_err();
+        assert_eq!(err.path, "envs[0].eid");
+        let err = parse_envs(&json!({"envs": [{"eid": "a", "uid": 0,
+            "config": {"gpu_memory": "lots"}}]}))
+        .unwrap_err();
+        assert_eq!(err.path, "envs[0].config.gpu_memory");
+        let err =
+            parse_devices(&json!({"devices": [{"index": "0", "total_memory": "1g"}]})).unwrap_err();
+        assert_eq!(err.path, "devices[0].index");
+        assert_eq!(
+            parse_devices(&json!({"devices": 3})).unwrap_err().path,
+            "devices"
+        );
+        assert_eq!(parse_envs(&json!([])).unwrap_err().path, "$");
+    }
+}

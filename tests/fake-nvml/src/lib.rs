@@ -1,0 +1,398 @@
+//! A stand-in for `libnvidia-ml.so` on machines without an NVIDIA GPU.
+//!
+//! The enforcer loads this library exactly as it loads the real NVML (through its
+//! configurable library path), so everything above the C ABI runs unchanged in tests.
+//!
+//! # Configuration
+//!
+//! `GENV_FAKE_NVML_CONFIG` names a JSON file, re-read whenever it changes (tests replace
+//! it atomically while the enforcer runs):
+//!
+//! ```json
+//! {
+//!   "devices": [{"uuid": "GPU-aaaa", "minor": 3, "total_memory": 17179869184}],
+//!   "processes": [{"pid": 1234, "gpu": 0, "used_memory": 1048576}],
+//!   "fail": {"nvmlDeviceGetComputeRunningProcesses_v3": 999}
+//! }
+//! ```
+//!
+//! - `devices` are listed in NVML index order; `minor` is the `/dev/nvidiaN` minor number.
+//! - `processes` holds compute contexts; `gpu` is the NVML index, `used_memory` is in bytes
+//!   (`null` reports NVML's "not available"). Like the real driver, a context disappears
+//!   when its process exits: pids that are gone or zombies are not reported.
+//! - `fail` makes the named entry point return the given `nvmlReturn_t` code.
+//!
+//! A missing or unparsable configuration makes `nvmlInit` fail with
+//! `NVML_ERROR_DRIVER_NOT_LOADED`, as on a machine whose driver is not loaded.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_uint, c_ulonglong};
+use std::os::unix::fs::MetadataExt;
+use std::sync::{Arc, Mutex};
+
+use serde::Deserialize;
+
+type NvmlReturn = c_uint;
+const SUCCESS: NvmlReturn = 0;
+const ERROR_UNINITIALIZED: NvmlReturn = 1;
+const ERROR_INVALID_ARGUMENT: NvmlReturn = 2;
+const ERROR_INSUFFICIENT_SIZE: NvmlReturn = 7;
+const ERROR_DRIVER_NOT_LOADED: NvmlReturn = 9;
+const VALUE_NOT_AVAILABLE: c_ulonglong = u64::MAX;
+
+/// `nvmlDevice_t` is an opaque pointer; ours encodes `index + 1` so that null stays invalid.
+type DeviceHandle = *mut std::ffi::c_void;
+
+#[derive(Deserialize)]
+struct Config {
+    #[serde(default)]
+    devices: Vec<DeviceConfig>,
+    #[serde(default)]
+    processes: Vec<ProcessConfig>,
+    #[serde(default)]
+    fail: HashMap<String, NvmlReturn>,
+}
+
+#[derive(Deserialize)]
+struct DeviceConfig {
+    uuid: String,
+    minor: u32,
+    total_memory: u64,
+    #[serde(default = "default_name")]
+    name: String,
+}
+
+fn default_name() -> String {
+    "Fake NVIDIA GPU".to_owned()
+}
+
+#[derive(Deserialize)]
+struct ProcessConfig {
+    pid: u32,
+    gpu: u32,
+    used_memory: Option<u64>,
+}
+
+/// Identity of the configuration file last parsed, so an unchanged file is not re-read.
+type FileStamp = (u64, u64, i64, i64, u64);
+
+struct State {
+    initialized: u32,
+    stamp: Option<FileStamp>,
+    config: Option<Arc<Config>>,
+}
+
+static STATE: Mutex<State> = Mutex::new(State {
+    initialized: 0,
+    stamp: None,
+    config: None,
+});
+
+fn config_path() -> Option<String> {
+    std::env::var("GENV_FAKE_NVML_CONFIG").ok()
+}
+
+/// Returns the current configuration, re-reading the file when its identity changed.
+fn load(state: &mut State) -> Option<Arc<Config>> {
+    let path = config_path()?;
+    let meta = std::fs::metadata(&path).ok()?;
+    let stamp = (
+        meta.dev(),
+        meta.ino(),
+        meta.mtime(),
+        meta.mtime_nsec(),
+        meta.size(),
+    );
+    if state.stamp != Some(stamp) || state.config.is_none() {
+        let text = std::fs::read_to_string(&path).ok()?;
+        let config: Config = serde_json::from_str(&text).ok()?;
+        state.config = Some(Arc::new(config));
+        state.stamp = Some(stamp);
+    }
+    state.config.clone()
+}
+
+/// Runs `body` with the current configuration, applying `fail` injection for `name`.
+fn with_config(name: &str, body: impl FnOnce(&Config) -> NvmlReturn) -> NvmlReturn {
+    let config = {
+        let mut state = STATE.lock().unwrap_or_else(|e| e.into_inner());
+        if state.initialized == 0 {
+            return ERROR_UNINITIALIZED;
+        }
+        match load(&mut state) {
+            Some(config) => config,
+            None => return ERROR_DRIVER_NOT_LOADED,
+        }
+    };
+    if let Some(code) = config.fail.get(name) {
+        return *code;
+    }
+    body(&config)
+}
+
+fn device(config: &Config, handle: DeviceHandle) -> Option<(u32, &DeviceConfig)> {
+    let index = (handle as usize).checked_sub(1)?;
+    config
+        .devices
+        .get(index)
+        .map(|device| (index as u32, device))
+}
+
+/// A process still owns its GPU context while it exists and is not a zombie.
+fn context_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => match stat.rfind(')') {
+            Some(end) => !matches!(stat[end + 1..].trim_start().chars().next(), Some('Z' | 'X')),
+            None => false,
+        },
+        Err(_) => false,
+    }
+}
+
+/// Copies `text` NUL-terminated into a caller buffer of `length` bytes.
+///
+/// # Safety
+/// `out` must be valid for `length` bytes.
+unsafe fn write_c_string(text: &str, out: *mut c_char, length: c_uint) -> NvmlReturn {
+    if out.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    let bytes = text.as_bytes();
+    if bytes.len() + 1 > length as usize {
+        return ERROR_INSUFFICIENT_SIZE;
+    }
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr().cast::<c_char>(), out, bytes.len());
+        *out.add(bytes.len()) = 0;
+    }
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInit_v2() -> NvmlReturn {
+    nvmlInitWithFlags(0)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> NvmlReturn {
+    let mut state = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(config) = load(&mut state) else {
+        return ERROR_DRIVER_NOT_LOADED;
+    };
+    if let Some(code) = config.fail.get("nvmlInit_v2") {
+        return *code;
+    }
+    state.initialized += 1;
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlShutdown() -> NvmlReturn {
+    let mut state = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    if state.initialized == 0 {
+        return ERROR_UNINITIALIZED;
+    }
+    state.initialized -= 1;
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlErrorString(result: NvmlReturn) -> *const c_char {
+    let text: &'static [u8] = match result {
+        SUCCESS => b"Success\0",
+        ERROR_UNINITIALIZED => b"Uninitialized\0",
+        ERROR_INVALID_ARGUMENT => b"Invalid Argument\0",
+        ERROR_INSUFFICIENT_SIZE => b"Insufficient Size\0",
+        ERROR_DRIVER_NOT_LOADED => b"Driver Not Loaded\0",
+        _ => b"Unknown Error (fake NVML)\0",
+    };
+    text.as_ptr().cast()
+}
+
+/// # Safety
+/// `count` must be a valid pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> NvmlReturn {
+    with_config("nvmlDeviceGetCount_v2", |config| {
+        if count.is_null() {
+            return ERROR_INVALID_ARGUMENT;
+        }
+        unsafe { *count = config.devices.len() as c_uint };
+        SUCCESS
+    })
+}
+
+/// # Safety
+/// `handle` must be a valid pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
+    index: c_uint,
+    handle: *mut DeviceHandle,
+) -> NvmlReturn {
+    with_config("nvmlDeviceGetHandleByIndex_v2", |config| {
+        if handle.is_null() || index as usize >= config.devices.len() {
+            return ERROR_INVALID_ARGUMENT;
+        }
+        unsafe { *handle = (index as usize + 1) as DeviceHandle };
+        SUCCESS
+    })
+}
+
+/// # Safety
+/// `index` must be a valid pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetIndex(
+    handle: DeviceHandle,
+    index: *mut c_uint,
+) -> NvmlReturn {
+    with_config("nvmlDeviceGetIndex", |config| {
+        match device(config, handle) {
+            Some((i, _)) if !index.is_null() => {
+                unsafe { *index = i };
+                SUCCESS
+            }
+            _ => ERROR_INVALID_ARGUMENT,
+        }
+    })
+}
+
+/// # Safety
+/// `name` must be valid for `length` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetName(
+    handle: DeviceHandle,
+    name: *mut c_char,
+    length: c_uint,
+) -> NvmlReturn {
+    with_config("nvmlDeviceGetName", |config| match device(config, handle) {
+        Some((_, d)) => unsafe { write_c_string(&d.name, name, length) },
+        None => ERROR_INVALID_ARGUMENT,
+    })
+}
+
+/// # Safety
+/// `uuid` must be valid for `length` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetUUID(
+    handle: DeviceHandle,
+    uuid: *mut c_char,
+    length: c_uint,
+) -> NvmlReturn {
+    with_config("nvmlDeviceGetUUID", |config| match device(config, handle) {
+        Some((_, d)) => unsafe { write_c_string(&d.uuid, uuid, length) },
+        None => ERROR_INVALID_ARGUMENT,
+    })
+}
+
+/// # Safety
+/// `minor` must be a valid pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(
+    handle: DeviceHandle,
+    minor: *mut c_uint,
+) -> NvmlReturn {
+    with_config("nvmlDeviceGetMinorNumber", |config| {
+        match device(config, handle) {
+            Some((_, d)) if !minor.is_null() => {
+                unsafe { *minor = d.minor };
+                SUCCESS
+            }
+            _ => ERROR_INVALID_ARGUMENT,
+        }
+    })
+}
+
+/// NVML's `nvmlMemory_v2_t`.
+#[repr(C)]
+pub struct MemoryV2 {
+    version: c_uint,
+    total: c_ulonglong,
+    reserved: c_ulonglong,
+    free: c_ulonglong,
+    used: c_ulonglong,
+}
+
+/// # Safety
+/// `memory` must be a valid pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    handle: DeviceHandle,
+    memory: *mut MemoryV2,
+) -> NvmlReturn {
+    with_config("nvmlDeviceGetMemoryInfo_v2", |config| {
+        let Some((index, d)) = device(config, handle) else {
+            return ERROR_INVALID_ARGUMENT;
+        };
+        if memory.is_null() {
+            return ERROR_INVALID_ARGUMENT;
+        }
+        let used: u64 = live_processes(config, index)
+            .filter_map(|p| p.used_memory)
+            .sum::<u64>()
+            .min(d.total_memory);
+        unsafe {
+            (*memory).total = d.total_memory;
+            (*memory).reserved = 0;
+            (*memory).used = used;
+            (*memory).free = d.total_memory - used;
+        }
+        SUCCESS
+    })
+}
+
+/// NVML's `nvmlProcessInfo_t` (v2 layout, used by the `_v3` entry point).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ProcessInfo {
+    pid: c_uint,
+    used_gpu_memory: c_ulonglong,
+    gpu_instance_id: c_uint,
+    compute_instance_id: c_uint,
+}
+
+fn live_processes(config: &Config, index: u32) -> impl Iterator<Item = &ProcessConfig> {
+    config
+        .processes
+        .iter()
+        .filter(move |p| p.gpu == index && context_alive(p.pid))
+}
+
+/// Follows NVML's contract: with too small a buffer (or none), report the count and
+/// `NVML_ERROR_INSUFFICIENT_SIZE`.
+///
+/// # Safety
+/// `count` must be a valid pointer; `infos` valid for `*count` entries when not null.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    handle: DeviceHandle,
+    count: *mut c_uint,
+    infos: *mut ProcessInfo,
+) -> NvmlReturn {
+    with_config("nvmlDeviceGetComputeRunningProcesses_v3", |config| {
+        let Some((index, _)) = device(config, handle) else {
+            return ERROR_INVALID_ARGUMENT;
+        };
+        if count.is_null() {
+            return ERROR_INVALID_ARGUMENT;
+        }
+        let found: Vec<ProcessInfo> = live_processes(config, index)
+            .map(|p| ProcessInfo {
+                pid: p.pid,
+                used_gpu_memory: p.used_memory.unwrap_or(VALUE_NOT_AVAILABLE),
+                gpu_instance_id: u32::MAX,
+                compute_instance_id: u32::MAX,
+            })
+            .collect();
+        let capacity = unsafe { *count } as usize;
+        unsafe { *count = found.len() as c_uint };
+        if infos.is_null() || capacity < found.len() {
+            return if found.is_empty() {
+                SUCCESS
+            } else {
+                ERROR_INSUFFICIENT_SIZE
+            };
+        }
+        unsafe { std::ptr::copy_nonoverlapping(found.as_ptr(), infos, found.len()) };
+        SUCCESS
+    })
+}
