@@ -1,1 +1,442 @@
+//! The test harness: a simulated GPU node on a machine without a GPU.
+//!
+//! A [`Node`] is a private genv state directory plus a fake-NVML configuration that lists
+//! real processes (the `gpu-process` helper) as compute contexts. The enforcer runs as
+//! its real binary against it, loading the fake NVML through `--nvml-lib`'s environment
+//! variable, exactly as it loads the real library. [`Genv`] runs the real genv 1.4.3
+//! (installed from PyPI into a private venv) against the same node, through a mock
+//! `nvidia-smi` that reads the same configuration.
 
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+pub const MIB: u64 = 1024 * 1024;
+
+/// `target/debug` (or whichever profile built this test).
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current test executable");
+    let dir = exe.parent().expect("deps dir");
+    let dir = if dir.ends_with("deps") {
+        dir.parent().unwrap()
+    } else {
+        dir
+    };
+    dir.to_owned()
+}
+
+/// A workspace artefact; built by `cargo build --workspace` (which `cargo xtask test` runs).
+pub fn artefact(name: &str) -> PathBuf {
+    let path = target_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --workspace` first (`cargo xtask test` does)",
+        path.display()
+    );
+    path
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+/// A simulated GPU node.
+pub struct Node {
+    pub dir: PathBuf,
+    pub state: PathBuf,
+    config: PathBuf,
+    gpus: Vec<Value>,
+    contexts: Vec<Value>,
+    children: HashMap<u32, Child>,
+}
+
+impl Node {
+    /// A node with `gpus` GPUs of 16 GiB. Minor numbers are deliberately not the indices.
+    pub fn new(gpus: u32) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "genv-enforcer-test-{}-{}",
+            std::process::id(),
+            unique()
+        ));
+        let state = dir.join("genv");
+        std::fs::create_dir_all(&state).unwrap();
+        let mut node = Self {
+            config: dir.join("nvml.json"),
+            dir,
+            state,
+            gpus: (0..gpus)
+                .map(|i| json!({"uuid": format!("GPU-fake-{i}"), "minor": 7 - i, "total_memory": 16384 * MIB}))
+                .collect(),
+            contexts: Vec::new(),
+            children: HashMap::new(),
+        };
+        node.write_config();
+        node
+    }
+
+    pub fn config_path(&self) -> &Path {
+        &self.config
+    }
+
+    /// Replaces the fake NVML configuration atomically (the library re-reads it).
+    fn write_config(&mut self) {
+        self.write_nvml(json!({"devices": self.gpus, "processes": self.contexts}));
+    }
+
+    /// Writes a raw fake-NVML configuration (for failure injection).
+    pub fn write_nvml(&self, config: Value) {
+        let tmp = self.config.with_extension("tmp");
+        std::fs::write(&tmp, config.to_string()).unwrap();
+        std::fs::rename(&tmp, &self.config).unwrap();
+    }
+
+    /// Writes genv's state files as genv writes them.
+    pub fn write_state(&self, envs: Value, devices: Value) {
+        self.write_file(
+            "envs.json",
+            &serde_json::to_string_pretty(&json!({"envs": envs})).unwrap(),
+        );
+        self.write_file(
+            "devices.json",
+            &serde_json::to_string_pretty(&json!({"devices": devices})).unwrap(),
+        );
+    }
+
+    pub fn write_file(&self, name: &str, text: &str) {
+        std::fs::write(self.state.join(name), text).unwrap();
+    }
+
+    pub fn read_file(&self, name: &str) -> String {
+        std::fs::read_to_string(self.state.join(name)).unwrap()
+    }
+
+    /// Devices attached to `eid`, as `devices.json` says now.
+    pub fn attached(&self, eid: &str) -> Vec<u64> {
+        let devices: Value = serde_json::from_str(&self.read_file("devices.json")).unwrap();
+        devices["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| {
+                d["attachments"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|a| a["eid"] == eid)
+            })
+            .map(|d| d["index"].as_u64().unwrap())
+            .collect()
+    }
+
+    /// Starts a helper process; it is listed on the given GPUs with the given MiB.
+    pub fn spawn(&mut self, eid: Option<&str>, usage: &[(u32, u64)]) -> u32 {
+        self.spawn_with(eid, usage, &[], None)
+    }
+
+    /// Starts a helper process with extra arguments and, optionally, another uid.
+    pub fn spawn_with(
+        &mut self,
+        eid: Option<&str>,
+        usage: &[(u32, u64)],
+        args: &[&str],
+        uid: Option<u32>,
+    ) -> u32 {
+        let mut command = Command::new(artefact("gpu-process"));
+        command
+            .args(args)
+            .stdout(Stdio::piped())
+            .env_remove("GENV_ENVIRONMENT_ID");
+        if let Some(eid) = eid {
+            command.env("GENV_ENVIRONMENT_ID", eid);
+        }
+        if let Some(uid) = uid {
+            std::os::unix::process::CommandExt::uid(&mut command, uid);
+        }
+        let mut child = command.spawn().expect("spawning gpu-process");
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready", "gpu-process did not start");
+        let pid = child.id();
+        for (gpu, mib) in usage {
+            self.contexts
+                .push(json!({"pid": pid, "gpu": gpu, "used_memory": mib * MIB}));
+        }
+        self.children.insert(pid, child);
+        self.write_config();
+        pid
+    }
+
+    /// An environment's activating shell: alive, but not a GPU process.
+    pub fn shell(&mut self) -> u32 {
+        self.spawn(None, &[])
+    }
+
+    /// Whether the process still runs (reaping it if it exited).
+    pub fn alive(&mut self, pid: u32) -> bool {
+        match self.children.get_mut(&pid) {
+            Some(child) => child.try_wait().unwrap().is_none(),
+            None => panic!("{pid} is not a process of this node"),
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit; returns the signal that ended it.
+    pub fn wait_exit(&mut self, pid: u32, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        let child = self.children.get_mut(&pid).expect("a process of this node");
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return Some(std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0));
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The enforcer binary, pointed at this node.
+    pub fn enforcer(&self) -> Command {
+        let mut command = Command::new(artefact("genv-enforcer"));
+        command
+            .env("GENV_TMPDIR", &self.state)
+            .env("GENV_FAKE_NVML_CONFIG", &self.config)
+            .env("GENV_ENFORCER_NVML_LIB", artefact("libnvidia_ml_fake.so"))
+            .env_remove("GENV_TERMINATE_PROCESSES");
+        command
+    }
+
+    /// Runs `genv-enforcer enforce --interval 0 ARGS` and returns its output.
+    pub fn enforce_once(&self, args: &[&str]) -> Run {
+        let output = self
+            .enforcer()
+            .args(["enforce", "--interval", "0"])
+            .args(args)
+            .output()
+            .unwrap();
+        Run::from(output)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for child in self.children.values_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A finished command's output, split into lines.
+#[derive(Debug)]
+pub struct Run {
+    pub success: bool,
+    pub stdout: Vec<String>,
+    pub stderr: String,
+}
+
+impl From<Output> for Run {
+    fn from(output: Output) -> Self {
+        Self {
+            success: output.status.success(),
+            stdout: String::from_utf8_lossy(&output.stdout)
+                .lines()
+                .map(str::to_owned)
+                .collect(),
+            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        }
+    }
+}
+
+impl Run {
+    /// Pids named in `Terminating process N ...` lines.
+    pub fn terminated(&self) -> Vec<u32> {
+        self.stdout
+            .iter()
+            .filter_map(|l| {
+                l.strip_prefix("Terminating process ")?
+                    .split(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    }
+}
+
+/// The real genv 1.4.3, in a private venv under the target directory.
+pub struct Genv {
+    bin: PathBuf,
+    path: String,
+}
+
+impl Genv {
+    /// Installs genv once per target directory (serialised across test binaries).
+    pub fn get() -> &'static Genv {
+        static GENV: OnceLock<Genv> = OnceLock::new();
+        GENV.get_or_init(|| {
+            let venv = target_dir().join("genv-venv");
+            let bin = venv.join("bin/genv");
+            let lock = std::fs::File::create(target_dir().join("genv-venv.lock")).unwrap();
+            rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
+            if !bin.exists() {
+                let ok = |c: &mut Command| assert!(c.status().unwrap().success(), "{c:?} failed");
+                ok(Command::new("python3").args(["-m", "venv"]).arg(&venv));
+                ok(Command::new(venv.join("bin/pip")).args(["install", "-q", "genv==1.4.3"]));
+            }
+            let support = workspace_root().join("tests/support");
+            let path = format!(
+                "{}:{}:{}",
+                support.display(),
+                venv.join("bin").display(),
+                std::env::var("PATH").unwrap_or_default()
+            );
+            Genv { bin, path }
+        })
+    }
+
+    pub fn command(&self, node: &Node) -> Command {
+        let mut command = Command::new(&self.bin);
+        command
+            .env("PATH", &self.path)
+            .env("GENV_TMPDIR", &node.state)
+            .env("GENV_FAKE_NVML_CONFIG", node.config_path())
+            .env("PYTHONUNBUFFERED", "1");
+        command
+    }
+
+    /// Runs a bash script after genv's shell integration, as a genv user would.
+    pub fn bash(&self, node: &Node, script: &str) -> Run {
+        let output = Command::new("bash")
+            .args([
+                "-c",
+                &format!("set -e; eval \"$(genv shell --init)\"; {script}"),
+            ])
+            .env("PATH", &self.path)
+            .env("GENV_TMPDIR", &node.state)
+            .env("GENV_FAKE_NVML_CONFIG", node.config_path())
+            .output()
+            .unwrap();
+        Run::from(output)
+    }
+
+    /// `genv enforce --interval 0 ARGS` with signalling off, so the same processes can
+    /// then face genv-enforcer. State files are restored afterwards (genv detaches).
+    pub fn enforce_dry(&self, node: &Node, args: &[&str]) -> Run {
+        let devices = node.read_file("devices.json");
+        let envs = node.read_file("envs.json");
+        let output = self
+            .command(node)
+            .args(["enforce", "--interval", "0"])
+            .args(args)
+            .env("GENV_TERMINATE_PROCESSES", "0")
+            .output()
+            .unwrap();
+        node.write_file("devices.json", &devices);
+        node.write_file("envs.json", &envs);
+        let run = Run::from(output);
+        assert!(run.success, "genv enforce failed: {}", run.stderr);
+        run
+    }
+}
+
+/// An environment record as genv writes it.
+pub fn env_record(
+    eid: &str,
+    uid: u32,
+    username: &str,
+    gpu_memory: Option<&str>,
+    shell: u32,
+) -> Value {
+    json!({"eid": eid, "uid": uid, "creation": "22/11/2026 02:28:47", "username": username,
+           "config": {"name": null, "gpu_memory": gpu_memory, "gpus": null},
+           "pids": [shell], "kernel_ids": []})
+}
+
+/// A device record with the given environments attached.
+pub fn device_record(index: u32, eids: &[&str]) -> Value {
+    json!({"index": index, "total_memory": "16384mi",
+           "attachments": eids.iter().map(|e| json!({"eid": e, "gpu_memory": null, "time": "22/11/2026 02:28:47"})).collect::<Vec<_>>()})
+}
+
+/// A running `genv-enforcer enforce` daemon, stopped (SIGTERM) and reaped on drop.
+pub struct Daemon {
+    child: Child,
+    pub output: std::sync::mpsc::Receiver<String>,
+}
+
+impl Daemon {
+    pub fn start(node: &Node, args: &[&str]) -> Self {
+        let mut child = node
+            .enforcer()
+            .arg("enforce")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, output) = std::sync::mpsc::channel();
+        for stream in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+        }
+        Self { child, output }
+    }
+
+    /// Waits (generously) for a line containing `needle`; returns every line seen.
+    pub fn expect_line(&self, needle: &str, timeout: Duration) -> Vec<String> {
+        let deadline = Instant::now() + timeout;
+        let mut seen = Vec::new();
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.output.recv_timeout(left) {
+                Ok(line) => {
+                    let found = line.contains(needle);
+                    seen.push(line);
+                    if found {
+                        return seen;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        panic!("no line containing {needle:?} within {timeout:?}; saw {seen:#?}");
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
