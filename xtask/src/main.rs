@@ -1,1 +1,108 @@
-fn main() {}
+//! Project tasks: `cargo xtask test | demo | bench`.
+//!
+//! - `test`: the whole suite, on a fresh machine of this kind: checks formatting and
+//!   lints, builds every artefact the end-to-end tests run (the enforcer, the fake NVML,
+//!   the helper process), then runs every test. The real genv 1.4.3 is installed from
+//!   PyPI into `target/genv-venv` on first use.
+//! - `demo`: a simulated GPU node with no GPU: the fake NVML, a genv environment, a
+//!   rogue process, and what the enforcer does about it.
+//! - `bench`: one full enforcement cycle with 0, 100 and 1,000 GPU processes; writes the
+//!   table to `docs/bench.md`.
+
+mod demo;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("test") => test(&args[1..]),
+        Some("demo") => demo::run(&root()),
+        Some("bench") => bench(),
+        _ => bail!("usage: cargo xtask <test [-- cargo test args] | demo | bench>"),
+    }
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+pub fn cargo(args: &[&str]) -> Command {
+    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    command.args(args).current_dir(root());
+    command
+}
+
+pub fn run(command: &mut Command) -> Result<()> {
+    eprintln!("xtask: {command:?}");
+    let status = command
+        .status()
+        .with_context(|| format!("running {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    which("python3").context("the end-to-end tests run the real genv, which needs python3")?;
+    run(&mut cargo(&["fmt", "--all", "--", "--check"]))?;
+    run(&mut cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    run(&mut cargo(&["build", "--workspace"]))?;
+    let mut test = cargo(&["test", "--workspace"]);
+    test.args(extra.iter().skip_while(|a| *a == "--"));
+    run(&mut test)
+}
+
+fn which(program: &str) -> Result<()> {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .output()?
+        .status
+        .success();
+    if !found {
+        bail!("{program} is not installed");
+    }
+    Ok(())
+}
+
+fn bench() -> Result<()> {
+    run(&mut cargo(&["build", "--release", "-p", "fake-nvml"]))?;
+    let lib = root().join("target/release/libnvidia_ml_fake.so");
+    let output = cargo(&[
+        "bench",
+        "-p",
+        "genv-enforcer",
+        "--bench",
+        "cycle",
+        "--quiet",
+    ])
+    .env("GENV_ENFORCER_NVML_LIB", &lib)
+    .output()?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!(
+            "the benchmark failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    print!("{stdout}");
+    let docs = root().join("docs");
+    std::fs::create_dir_all(&docs)?;
+    std::fs::write(docs.join("bench.md"), stdout.as_bytes())?;
+    eprintln!("xtask: wrote docs/bench.md");
+    Ok(())
+}

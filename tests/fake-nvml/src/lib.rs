@@ -25,7 +25,7 @@
 //! A missing or unparsable configuration makes `nvmlInit` fail with
 //! `NVML_ERROR_DRIVER_NOT_LOADED`, as on a machine whose driver is not loaded.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{c_char, c_uint, c_ulonglong};
 use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex};
@@ -80,12 +80,18 @@ struct State {
     initialized: u32,
     stamp: Option<FileStamp>,
     config: Option<Arc<Config>>,
+    /// Pids whose contexts are alive, decided once per enumeration (at each
+    /// `nvmlDeviceGetCount`), as the driver's list is one consistent view; checking
+    /// `/proc` on every per-device call would make the fake, not the enforcer, the cost
+    /// that benchmarks measure.
+    live: Option<Arc<HashSet<u32>>>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
     initialized: 0,
     stamp: None,
     config: None,
+    live: None,
 });
 
 fn config_path() -> Option<String> {
@@ -113,21 +119,29 @@ fn load(state: &mut State) -> Option<Arc<Config>> {
 }
 
 /// Runs `body` with the current configuration, applying `fail` injection for `name`.
-fn with_config(name: &str, body: impl FnOnce(&Config) -> NvmlReturn) -> NvmlReturn {
-    let config = {
+fn with_config(name: &str, body: impl FnOnce(&Config, &HashSet<u32>) -> NvmlReturn) -> NvmlReturn {
+    let (config, live) = {
         let mut state = STATE.lock().unwrap_or_else(|e| e.into_inner());
         if state.initialized == 0 {
             return ERROR_UNINITIALIZED;
         }
-        match load(&mut state) {
-            Some(config) => config,
-            None => return ERROR_DRIVER_NOT_LOADED,
+        let Some(config) = load(&mut state) else {
+            return ERROR_DRIVER_NOT_LOADED;
+        };
+        if name == "nvmlDeviceGetCount_v2" || state.live.is_none() {
+            let live = config
+                .processes
+                .iter()
+                .map(|p| p.pid)
+                .filter(|pid| context_alive(*pid));
+            state.live = Some(Arc::new(live.collect()));
         }
+        (config, state.live.clone().unwrap_or_default())
     };
     if let Some(code) = config.fail.get(name) {
         return *code;
     }
-    body(&config)
+    body(&config, &live)
 }
 
 fn device(config: &Config, handle: DeviceHandle) -> Option<(u32, &DeviceConfig)> {
@@ -213,7 +227,7 @@ pub extern "C" fn nvmlErrorString(result: NvmlReturn) -> *const c_char {
 /// `count` must be a valid pointer.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> NvmlReturn {
-    with_config("nvmlDeviceGetCount_v2", |config| {
+    with_config("nvmlDeviceGetCount_v2", |config, _| {
         if count.is_null() {
             return ERROR_INVALID_ARGUMENT;
         }
@@ -229,7 +243,7 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
     index: c_uint,
     handle: *mut DeviceHandle,
 ) -> NvmlReturn {
-    with_config("nvmlDeviceGetHandleByIndex_v2", |config| {
+    with_config("nvmlDeviceGetHandleByIndex_v2", |config, _| {
         if handle.is_null() || index as usize >= config.devices.len() {
             return ERROR_INVALID_ARGUMENT;
         }
@@ -245,7 +259,7 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(
     handle: DeviceHandle,
     index: *mut c_uint,
 ) -> NvmlReturn {
-    with_config("nvmlDeviceGetIndex", |config| {
+    with_config("nvmlDeviceGetIndex", |config, _| {
         match device(config, handle) {
             Some((i, _)) if !index.is_null() => {
                 unsafe { *index = i };
@@ -264,9 +278,11 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     name: *mut c_char,
     length: c_uint,
 ) -> NvmlReturn {
-    with_config("nvmlDeviceGetName", |config| match device(config, handle) {
-        Some((_, d)) => unsafe { write_c_string(&d.name, name, length) },
-        None => ERROR_INVALID_ARGUMENT,
+    with_config("nvmlDeviceGetName", |config, _| {
+        match device(config, handle) {
+            Some((_, d)) => unsafe { write_c_string(&d.name, name, length) },
+            None => ERROR_INVALID_ARGUMENT,
+        }
     })
 }
 
@@ -278,9 +294,11 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     uuid: *mut c_char,
     length: c_uint,
 ) -> NvmlReturn {
-    with_config("nvmlDeviceGetUUID", |config| match device(config, handle) {
-        Some((_, d)) => unsafe { write_c_string(&d.uuid, uuid, length) },
-        None => ERROR_INVALID_ARGUMENT,
+    with_config("nvmlDeviceGetUUID", |config, _| {
+        match device(config, handle) {
+            Some((_, d)) => unsafe { write_c_string(&d.uuid, uuid, length) },
+            None => ERROR_INVALID_ARGUMENT,
+        }
     })
 }
 
@@ -291,7 +309,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(
     handle: DeviceHandle,
     minor: *mut c_uint,
 ) -> NvmlReturn {
-    with_config("nvmlDeviceGetMinorNumber", |config| {
+    with_config("nvmlDeviceGetMinorNumber", |config, _| {
         match device(config, handle) {
             Some((_, d)) if !minor.is_null() => {
                 unsafe { *minor = d.minor };
@@ -319,14 +337,14 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     handle: DeviceHandle,
     memory: *mut MemoryV2,
 ) -> NvmlReturn {
-    with_config("nvmlDeviceGetMemoryInfo_v2", |config| {
+    with_config("nvmlDeviceGetMemoryInfo_v2", |config, live| {
         let Some((index, d)) = device(config, handle) else {
             return ERROR_INVALID_ARGUMENT;
         };
         if memory.is_null() {
             return ERROR_INVALID_ARGUMENT;
         }
-        let used: u64 = live_processes(config, index)
+        let used: u64 = live_processes(config, live, index)
             .filter_map(|p| p.used_memory)
             .sum::<u64>()
             .min(d.total_memory);
@@ -350,11 +368,15 @@ pub struct ProcessInfo {
     compute_instance_id: c_uint,
 }
 
-fn live_processes(config: &Config, index: u32) -> impl Iterator<Item = &ProcessConfig> {
+fn live_processes<'a>(
+    config: &'a Config,
+    live: &'a HashSet<u32>,
+    index: u32,
+) -> impl Iterator<Item = &'a ProcessConfig> {
     config
         .processes
         .iter()
-        .filter(move |p| p.gpu == index && context_alive(p.pid))
+        .filter(move |p| p.gpu == index && live.contains(&p.pid))
 }
 
 /// Follows NVML's contract: with too small a buffer (or none), report the count and
@@ -368,14 +390,14 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     count: *mut c_uint,
     infos: *mut ProcessInfo,
 ) -> NvmlReturn {
-    with_config("nvmlDeviceGetComputeRunningProcesses_v3", |config| {
+    with_config("nvmlDeviceGetComputeRunningProcesses_v3", |config, live| {
         let Some((index, _)) = device(config, handle) else {
             return ERROR_INVALID_ARGUMENT;
         };
         if count.is_null() {
             return ERROR_INVALID_ARGUMENT;
         }
-        let found: Vec<ProcessInfo> = live_processes(config, index)
+        let found: Vec<ProcessInfo> = live_processes(config, live, index)
             .map(|p| ProcessInfo {
                 pid: p.pid,
                 used_gpu_memory: p.used_memory.unwrap_or(VALUE_NOT_AVAILABLE),
