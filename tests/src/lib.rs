@@ -56,6 +56,8 @@ pub struct Node {
     gpus: Vec<Value>,
     contexts: Vec<Value>,
     children: HashMap<u32, Child>,
+    /// Processes started by scripts rather than by the node; killed on drop too.
+    foreign: Vec<u32>,
 }
 
 impl Node {
@@ -77,6 +79,7 @@ impl Node {
                 .collect(),
             contexts: Vec::new(),
             children: HashMap::new(),
+            foreign: Vec::new(),
         };
         node.write_config();
         node
@@ -176,6 +179,29 @@ impl Node {
         pid
     }
 
+    /// Lists an already-running process (started by the test itself) as a compute
+    /// context; the node reaps and kills it like its own.
+    pub fn adopt(&mut self, child: Child, usage: &[(u32, u64)]) -> u32 {
+        let pid = child.id();
+        for (gpu, mib) in usage {
+            self.contexts
+                .push(json!({"pid": pid, "gpu": gpu, "used_memory": mib * MIB}));
+        }
+        self.children.insert(pid, child);
+        self.write_config();
+        pid
+    }
+
+    /// Lists `pid` (a process of this node, or one started by a script) on a GPU.
+    pub fn add_context(&mut self, pid: u32, gpu: u32, mib: u64) {
+        if !self.children.contains_key(&pid) && !self.foreign.contains(&pid) {
+            self.foreign.push(pid);
+        }
+        self.contexts
+            .push(json!({"pid": pid, "gpu": gpu, "used_memory": mib * MIB}));
+        self.write_config();
+    }
+
     /// An environment's activating shell: alive, but not a GPU process.
     pub fn shell(&mut self) -> u32 {
         self.spawn(None, &[])
@@ -185,7 +211,13 @@ impl Node {
     pub fn alive(&mut self, pid: u32) -> bool {
         match self.children.get_mut(&pid) {
             Some(child) => child.try_wait().unwrap().is_none(),
-            None => panic!("{pid} is not a process of this node"),
+            // A script's process: alive while /proc shows it and it is not a zombie.
+            None => std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                !matches!(
+                    stat[stat.rfind(')').unwrap() + 2..].chars().next(),
+                    Some('Z' | 'X')
+                )
+            }),
         }
     }
 
@@ -229,6 +261,9 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
+        for pid in &self.foreign {
+            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        }
         for child in self.children.values_mut() {
             let _ = child.kill();
             let _ = child.wait();
@@ -309,6 +344,20 @@ impl Genv {
             );
             Genv { bin, path }
         })
+    }
+
+    /// The environment a genv user's shell would have, for scripts the test runs itself.
+    pub fn shell_command(&self, node: &Node, script: &str) -> Command {
+        let mut command = Command::new("bash");
+        command
+            .args([
+                "-c",
+                &format!("set -e; eval \"$(genv shell --init)\"; {script}"),
+            ])
+            .env("PATH", &self.path)
+            .env("GENV_TMPDIR", &node.state)
+            .env("GENV_FAKE_NVML_CONFIG", node.config_path());
+        command
     }
 
     pub fn command(&self, node: &Node) -> Command {
