@@ -1,1 +1,217 @@
+//! Never the wrong process, never a silent gap: protected pids, SIGKILL escalation,
+//! genv's switches, dry runs, forged environment ids, and the daemon's life cycle.
 
+use std::time::Duration;
+
+use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
+use serde_json::json;
+
+const DEATH: Duration = Duration::from_secs(10);
+
+fn execute(node: &Node, pids: &[u32]) -> (String, String) {
+    use std::io::Write;
+    let processes: Vec<_> = pids.iter().map(|p| json!({"pid": p, "used_gpu_memory": [{"index": 0, "gpu_memory": "1mi"}], "eid": null})).collect();
+    let mut child = node
+        .enforcer()
+        .args(["usage", "execute", "--kill-after", "0"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let report = json!({"terminate": {"processes": processes}, "detach": {}});
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(report.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn never_signals_pid_1_kernel_threads_itself_or_its_parents() {
+    let node = Node::new(1);
+    // The test process is the enforcer's parent; kthreadd is pid 2.
+    let parent = std::process::id();
+    let (stdout, stderr) = execute(&node, &[1, 2, parent]);
+    assert!(
+        stderr.contains("Not terminating process 1: it is PID 1"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("Not terminating process 2: it is a kernel thread"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "Not terminating process {parent}: it is a parent of the enforcer"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        !stdout.contains(&format!("Terminating process {parent} ")),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn sigterm_ignored_is_followed_by_sigkill_after_the_grace_period() {
+    let mut node = Node::new(1);
+    node.write_state(json!([]), json!([device_record(0, &[])]));
+    let stubborn = node.spawn_with(None, &[(0, 10)], &["--ignore-sigterm"], None);
+    let run = node.enforce_once(&["--non-env-processes", "--kill-after", "0.5"]);
+    assert_eq!(
+        run.stdout.last().unwrap(),
+        &format!(
+            "Killing process {stubborn} from environment N/A that is still running 0.5s after SIGTERM"
+        ),
+        "{:?}",
+        run.stdout
+    );
+    assert_eq!(node.wait_exit(stubborn, DEATH), Some(libc::SIGKILL));
+}
+
+#[test]
+fn kill_after_zero_is_genvs_sigterm_only() {
+    let mut node = Node::new(1);
+    node.write_state(json!([]), json!([device_record(0, &[])]));
+    let stubborn = node.spawn_with(None, &[(0, 10)], &["--ignore-sigterm"], None);
+    let run = node.enforce_once(&["--non-env-processes", "--kill-after", "0"]);
+    assert_eq!(run.terminated(), [stubborn]);
+    assert!(node.alive(stubborn));
+}
+
+#[test]
+fn genv_terminate_processes_0_and_dry_run_act_on_nothing() {
+    let mut node = Node::new(2);
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("e", 0, "root", None, shell)]),
+        json!([device_record(0, &["e"]), device_record(1, &["e"])]),
+    );
+    let rogue = node.spawn(None, &[(0, 10)]);
+    let devices = node.read_file("devices.json");
+
+    let quiet = node
+        .enforcer()
+        .env("GENV_TERMINATE_PROCESSES", "0")
+        .args(["enforce", "--interval", "0", "--non-env-processes"])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&quiet.stdout)
+            .contains(&format!("Terminating process {rogue} from environment N/A"))
+    );
+    assert!(node.alive(rogue));
+
+    let dry = node.enforce_once(&[
+        "--non-env-processes",
+        "--max-devices-per-user",
+        "1",
+        "--dry-run",
+    ]);
+    assert!(
+        dry.stdout.contains(&format!(
+            "[DRY-RUN] Terminating process {rogue} from environment N/A that is running on GPU(s) 0"
+        )),
+        "{:?}",
+        dry.stdout
+    );
+    assert!(
+        dry.stdout
+            .contains(&"[DRY-RUN] Detaching environment e of user root from device 0".to_owned()),
+        "{:?}",
+        dry.stdout
+    );
+    assert!(node.alive(rogue));
+    assert_eq!(node.read_file("devices.json"), devices);
+}
+
+#[test]
+fn forged_environment_ids_count_as_outside() {
+    let mut node = Node::new(1);
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("alice-env", 1000, "alice", None, shell)]),
+        json!([device_record(0, &["alice-env"])]),
+    );
+    let made_up = node.spawn(Some("no-such-env"), &[(0, 10)]);
+    // nobody (65534) claims alice's environment.
+    let foreign = node.spawn_with(Some("alice-env"), &[(0, 10)], &[], Some(65534));
+
+    let genv_like = node.enforce_once(&[
+        "--non-env-processes",
+        "--allow-unknown-env",
+        "--allow-foreign-env",
+    ]);
+    assert!(
+        genv_like.stdout.is_empty(),
+        "genv believes both: {:?}",
+        genv_like.stdout
+    );
+
+    let run = node.enforce_once(&["--non-env-processes"]);
+    assert!(
+        run.stderr.contains(&format!(
+            "process {made_up} claims environment no-such-env, which is not active"
+        )),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.contains(&format!(
+            "process {foreign} of uid 65534 claims environment alice-env of uid 1000"
+        )),
+        "{}",
+        run.stderr
+    );
+    let mut terminated = run.terminated();
+    terminated.sort();
+    let mut expected = vec![made_up, foreign];
+    expected.sort();
+    assert_eq!(terminated, expected, "{:?}", run.stdout);
+    assert!(node.wait_exit(made_up, DEATH).is_some() && node.wait_exit(foreign, DEATH).is_some());
+}
+
+#[test]
+fn daemon_acts_on_a_detach_at_the_next_cycle_and_stops_on_sigterm() {
+    let mut node = Node::new(2);
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("e", 0, "root", None, shell)]),
+        json!([device_record(0, &["e"]), device_record(1, &["e"])]),
+    );
+    let on1 = node.spawn(Some("e"), &[(1, 10)]);
+    let mut daemon = Daemon::start(&node, &["--interval", "0.2"]);
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(node.alive(on1), "attached: left alone");
+    // genv (or an admin) detaches device 1: the process there is terminated.
+    node.write_state(
+        json!([env_record("e", 0, "root", None, shell)]),
+        json!([device_record(0, &["e"]), device_record(1, &[])]),
+    );
+    daemon.expect_line(
+        &format!("Process {on1} from environment e is using non-attached GPU(s) 1"),
+        Duration::from_secs(20),
+    );
+    assert_eq!(node.wait_exit(on1, DEATH), Some(libc::SIGTERM));
+    unsafe { libc::kill(daemon.pid() as i32, libc::SIGTERM) };
+    let deadline = std::time::Instant::now() + DEATH;
+    let status = loop {
+        if let Some(status) = daemon.try_wait() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon must stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+}

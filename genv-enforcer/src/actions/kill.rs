@@ -85,3 +85,33 @@ pub fn has_exited(pidfd: &OwnedFd) -> bool {
     };
     matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pid_whose_start_time_changed_is_not_signalled() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let start = procfs::stat(pid).unwrap().start_time;
+        let protected = Protected::for_this_process();
+        // The snapshot saw another process under this pid: refuse.
+        assert!(matches!(
+            open(pid, Some(start + 1), &protected),
+            Err(Outcome::Gone)
+        ));
+        assert!(child.try_wait().unwrap().is_none());
+        // The same process: the pidfd reaches it.
+        let pidfd = open(pid, Some(start), &protected).unwrap();
+        assert!(!has_exited(&pidfd));
+        send(&pidfd, Signal::KILL).unwrap();
+        child.wait().unwrap();
+        assert!(has_exited(&pidfd));
+        // Once it is gone and reaped, even the same pidfd reaches nothing.
+        assert!(matches!(send(&pidfd, Signal::KILL), Err(Outcome::Gone)));
+    }
+}
