@@ -19,6 +19,10 @@ use serde_json::json;
 const ITERATIONS: usize = 200;
 
 fn main() {
+    // As `genv-enforcer enforce` does: one stat descriptor per GPU process.
+    let mut limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    limit.current = limit.maximum;
+    let _ = rustix::process::setrlimit(rustix::process::Resource::Nofile, limit);
     let lib = std::env::var_os("GENV_ENFORCER_NVML_LIB").expect("run through `cargo xtask bench`");
     let dir = std::env::temp_dir().join(format!("genv-enforcer-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -42,6 +42,10 @@ pub struct ProcStat {
     pub flags: u32,
     /// Clock ticks since boot: with the pid, a unique identity for the process.
     pub start_time: u64,
+    /// `startcode`, `endcode` and `startstack`: set anew by every `execve` (and, with
+    /// ASLR, different on each), so a changed value means a new program image with a
+    /// new environment block. Zero when the reader may not see them.
+    pub exec_fingerprint: [u64; 3],
 }
 
 impl ProcStat {
@@ -55,31 +59,111 @@ impl ProcStat {
 }
 
 pub fn stat(pid: u32) -> io::Result<ProcStat> {
-    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat"))?).ok_or_else(|| {
-        io::Error::new(
+    let mut buffer = [0u8; 1024];
+    let text = read_small(&format!("/proc/{pid}/stat"), &mut buffer)?;
+    std::str::from_utf8(text)
+        .ok()
+        .and_then(parse_stat)
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("/proc/{pid}/stat: unexpected format"),
+            )
+        })
+}
+
+/// An open `/proc/<pid>/stat`, re-read in place each cycle. The descriptor is bound to
+/// the process it was opened for, not to the number: once that process is gone it
+/// reads ESRCH even if the pid has been reused, and across `execve` it keeps reading the
+/// same process (whose exec fingerprint then changes).
+#[derive(Debug)]
+pub struct StatFile {
+    file: std::fs::File,
+    pid: u32,
+}
+
+impl StatFile {
+    pub fn open(pid: u32) -> io::Result<Self> {
+        Ok(Self {
+            file: std::fs::File::open(format!("/proc/{pid}/stat"))?,
+            pid,
+        })
+    }
+
+    pub fn read(&self) -> io::Result<ProcStat> {
+        use std::os::unix::fs::FileExt;
+        let mut buffer = [0u8; 1024];
+        let n = self.file.read_at(&mut buffer, 0)?;
+        std::str::from_utf8(&buffer[..n])
+            .ok()
+            .filter(|_| n > 0 && n < buffer.len())
+            .and_then(parse_stat)
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("/proc/{}/stat: unexpected format", self.pid),
+                )
+            })
+    }
+}
+
+/// Reads a small `/proc` file with one `read()`, without the size-hint `statx` that
+/// `std::fs::read` makes (procfs files report size 0 anyway).
+fn read_small<'a>(path: &str, buffer: &'a mut [u8]) -> io::Result<&'a [u8]> {
+    use std::io::Read;
+    let n = std::fs::File::open(path)?.read(buffer)?;
+    if n == buffer.len() {
+        return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("/proc/{pid}/stat: unexpected format"),
-        )
-    })
+            format!("{path}: larger than expected"),
+        ));
+    }
+    Ok(&buffer[..n])
+}
+
+/// Reads a whole `/proc` file, likewise without the `statx`.
+fn read_all(path: &str) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)?;
+    let mut bytes = vec![0u8; 4096];
+    let mut len = 0;
+    loop {
+        if len == bytes.len() {
+            bytes.resize(bytes.len() * 2, 0);
+        }
+        let n = file.read(&mut bytes[len..])?;
+        if n == 0 {
+            bytes.truncate(len);
+            return Ok(bytes);
+        }
+        len += n;
+    }
 }
 
 /// `comm` may hold spaces and parentheses, so fields are counted after the last `)`.
 fn parse_stat(text: &str) -> Option<ProcStat> {
     let rest = &text[text.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
-    // After comm: state(3) ppid(4) ... flags(9) ... starttime(22), numbered as in proc(5).
+    // After comm: state(3) ppid(4) ... flags(9) ... starttime(22) ... startcode(26)
+    // endcode(27) startstack(28), numbered as in proc(5).
+    let field = |n: usize| -> Option<u64> { fields.get(n - 3)?.parse().ok() };
     Some(ProcStat {
         state: fields.first()?.chars().next()?,
         ppid: fields.get(1)?.parse().ok()?,
-        flags: fields.get(6)?.parse().ok()?,
-        start_time: fields.get(19)?.parse().ok()?,
+        flags: field(9)? as u32,
+        start_time: field(22)?,
+        exec_fingerprint: [
+            field(26).unwrap_or(0),
+            field(27).unwrap_or(0),
+            field(28).unwrap_or(0),
+        ],
     })
 }
 
 /// The real uid, from the `Uid:` line of `/proc/<pid>/status`.
 pub fn real_uid(pid: u32) -> io::Result<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
+    let status = read_all(&format!("/proc/{pid}/status"))?;
+    String::from_utf8_lossy(&status)
         .lines()
         .find_map(|line| line.strip_prefix("Uid:"))
         .and_then(|ids| ids.split_whitespace().next())
@@ -106,7 +190,7 @@ pub enum EnvironError {
 /// The value of `GENV_ENVIRONMENT_ID` in the process's initial environment, read as genv
 /// reads it (the last assignment wins).
 pub fn environment_id(pid: u32) -> Result<Option<String>, EnvironError> {
-    let bytes = std::fs::read(format!("/proc/{pid}/environ")).map_err(|e| match e.kind() {
+    let bytes = read_all(&format!("/proc/{pid}/environ")).map_err(|e| match e.kind() {
         io::ErrorKind::NotFound => EnvironError::Gone(pid),
         io::ErrorKind::PermissionDenied => EnvironError::Unreadable(pid),
         _ if e.raw_os_error() == Some(libc::ESRCH) => EnvironError::Gone(pid),

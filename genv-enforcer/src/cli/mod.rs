@@ -106,6 +106,7 @@ pub fn rules(args: &EnforceArgs) -> Rules {
 }
 
 fn enforce(args: EnforceArgs) -> Result<ExitCode> {
+    raise_open_file_limit();
     let policy = EnvPolicy {
         trust_unknown_env_ids: args.allow_unknown_env,
         trust_foreign_env_ids: args.allow_foreign_env,
@@ -126,6 +127,18 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
         .build()
         .context("starting the runtime")?;
     runtime.block_on(daemon(enforcer, Duration::from_secs_f64(args.interval)))
+}
+
+/// The process table keeps one `/proc/<pid>/stat` descriptor per GPU process; the
+/// usual soft limit of 1024 descriptors would be reached on a busy node. Raise it to the
+/// hard limit (failure only costs speed: reads then go by path).
+fn raise_open_file_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        limit.current = limit.maximum;
+        let _ = setrlimit(Resource::Nofile, limit);
+    }
 }
 
 /// Cycles every `interval` until SIGINT or SIGTERM, escalating to SIGKILL on time in

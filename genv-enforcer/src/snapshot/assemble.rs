@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use super::order::python_set_order;
 use super::{GpuProcess, Snapshot, Usage};
 use crate::backends::nvml::{ComputeContext, GpuBackend, GpuInfo, NvmlBackend};
-use crate::backends::procfs::{self, EnvironError, ProcStat};
+use crate::backends::procfs::{self, EnvironError, ProcStat, StatFile};
 use crate::state::{Device, Env, StateDir, memory::format_mebibytes};
 
 /// How far a process's `GENV_ENVIRONMENT_ID` is believed. genv believes it always; by
@@ -29,8 +29,13 @@ pub struct EnvPolicy {
 
 /// What the snapshot reads of processes; a trait so assembly can be tested on made-up
 /// processes.
-pub trait ProcessInspector {
+pub trait ProcessInspector: Sync {
     fn stat(&self, pid: u32) -> io::Result<ProcStat>;
+    /// `stat`, through a handle kept between cycles where the inspector has one.
+    fn stat_cached(&self, pid: u32, handle: &mut Option<StatFile>) -> io::Result<ProcStat> {
+        let _ = handle;
+        self.stat(pid)
+    }
     fn environment_id(&self, pid: u32) -> Result<Option<String>, EnvironError>;
     fn real_uid(&self, pid: u32) -> io::Result<u32>;
     fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>>;
@@ -52,6 +57,22 @@ impl Default for Procfs {
 impl ProcessInspector for Procfs {
     fn stat(&self, pid: u32) -> io::Result<ProcStat> {
         procfs::stat(pid)
+    }
+    fn stat_cached(&self, pid: u32, handle: &mut Option<StatFile>) -> io::Result<ProcStat> {
+        if let Some(stat) = handle.as_ref().and_then(|h| h.read().ok()) {
+            return Ok(stat);
+        }
+        // First sight, or the process the handle named is gone (its pid may now name
+        // another): open afresh. Without a descriptor to spare, read by path.
+        match StatFile::open(pid) {
+            Ok(file) => {
+                let stat = file.read();
+                *handle = Some(file);
+                stat
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EMFILE) => procfs::stat(pid),
+            Err(e) => Err(e),
+        }
     }
     fn environment_id(&self, pid: u32) -> Result<Option<String>, EnvironError> {
         procfs::environment_id(pid)
@@ -90,11 +111,12 @@ pub struct SnapshotBuilder {
     state: StateDir,
     nvml_library: OsString,
     gpus: Gpus,
-    inspector: Box<dyn ProcessInspector>,
+    inspector: Box<dyn ProcessInspector + Send>,
     policy: EnvPolicy,
     /// minor → index, from the last NVML device list, for `/proc` scans.
     minor_to_index: Option<HashMap<u32, u32>>,
     last_devices: Vec<GpuInfo>,
+    table: ProcessTable,
     said_nvml_missing: bool,
     said_minor_guess: bool,
 }
@@ -109,6 +131,7 @@ impl SnapshotBuilder {
             policy,
             minor_to_index: None,
             last_devices: Vec::new(),
+            table: ProcessTable::default(),
             said_nvml_missing: false,
             said_minor_guess: false,
         }
@@ -120,7 +143,7 @@ impl SnapshotBuilder {
         self
     }
 
-    pub fn with_inspector(mut self, inspector: Box<dyn ProcessInspector>) -> Self {
+    pub fn with_inspector(mut self, inspector: Box<dyn ProcessInspector + Send>) -> Self {
         self.inspector = inspector;
         self
     }
@@ -259,6 +282,7 @@ impl SnapshotBuilder {
             envs.as_deref(),
             self.inspector.as_ref(),
             self.policy,
+            &mut self.table,
             &mut warnings,
         );
         let snapshot = Snapshot {
@@ -282,6 +306,24 @@ impl SnapshotBuilder {
     }
 }
 
+/// What was read of a process's program image: its claimed environment and real uid.
+/// Both change only through `execve` (a new environment block; a set-uid program), so
+/// they are read once per image, and the image is recognised by the start time and
+/// exec fingerprint of `/proc/<pid>/stat`, which every cycle still reads.
+struct Known {
+    start_time: u64,
+    exec_fingerprint: [u64; 3],
+    claimed: Option<String>,
+    uid: Option<u32>,
+}
+
+/// Known processes, kept across cycles; only GPU processes of the last cycle stay.
+#[derive(Default)]
+pub(crate) struct ProcessTable {
+    known: HashMap<u32, Known>,
+    stat_files: HashMap<u32, Option<StatFile>>,
+}
+
 /// Groups contexts by process in genv's order, and decides each process's environment.
 /// Processes that are gone, kernel threads, and processes whose environment cannot be
 /// determined are left out: no rule may act on them.
@@ -290,44 +332,114 @@ pub(crate) fn assemble_processes(
     envs: Option<&[Env]>,
     inspector: &dyn ProcessInspector,
     policy: EnvPolicy,
+    table: &mut ProcessTable,
     warnings: &mut Vec<Warning>,
 ) -> Vec<GpuProcess> {
-    let mut processes = Vec::new();
-    for pid in python_set_order(contexts.iter().map(|c| c.pid)) {
-        let Ok(stat) = inspector.stat(pid) else {
+    let mut usage: HashMap<u32, Vec<Usage>> = HashMap::new();
+    for c in contexts {
+        usage.entry(c.pid).or_default().push(Usage {
+            index: c.index,
+            bytes: c.used_memory,
+        });
+    }
+    let order = python_set_order(contexts.iter().map(|c| c.pid));
+    table.known.retain(|pid, _| usage.contains_key(pid));
+    table.stat_files.retain(|pid, _| usage.contains_key(pid));
+    let stats = read_stats(&order, inspector, &mut table.stat_files);
+    let mut processes = Vec::with_capacity(order.len());
+    for (pid, stat) in order.into_iter().zip(stats) {
+        let Ok(stat) = stat else {
+            table.known.remove(&pid);
+            table.stat_files.remove(&pid);
             continue; // gone since NVML listed it
         };
         if stat.is_kernel_thread() {
             continue;
         }
-        let claimed = match inspector.environment_id(pid) {
-            Ok(claimed) => claimed,
-            Err(EnvironError::Gone(_)) => continue,
-            Err(e) => {
-                warnings.push(warning!(
-                    "{e}: cannot tell its environment, leaving process {pid} alone"
-                ));
-                continue;
-            }
+        let same_image = table.known.get(&pid).is_some_and(|k| {
+            k.start_time == stat.start_time && k.exec_fingerprint == stat.exec_fingerprint
+        });
+        if !same_image {
+            table.known.remove(&pid);
+            let claimed = match inspector.environment_id(pid) {
+                Ok(claimed) => claimed,
+                Err(EnvironError::Gone(_)) => continue,
+                Err(e) => {
+                    warnings.push(warning!(
+                        "{e}: cannot tell its environment, leaving process {pid} alone"
+                    ));
+                    continue;
+                }
+            };
+            table.known.insert(
+                pid,
+                Known {
+                    start_time: stat.start_time,
+                    exec_fingerprint: stat.exec_fingerprint,
+                    claimed,
+                    uid: None,
+                },
+            );
+        }
+        let known = table.known.get_mut(&pid).expect("just checked or inserted");
+        let mut uid = || match known.uid {
+            Some(uid) => Ok(uid),
+            None => inspector
+                .real_uid(pid)
+                .inspect(|uid| known.uid = Some(*uid)),
         };
-        let Some(eid) = resolve_env(pid, claimed, envs, inspector, policy, warnings) else {
+        let claimed = known.claimed.clone();
+        let Some(eid) = resolve_env(pid, claimed, envs, &mut uid, policy, warnings) else {
             continue;
         };
         processes.push(GpuProcess {
             pid,
             start_time: Some(stat.start_time),
-            used_gpu_memory: contexts
-                .iter()
-                .filter(|c| c.pid == pid)
-                .map(|c| Usage {
-                    index: c.index,
-                    bytes: c.used_memory,
-                })
-                .collect(),
+            used_gpu_memory: usage.remove(&pid).unwrap_or_default(),
             eid,
         });
     }
     processes
+}
+
+/// Below this many processes one thread reads every `stat`; above it the reads (each a
+/// few microseconds of kernel formatting) are spread over the machine's cores.
+const PARALLEL_STATS: usize = 256;
+
+/// `/proc/<pid>/stat` of every pid, in order, through the handles kept between cycles.
+fn read_stats(
+    pids: &[u32],
+    inspector: &dyn ProcessInspector,
+    files: &mut HashMap<u32, Option<StatFile>>,
+) -> Vec<io::Result<ProcStat>> {
+    let mut work: Vec<(u32, Option<StatFile>)> = pids
+        .iter()
+        .map(|pid| (*pid, files.remove(pid).flatten()))
+        .collect();
+    let read = |chunk: &mut [(u32, Option<StatFile>)]| -> Vec<io::Result<ProcStat>> {
+        chunk
+            .iter_mut()
+            .map(|(pid, handle)| inspector.stat_cached(*pid, handle))
+            .collect()
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let stats = if pids.len() < PARALLEL_STATS || threads == 1 {
+        read(&mut work)
+    } else {
+        let chunk = work.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = work
+                .chunks_mut(chunk)
+                .map(|part| scope.spawn(move || read(part)))
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().expect("a stat reader panicked"))
+                .collect()
+        })
+    };
+    files.extend(work.into_iter().map(|(pid, handle)| (pid, handle)));
+    stats
 }
 
 /// The environment a process counts as being in: `Some(None)` outside any,
@@ -336,7 +448,7 @@ fn resolve_env(
     pid: u32,
     claimed: Option<String>,
     envs: Option<&[Env]>,
-    inspector: &dyn ProcessInspector,
+    uid: &mut dyn FnMut() -> io::Result<u32>,
     policy: EnvPolicy,
     warnings: &mut Vec<Warning>,
 ) -> Option<Option<String>> {
@@ -364,7 +476,7 @@ fn resolve_env(
     if policy.trust_foreign_env_ids {
         return Some(Some(eid));
     }
-    match inspector.real_uid(pid) {
+    match uid() {
         Ok(uid) if uid == env.uid || uid == 0 => Some(Some(eid)),
         Ok(uid) => {
             warnings.push(warning!(
@@ -385,7 +497,7 @@ fn resolve_env(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::cell::RefCell;
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
     /// A made-up process: (uid, environ as read or `Err` if unreadable, kernel thread).
     type FakeProc = (u32, Result<Option<String>, ()>, bool);
@@ -393,7 +505,10 @@ mod tests {
     #[derive(Default)]
     struct FakeProcs {
         procs: HashMap<u32, FakeProc>,
-        uid_reads: RefCell<u32>,
+        uid_reads: AtomicU32,
+        environ_reads: AtomicU32,
+        /// Changes when a process "execs".
+        image: AtomicU64,
     }
 
     impl ProcessInspector for FakeProcs {
@@ -404,9 +519,11 @@ mod tests {
                 ppid: 1,
                 flags: if *kthread { 0x0020_0000 } else { 0 },
                 start_time: pid as u64 * 10,
+                exec_fingerprint: [self.image.load(Relaxed), 0, 0],
             })
         }
         fn environment_id(&self, pid: u32) -> Result<Option<String>, EnvironError> {
+            self.environ_reads.fetch_add(1, Relaxed);
             match self.procs.get(&pid) {
                 None => Err(EnvironError::Gone(pid)),
                 Some((_, Err(()), _)) => Err(EnvironError::Unreadable(pid)),
@@ -414,7 +531,7 @@ mod tests {
             }
         }
         fn real_uid(&self, pid: u32) -> io::Result<u32> {
-            *self.uid_reads.borrow_mut() += 1;
+            self.uid_reads.fetch_add(1, Relaxed);
             Ok(self.procs.get(&pid).ok_or(io::ErrorKind::NotFound)?.0)
         }
         fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>> {
@@ -469,6 +586,7 @@ mod tests {
             Some(&envs),
             &procs,
             EnvPolicy::default(),
+            &mut ProcessTable::default(),
             &mut warnings,
         );
         assert_eq!(
@@ -491,7 +609,14 @@ mod tests {
             trust_unknown_env_ids: true,
             trust_foreign_env_ids: true,
         };
-        let processes = assemble_processes(&contexts, Some(&envs), &procs, policy, &mut Vec::new());
+        let processes = assemble_processes(
+            &contexts,
+            Some(&envs),
+            &procs,
+            policy,
+            &mut ProcessTable::default(),
+            &mut Vec::new(),
+        );
         assert_eq!(
             eids(&processes),
             [
@@ -502,7 +627,7 @@ mod tests {
                 (16, None)
             ]
         );
-        assert_eq!(*procs.uid_reads.borrow(), 0);
+        assert_eq!(procs.uid_reads.load(Relaxed), 0);
     }
 
     #[test]
@@ -513,6 +638,7 @@ mod tests {
             None,
             &procs,
             EnvPolicy::default(),
+            &mut ProcessTable::default(),
             &mut Vec::new(),
         );
         assert_eq!(eids(&processes), [(16, None)]);
@@ -528,9 +654,48 @@ mod tests {
             Some(&[]),
             &procs,
             EnvPolicy::default(),
+            &mut ProcessTable::default(),
             &mut Vec::new(),
         );
         assert_eq!(processes[0].indices().collect::<Vec<_>>(), [1, 0]);
         assert_eq!(processes[0].start_time, Some(200));
+    }
+
+    #[test]
+    fn reads_a_process_image_once_and_again_after_exec() {
+        let mut procs = FakeProcs::default();
+        procs
+            .procs
+            .insert(30, (1000, Ok(Some("mine".into())), false));
+        let envs = vec![env("mine", 1000)];
+        let contexts = vec![ctx(30, 0)];
+        let mut table = ProcessTable::default();
+        let mut cycle = |procs: &FakeProcs| {
+            let processes = assemble_processes(
+                &contexts,
+                Some(&envs),
+                procs,
+                EnvPolicy::default(),
+                &mut table,
+                &mut Vec::new(),
+            );
+            processes[0].eid.clone()
+        };
+        assert_eq!(cycle(&procs).as_deref(), Some("mine"));
+        assert_eq!(cycle(&procs).as_deref(), Some("mine"));
+        assert_eq!(
+            (
+                procs.environ_reads.load(Relaxed),
+                procs.uid_reads.load(Relaxed)
+            ),
+            (1, 1)
+        );
+        // The process execs with a forged id: the new image is read.
+        procs
+            .procs
+            .insert(30, (1000, Ok(Some("forged".into())), false));
+        procs.image.fetch_add(1, Relaxed);
+        assert_eq!(cycle(&procs), None);
+        assert_eq!(procs.environ_reads.load(Relaxed), 2);
     }
 }

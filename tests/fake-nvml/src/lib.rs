@@ -27,6 +27,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{c_char, c_uint, c_ulonglong};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex};
 
@@ -85,6 +86,7 @@ struct State {
     /// `/proc` on every per-device call would make the fake, not the enforcer, the cost
     /// that benchmarks measure.
     live: Option<Arc<HashSet<u32>>>,
+    pidfds: Option<HashMap<u32, Option<OwnedFd>>>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
@@ -92,6 +94,7 @@ static STATE: Mutex<State> = Mutex::new(State {
     stamp: None,
     config: None,
     live: None,
+    pidfds: None,
 });
 
 fn config_path() -> Option<String> {
@@ -129,12 +132,9 @@ fn with_config(name: &str, body: impl FnOnce(&Config, &HashSet<u32>) -> NvmlRetu
             return ERROR_DRIVER_NOT_LOADED;
         };
         if name == "nvmlDeviceGetCount_v2" || state.live.is_none() {
-            let live = config
-                .processes
-                .iter()
-                .map(|p| p.pid)
-                .filter(|pid| context_alive(*pid));
-            state.live = Some(Arc::new(live.collect()));
+            let pidfds = state.pidfds.get_or_insert_with(HashMap::new);
+            let live = live_pids(&config, pidfds);
+            state.live = Some(Arc::new(live));
         }
         (config, state.live.clone().unwrap_or_default())
     };
@@ -152,15 +152,41 @@ fn device(config: &Config, handle: DeviceHandle) -> Option<(u32, &DeviceConfig)>
         .map(|device| (index as u32, device))
 }
 
-/// A process still owns its GPU context while it exists and is not a zombie.
-fn context_alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => match stat.rfind(')') {
-            Some(end) => !matches!(stat[end + 1..].trim_start().chars().next(), Some('Z' | 'X')),
-            None => false,
-        },
-        Err(_) => false,
+/// Pids whose contexts are alive: a process owns its GPU context until it exits (a
+/// zombie owns none). Like a driver, the fake learns of exits without scanning `/proc`:
+/// it holds a pidfd per configured pid (they poll readable at exit) and asks them all
+/// with one `poll`.
+fn live_pids(config: &Config, pidfds: &mut HashMap<u32, Option<OwnedFd>>) -> HashSet<u32> {
+    pidfds.retain(|pid, _| config.processes.iter().any(|p| p.pid == *pid));
+    for p in &config.processes {
+        pidfds.entry(p.pid).or_insert_with(|| pidfd_open(p.pid));
     }
+    let open: Vec<(u32, &OwnedFd)> = pidfds
+        .iter()
+        .filter_map(|(pid, fd)| Some((*pid, fd.as_ref()?)))
+        .collect();
+    let mut polled: Vec<libc::pollfd> = open
+        .iter()
+        .map(|(_, fd)| libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `polled` is a valid array of its length; timeout 0 never blocks.
+    unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, 0) };
+    open.iter()
+        .zip(&polled)
+        .filter(|(_, p)| p.revents == 0)
+        .map(|((pid, _), _)| *pid)
+        .collect()
+}
+
+fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a non-negative return is a descriptor we now own.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 /// Copies `text` NUL-terminated into a caller buffer of `length` bytes.
