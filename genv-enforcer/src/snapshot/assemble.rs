@@ -438,7 +438,7 @@ fn read_stats(
                 .collect()
         })
     };
-    files.extend(work.into_iter().map(|(pid, handle)| (pid, handle)));
+    files.extend(work);
     stats
 }
 
