@@ -51,7 +51,12 @@ pub fn run(command: &mut Command) -> Result<()> {
 }
 
 fn test(extra: &[String]) -> Result<()> {
-    which("python3").context("the end-to-end tests run the real genv, which needs python3")?;
+    // The end-to-end tests make device nodes (mknod), run processes as other users and
+    // signal them: the enforcer's own privileges.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the test suite needs root (mknod, other uids): run `sudo -E cargo xtask test`");
+    }
+    ensure_python_venv()?;
     run(&mut cargo(&["fmt", "--all", "--", "--check"]))?;
     run(&mut cargo(&[
         "clippy",
@@ -65,6 +70,21 @@ fn test(extra: &[String]) -> Result<()> {
     let mut test = cargo(&["test", "--workspace"]);
     test.args(extra.iter().skip_while(|a| *a == "--"));
     run(&mut test)
+}
+
+/// The real genv 1.4.3 is installed from PyPI into a venv under target/: that needs
+/// python3 with `venv` and `ensurepip` (Debian splits them into python3-venv).
+fn ensure_python_venv() -> Result<()> {
+    which("python3").context("the end-to-end tests run the real genv, which needs python3")?;
+    let has_venv = Command::new("python3")
+        .args(["-c", "import venv, ensurepip"])
+        .status()?
+        .success();
+    if !has_venv {
+        run(Command::new("apt-get").arg("update"))?;
+        run(Command::new("apt-get").args(["install", "-y", "python3-venv"]))?;
+    }
+    Ok(())
 }
 
 fn which(program: &str) -> Result<()> {
