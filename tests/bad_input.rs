@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
+use genv_enforcer_tests::{Daemon, Node, device_record, env_record, run_with_stdin};
 use serde_json::json;
 
 /// env-a (root) is attached to GPU 0; `member` runs on GPU 1 (a violation of a *valid*
@@ -210,23 +210,6 @@ fn malformed_report_is_refused_with_its_field() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("terminate.processes[0].pid"), "{stderr}");
-}
-
-fn run_with_stdin(command: &mut std::process::Command, stdin: &str) -> std::process::Output {
-    use std::io::Write;
-    let mut child = command
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
 }
 
 #[test]

@@ -3,30 +3,22 @@
 
 use std::time::Duration;
 
-use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
+use genv_enforcer_tests::{Daemon, Node, device_record, env_record, run_with_stdin};
 use serde_json::json;
 
 const DEATH: Duration = Duration::from_secs(10);
 
 fn execute(node: &Node, pids: &[u32]) -> (String, String) {
-    use std::io::Write;
-    let processes: Vec<_> = pids.iter().map(|p| json!({"pid": p, "used_gpu_memory": [{"index": 0, "gpu_memory": "1mi"}], "eid": null})).collect();
-    let mut child = node
-        .enforcer()
-        .args(["usage", "execute", "--kill-after", "0"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let processes: Vec<_> = pids
+        .iter()
+        .map(|p| json!({"pid": p, "used_gpu_memory": [{"index": 0, "gpu_memory": "1mi"}], "eid": null}))
+        .collect();
     let report = json!({"terminate": {"processes": processes}, "detach": {}});
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(report.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = run_with_stdin(
+        node.enforcer()
+            .args(["usage", "execute", "--kill-after", "0"]),
+        &report.to_string(),
+    );
     assert!(out.status.success());
     (
         String::from_utf8_lossy(&out.stdout).into_owned(),
