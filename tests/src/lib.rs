@@ -169,27 +169,25 @@ impl Node {
             .read_line(&mut line)
             .unwrap();
         assert_eq!(line.trim(), "ready", "gpu-process did not start");
-        let pid = child.id();
-        for (gpu, mib) in usage {
-            self.contexts
-                .push(json!({"pid": pid, "gpu": gpu, "used_memory": mib * MIB}));
-        }
-        self.children.insert(pid, child);
-        self.write_config();
-        pid
+        self.adopt(child, usage)
     }
 
     /// Lists an already-running process (started by the test itself) as a compute
     /// context; the node reaps and kills it like its own.
     pub fn adopt(&mut self, child: Child, usage: &[(u32, u64)]) -> u32 {
         let pid = child.id();
+        self.children.insert(pid, child);
+        self.list(pid, usage);
+        pid
+    }
+
+    /// Lists `pid` on each (GPU, MiB) of `usage`, in one configuration write.
+    fn list(&mut self, pid: u32, usage: &[(u32, u64)]) {
         for (gpu, mib) in usage {
             self.contexts
                 .push(json!({"pid": pid, "gpu": gpu, "used_memory": mib * MIB}));
         }
-        self.children.insert(pid, child);
         self.write_config();
-        pid
     }
 
     /// Lists `pid` (a process of this node, or one started by a script) on a GPU.
@@ -197,9 +195,7 @@ impl Node {
         if !self.children.contains_key(&pid) && !self.foreign.contains(&pid) {
             self.foreign.push(pid);
         }
-        self.contexts
-            .push(json!({"pid": pid, "gpu": gpu, "used_memory": mib * MIB}));
-        self.write_config();
+        self.list(pid, &[(gpu, mib)]);
     }
 
     /// An environment's activating shell: alive, but not a GPU process.
