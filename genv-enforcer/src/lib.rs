@@ -7,6 +7,7 @@
 
 pub mod actions;
 pub mod backends;
+pub mod bpf;
 pub mod cli;
 pub mod cycle;
 pub mod report;
