@@ -44,12 +44,18 @@ fn at(call: &'static str) -> impl FnOnce(NvmlError) -> GpuQueryError {
     move |source| GpuQueryError { call, source }
 }
 
+/// Devices and the compute contexts on them, from one pass over the devices.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GpuView {
+    pub devices: Vec<GpuInfo>,
+    /// In NVML's order: by device, then as the driver lists them.
+    pub contexts: Vec<ComputeContext>,
+}
+
 /// Where the enforcer's GPU facts come from; a trait so that snapshot assembly can be
 /// tested without any library.
 pub trait GpuBackend {
-    fn devices(&self) -> Result<Vec<GpuInfo>, GpuQueryError>;
-    /// Contexts in NVML's order: by device, then as the driver lists them.
-    fn compute_contexts(&self) -> Result<Vec<ComputeContext>, GpuQueryError>;
+    fn query(&self) -> Result<GpuView, GpuQueryError>;
 }
 
 pub struct NvmlBackend {
@@ -67,45 +73,34 @@ impl NvmlBackend {
 }
 
 impl GpuBackend for NvmlBackend {
-    fn devices(&self) -> Result<Vec<GpuInfo>, GpuQueryError> {
+    fn query(&self) -> Result<GpuView, GpuQueryError> {
         let count = self.nvml.device_count().map_err(at("device count"))?;
-        (0..count)
-            .map(|index| {
-                let device = self
-                    .nvml
-                    .device_by_index(index)
-                    .map_err(at("device handle"))?;
-                Ok(GpuInfo {
-                    index,
-                    uuid: device.uuid().map_err(at("device UUID"))?,
-                    // MIG and some virtual GPUs have no minor number of their own.
-                    minor: device.minor_number().ok(),
-                    total_memory: device.memory_info().map_err(at("memory info"))?.total,
-                })
-            })
-            .collect()
-    }
-
-    fn compute_contexts(&self) -> Result<Vec<ComputeContext>, GpuQueryError> {
-        let count = self.nvml.device_count().map_err(at("device count"))?;
-        let mut contexts = Vec::new();
+        let mut view = GpuView::default();
         for index in 0..count {
             let device = self
                 .nvml
                 .device_by_index(index)
                 .map_err(at("device handle"))?;
+            view.devices.push(GpuInfo {
+                index,
+                uuid: device.uuid().map_err(at("device UUID"))?,
+                // MIG and some virtual GPUs have no minor number of their own.
+                minor: device.minor_number().ok(),
+                total_memory: device.memory_info().map_err(at("memory info"))?.total,
+            });
             let processes = device
                 .running_compute_processes()
                 .map_err(at("running compute processes"))?;
-            contexts.extend(processes.into_iter().map(|p| ComputeContext {
-                pid: p.pid,
-                index,
-                used_memory: match p.used_gpu_memory {
-                    UsedGpuMemory::Used(bytes) => Some(bytes),
-                    UsedGpuMemory::Unavailable => None,
-                },
-            }));
+            view.contexts
+                .extend(processes.into_iter().map(|p| ComputeContext {
+                    pid: p.pid,
+                    index,
+                    used_memory: match p.used_gpu_memory {
+                        UsedGpuMemory::Used(bytes) => Some(bytes),
+                        UsedGpuMemory::Unavailable => None,
+                    },
+                }));
         }
-        Ok(contexts)
+        Ok(view)
     }
 }

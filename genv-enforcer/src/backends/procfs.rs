@@ -58,18 +58,9 @@ impl ProcStat {
     }
 }
 
+/// `/proc/<pid>/stat`, read once.
 pub fn stat(pid: u32) -> io::Result<ProcStat> {
-    let mut buffer = [0u8; 1024];
-    let text = read_small(&format!("/proc/{pid}/stat"), &mut buffer)?;
-    std::str::from_utf8(text)
-        .ok()
-        .and_then(parse_stat)
-        .ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("/proc/{pid}/stat: unexpected format"),
-            )
-        })
+    StatFile::open(pid)?.read()
 }
 
 /// An open `/proc/<pid>/stat`, re-read in place each cycle. The descriptor is bound to
@@ -90,6 +81,7 @@ impl StatFile {
         })
     }
 
+    /// One `pread` at offset 0: no size-hint `statx`, no reopening.
     pub fn read(&self) -> io::Result<ProcStat> {
         use std::os::unix::fs::FileExt;
         let mut buffer = [0u8; 1024];
@@ -107,21 +99,8 @@ impl StatFile {
     }
 }
 
-/// Reads a small `/proc` file with one `read()`, without the size-hint `statx` that
-/// `std::fs::read` makes (procfs files report size 0 anyway).
-fn read_small<'a>(path: &str, buffer: &'a mut [u8]) -> io::Result<&'a [u8]> {
-    use std::io::Read;
-    let n = std::fs::File::open(path)?.read(buffer)?;
-    if n == buffer.len() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{path}: larger than expected"),
-        ));
-    }
-    Ok(&buffer[..n])
-}
-
-/// Reads a whole `/proc` file, likewise without the `statx`.
+/// Reads a whole `/proc` file without the size-hint `statx` that `std::fs::read` makes
+/// (procfs files report size 0 anyway).
 fn read_all(path: &str) -> io::Result<Vec<u8>> {
     use std::io::Read;
     let mut file = std::fs::File::open(path)?;

@@ -184,19 +184,16 @@ impl SnapshotBuilder {
     fn gpu_contexts(&mut self, warnings: &mut Vec<Warning>) -> (Vec<ComputeContext>, bool) {
         self.ensure_nvml(warnings);
         if let Gpus::Nvml(nvml) = &self.gpus {
-            match nvml
-                .devices()
-                .and_then(|d| Ok((d, nvml.compute_contexts()?)))
-            {
-                Ok((devices, contexts)) => {
+            match nvml.query() {
+                Ok(view) => {
                     self.minor_to_index = Some(
-                        devices
+                        view.devices
                             .iter()
                             .filter_map(|d| Some((d.minor?, d.index)))
                             .collect(),
                     );
-                    self.last_devices = devices;
-                    return (contexts, true);
+                    self.last_devices = view.devices;
+                    return (view.contexts, true);
                 }
                 Err(e) => warnings.push(warning!(
                     "{e}; this cycle enforces the device rules from /proc and skips the memory rule"

@@ -65,12 +65,6 @@ impl GpuProcess {
     }
 }
 
-impl Snapshot {
-    pub fn env(&self, eid: &str) -> Option<&Env> {
-        self.envs.as_ref()?.iter().find(|e| e.eid == eid)
-    }
-}
-
 /// `0,1` as genv joins device indices.
 pub fn join_indices(indices: impl IntoIterator<Item = u32>) -> String {
     indices
