@@ -63,16 +63,11 @@ impl ProcessInspector for Procfs {
             return Ok(stat);
         }
         // First sight, or the process the handle named is gone (its pid may now name
-        // another): open afresh. Without a descriptor to spare, read by path.
-        match StatFile::open(pid) {
-            Ok(file) => {
-                let stat = file.read();
-                *handle = Some(file);
-                stat
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EMFILE) => procfs::stat(pid),
-            Err(e) => Err(e),
-        }
+        // another): open afresh.
+        let file = StatFile::open(pid)?;
+        let stat = file.read();
+        *handle = Some(file);
+        stat
     }
     fn environment_id(&self, pid: u32) -> Result<Option<String>, EnvironError> {
         procfs::environment_id(pid)
@@ -342,7 +337,7 @@ pub(crate) fn assemble_processes(
     let order = python_set_order(contexts.iter().map(|c| c.pid));
     table.known.retain(|pid, _| usage.contains_key(pid));
     table.stat_files.retain(|pid, _| usage.contains_key(pid));
-    let stats = read_stats(&order, inspector, &mut table.stat_files);
+    let stats = read_stats(&order, inspector, &mut table.stat_files, handle_budget());
     let mut processes = Vec::with_capacity(order.len());
     for (pid, stat) in order.into_iter().zip(stats) {
         let Ok(stat) = stat else {
@@ -403,20 +398,41 @@ pub(crate) fn assemble_processes(
 /// few microseconds of kernel formatting) are spread over the machine's cores.
 const PARALLEL_STATS: usize = 256;
 
-/// `/proc/<pid>/stat` of every pid, in order, through the handles kept between cycles.
+/// How many `stat` handles the table may keep: half the soft descriptor limit, so that
+/// reading past the budget (by path, which opens and closes) always finds a descriptor.
+fn handle_budget() -> usize {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    limit.current.map_or(usize::MAX, |n| (n / 2) as usize)
+}
+
+/// `/proc/<pid>/stat` of every pid, in order: through the handles kept between cycles,
+/// and new ones while `budget` allows; beyond it, by path.
 fn read_stats(
     pids: &[u32],
     inspector: &dyn ProcessInspector,
     files: &mut HashMap<u32, Option<StatFile>>,
+    budget: usize,
 ) -> Vec<io::Result<ProcStat>> {
-    let mut work: Vec<(u32, Option<StatFile>)> = pids
+    let mut spare = budget.saturating_sub(files.values().filter(|f| f.is_some()).count());
+    // (pid, its handle, whether it may keep one)
+    let mut work: Vec<(u32, Option<StatFile>, bool)> = pids
         .iter()
-        .map(|pid| (*pid, files.remove(pid).flatten()))
+        .map(|pid| {
+            let handle = files.remove(pid).flatten();
+            let keep = handle.is_some() || spare > 0;
+            if handle.is_none() && keep {
+                spare -= 1;
+            }
+            (*pid, handle, keep)
+        })
         .collect();
-    let read = |chunk: &mut [(u32, Option<StatFile>)]| -> Vec<io::Result<ProcStat>> {
+    let read = |chunk: &mut [(u32, Option<StatFile>, bool)]| -> Vec<io::Result<ProcStat>> {
         chunk
             .iter_mut()
-            .map(|(pid, handle)| inspector.stat_cached(*pid, handle))
+            .map(|(pid, handle, keep)| match keep {
+                true => inspector.stat_cached(*pid, handle),
+                false => inspector.stat(*pid),
+            })
             .collect()
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
@@ -435,7 +451,7 @@ fn read_stats(
                 .collect()
         })
     };
-    files.extend(work);
+    files.extend(work.into_iter().map(|(pid, handle, _)| (pid, handle)));
     stats
 }
 
@@ -694,5 +710,42 @@ mod tests {
         procs.image.fetch_add(1, Relaxed);
         assert_eq!(cycle(&procs), None);
         assert_eq!(procs.environ_reads.load(Relaxed), 2);
+    }
+
+    /// Real handles (on this test's own `stat`), to see how many the table keeps.
+    struct Handles;
+
+    impl ProcessInspector for Handles {
+        fn stat(&self, _: u32) -> io::Result<ProcStat> {
+            procfs::stat(std::process::id())
+        }
+        fn stat_cached(&self, _: u32, handle: &mut Option<StatFile>) -> io::Result<ProcStat> {
+            let file = StatFile::open(std::process::id())?;
+            let stat = file.read();
+            *handle = Some(file);
+            stat
+        }
+        fn environment_id(&self, _: u32) -> Result<Option<String>, EnvironError> {
+            Ok(None)
+        }
+        fn real_uid(&self, _: u32) -> io::Result<u32> {
+            Ok(0)
+        }
+        fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[test]
+    fn keeps_stat_handles_within_the_budget_and_reads_the_rest_by_path() {
+        let mut files = HashMap::new();
+        let pids: Vec<u32> = (100..110).collect();
+        let stats = read_stats(&pids, &Handles, &mut files, 4);
+        assert!(stats.iter().all(Result::is_ok), "every process is read");
+        assert_eq!(files.values().filter(|f| f.is_some()).count(), 4);
+        // Next cycle: the four handles stay, no new ones are opened.
+        let stats = read_stats(&pids, &Handles, &mut files, 4);
+        assert!(stats.iter().all(Result::is_ok));
+        assert_eq!(files.values().filter(|f| f.is_some()).count(), 4);
     }
 }
