@@ -193,17 +193,6 @@ fn daemon_acts_on_a_detach_at_the_next_cycle_and_stops_on_sigterm() {
         Duration::from_secs(20),
     );
     assert_eq!(node.wait_exit(on1, DEATH), Some(libc::SIGTERM));
-    unsafe { libc::kill(daemon.pid() as i32, libc::SIGTERM) };
-    let deadline = std::time::Instant::now() + DEATH;
-    let status = loop {
-        if let Some(status) = daemon.try_wait() {
-            break status;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the daemon must stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = daemon.stop(DEATH).expect("the daemon must stop on SIGTERM");
     assert!(status.success(), "{status:?}");
 }

@@ -219,17 +219,9 @@ impl Node {
 
     /// Waits up to `timeout` for the process to exit; returns the signal that ended it.
     pub fn wait_exit(&mut self, pid: u32, timeout: Duration) -> Option<i32> {
-        let deadline = Instant::now() + timeout;
         let child = self.children.get_mut(&pid).expect("a process of this node");
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                return Some(std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0));
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_for(child, timeout)
+            .map(|status| std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0))
     }
 
     /// The enforcer binary, pointed at this node.
@@ -488,12 +480,24 @@ impl Daemon {
         panic!("no line containing {needle:?} within {timeout:?}; saw {seen:#?}");
     }
 
-    pub fn pid(&self) -> u32 {
-        self.child.id()
+    /// Sends SIGTERM and waits up to `timeout` for the daemon to exit.
+    pub fn stop(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        wait_for(&mut self.child, timeout)
     }
+}
 
-    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().unwrap()
+/// Waits up to `timeout` for `child` to exit.
+fn wait_for(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
