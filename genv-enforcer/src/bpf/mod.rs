@@ -1,5 +1,14 @@
-//! The kernel side's userspace half. So far: the struct offsets the open hook needs, read
-//! from the running kernel's BTF so that no kernel's layout is compiled in. The programs,
-//! their loader and the event intake join with the event-driven mode.
+//! The kernel side's userspace half: the embedded programs ([`object`]), the struct and
+//! tracepoint offsets they need from the running kernel ([`btf`], [`tracefs`],
+//! [`offsets`]), the tiers ([`tier`]) and the loader that picks one ([`loader`]).
+//! Events come out through [`crate::intake`].
 
 pub mod btf;
+pub mod loader;
+mod object;
+pub mod offsets;
+pub mod tier;
+pub mod tracefs;
+
+pub use loader::{KernelPrograms, LoadError, LoadOptions};
+pub use tier::{Tier, TierChoice};

@@ -1,0 +1,33 @@
+//! genv-enforcer's kernel programs.
+//!
+//! - [`lifecycle`]: exec, fork (processes, not threads) and exit (the whole thread
+//!   group), so that the daemon's process table follows the system without `/proc` scans;
+//! - [`open`]: opens of watched GPU device nodes, recognised by the inode's device
+//!   number, never by path, in three tiers: BPF LSM `file_open`, fentry on
+//!   `security_file_open`, and the `open*` syscall exit tracepoints;
+//! - [`maps`]: what they share with the daemon.
+//!
+//! The kernel's struct layout is not compiled in: the daemon reads member offsets from
+//! the running kernel's BTF and writes them into the `OFFSETS` global before loading.
+
+#![cfg_attr(target_arch = "bpf", no_std)]
+#![cfg_attr(target_arch = "bpf", no_main)]
+
+#[cfg(target_arch = "bpf")]
+mod kernel;
+#[cfg(target_arch = "bpf")]
+mod lifecycle;
+#[cfg(target_arch = "bpf")]
+mod maps;
+#[cfg(target_arch = "bpf")]
+mod open;
+
+#[cfg(target_arch = "bpf")]
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    // The verifier rejects any path that could reach here; nothing can panic at run time.
+    loop {}
+}
+
+#[cfg(not(target_arch = "bpf"))]
+fn main() {}

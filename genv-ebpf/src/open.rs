@@ -1,0 +1,122 @@
+//! Opens of GPU device nodes, in the three tiers the daemon chooses from. Every tier
+//! decides by the inode (character device, number in `GPU_NODES`), so symlinks, hard
+//! links, private `mknod`s and `/proc/<pid>/fd` re-opens are all the same node.
+
+use aya_ebpf::helpers::{bpf_get_current_task, bpf_probe_read_kernel};
+use aya_ebpf::macros::{fentry, lsm, tracepoint};
+use aya_ebpf::programs::{FEntryContext, LsmContext, TracePointContext};
+use genv_ebpf_common::{Offsets, hook, kind};
+
+use crate::kernel::{current, read};
+use crate::maps::{GPU_NODES, emit, offsets};
+
+const S_IFMT: u16 = 0o170000;
+const S_IFCHR: u16 = 0o020000;
+/// `FMODE_PATH`: an `O_PATH` descriptor, which cannot reach the driver. Its value has
+/// been part of the kernel's ABI with itself since 2.6.39; BTF does not carry macros.
+const FMODE_PATH: u32 = 1 << 14;
+
+/// The GPU index of the node `file` refers to, if it is a watched GPU node.
+#[inline(always)]
+fn gpu_of(file: *const u8, o: &Offsets) -> Option<(u32, u32)> {
+    let inode: *const u8 = read(file, o.file_f_inode)?;
+    let mode: u16 = read(inode, o.inode_i_mode)?;
+    if mode & S_IFMT != S_IFCHR {
+        return None;
+    }
+    let rdev: u32 = read(inode, o.inode_i_rdev)?;
+    // SAFETY: a plain lookup; the value is copied out at once.
+    let index = unsafe { GPU_NODES.get(&rdev) }.copied()?;
+    Some((rdev, index))
+}
+
+#[inline(always)]
+fn report_open(file: *const u8, tier: u32) {
+    let o = offsets();
+    if let Some((rdev, index)) = gpu_of(file, &o) {
+        let (pid, tid) = current();
+        emit(kind::OPEN, pid, tid, rdev, index, tier);
+    }
+}
+
+/// Tier 1, BPF LSM `file_open`: runs for every open attempt, before the driver's
+/// `open`, whatever the syscall (io_uring and `openat2` included).
+#[lsm(hook = "file_open")]
+pub fn open_lsm(ctx: LsmContext) -> i32 {
+    // An earlier BPF LSM program's verdict stands.
+    let previous: i32 = ctx.arg(1);
+    if previous != 0 {
+        return previous;
+    }
+    report_open(ctx.arg(0), hook::LSM);
+    0
+}
+
+/// Tier 2, fentry on `security_file_open`: the same call site as the LSM hook, where
+/// BPF LSM is not enabled.
+#[fentry(function = "security_file_open")]
+pub fn open_fentry(ctx: FEntryContext) -> u32 {
+    report_open(ctx.arg(0), hook::FENTRY);
+    0
+}
+
+/// Tier 3: the `open`, `openat` and `openat2` syscall exits. Only successful opens
+/// return a descriptor; it is resolved through the task's file table to its inode.
+#[inline(always)]
+fn on_open_exit(ctx: &TracePointContext) {
+    let o = offsets();
+    // SAFETY: the offset comes from the tracepoint's format file.
+    let Ok(ret) = (unsafe { ctx.read_at::<i64>(o.sys_exit_ret as usize) }) else {
+        return;
+    };
+    if ret < 0 || ret > i32::MAX as i64 {
+        return;
+    }
+    let fd = ret as u32;
+    // SAFETY: a helper without arguments; the task is read only through probe reads.
+    let task = unsafe { bpf_get_current_task() } as *const u8;
+    let Some(files) = read::<*const u8>(task, o.task_files) else {
+        return;
+    };
+    let Some(fdt) = read::<*const u8>(files, o.files_fdt) else {
+        return;
+    };
+    let Some(max_fds) = read::<u32>(fdt, o.fdtable_max_fds) else {
+        return;
+    };
+    if fd >= max_fds {
+        return;
+    }
+    let Some(fds) = read::<*const *const u8>(fdt, o.fdtable_fd) else {
+        return;
+    };
+    if fds.is_null() {
+        return;
+    }
+    // SAFETY: a probe read of the descriptor's slot, bounded by max_fds above.
+    let Ok(file) = (unsafe { bpf_probe_read_kernel(fds.wrapping_add(fd as usize)) }) else {
+        return;
+    };
+    match read::<u32>(file, o.file_f_mode) {
+        Some(mode) if mode & FMODE_PATH == 0 => report_open(file, hook::TRACEPOINT),
+        _ => {}
+    }
+}
+
+#[tracepoint]
+pub fn open_exit_open(ctx: TracePointContext) -> u32 {
+    on_open_exit(&ctx);
+    0
+}
+
+#[tracepoint]
+pub fn open_exit_at(ctx: TracePointContext) -> u32 {
+    on_open_exit(&ctx);
+    0
+}
+
+#[tracepoint]
+pub fn open_exit_at2(ctx: TracePointContext) -> u32 {
+    on_open_exit(&ctx);
+    0
+}

@@ -1,0 +1,285 @@
+//! Loading the kernel programs: offsets into the object, lifecycle tracepoints attached,
+//! then the best open tier the kernel accepts (or the one forced). Dropping
+//! [`KernelPrograms`] detaches and unloads everything: nothing outlives the daemon.
+
+use std::error::Error;
+
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::programs::{FEntry, Lsm, ProgramError, RawTracePoint, TracePoint};
+use aya::{Ebpf, EbpfLoader};
+use genv_ebpf_common::{EVENTS_MAP, GPU_NODES_MAP, LOST_MAP, MAX_GPU_NODES, OFFSETS_GLOBAL};
+
+use super::btf::Btf;
+use super::object::OBJECT;
+use super::offsets::{self, OffsetsError};
+use super::tier::{Tier, TierChoice};
+use super::tracefs::{self, TracefsError};
+use crate::backends::devmap::DeviceMap;
+use crate::intake::EventIntake;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Tracefs(#[from] TracefsError),
+    #[error("reading struct offsets: {0}")]
+    Offsets(#[from] OffsetsError),
+    #[error("loading the kernel object: {0}")]
+    Object(String),
+    #[error("program {program}: {message}")]
+    Program {
+        program: &'static str,
+        message: String,
+    },
+    #[error("map {map}: {message}")]
+    Map { map: &'static str, message: String },
+    #[error("no open tier could be loaded: {0}")]
+    NoTier(String),
+}
+
+/// An error with its causes, as one line: aya's outer errors rarely say the errno.
+fn chain(error: &dyn Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    // aya appends the verifier's log, empty when the kernel refused before verifying.
+    let trimmed = text.trim_end();
+    let trimmed = trimmed.strip_suffix("Verifier output:").unwrap_or(trimmed);
+    trimmed.trim_end().trim_end_matches('.').to_owned()
+}
+
+fn program_error(program: &'static str) -> impl Fn(ProgramError) -> LoadError {
+    move |e| LoadError::Program {
+        program,
+        message: chain(&e),
+    }
+}
+
+pub struct LoadOptions {
+    pub choice: TierChoice,
+    /// Ring buffer size in bytes (a power-of-two number of pages); `None` keeps the
+    /// object's 256 KiB.
+    pub ring_bytes: Option<u32>,
+}
+
+/// The loaded programs; the open tier in use; the map of watched nodes.
+pub struct KernelPrograms {
+    /// Owns the programs and their links.
+    _ebpf: Ebpf,
+    tier: Tier,
+    /// Why each better tier was not used.
+    refused: Vec<(Tier, String)>,
+    nodes: BpfHashMap<MapData, u32, u32>,
+    program_ids: Vec<u32>,
+}
+
+impl KernelPrograms {
+    /// Loads everything; `options.choice` must not be `None`.
+    pub fn load(options: &LoadOptions) -> Result<(Self, EventIntake), LoadError> {
+        let tracefs_root = tracefs::ensure_mounted()?;
+        let btf = Btf::from_sys_fs().map_err(OffsetsError::from)?;
+        let offsets = offsets::for_running_kernel(&btf, &tracefs_root)?;
+
+        let mut loader = EbpfLoader::new();
+        loader.override_global(OFFSETS_GLOBAL, &offsets, true);
+        if let Some(bytes) = options.ring_bytes {
+            loader.map_max_entries(EVENTS_MAP, bytes);
+        }
+        let mut ebpf = loader
+            .load(OBJECT)
+            .map_err(|e| LoadError::Object(chain(&e)))?;
+        let mut program_ids = Vec::new();
+
+        attach_lifecycle(&mut ebpf, &mut program_ids)?;
+
+        let mut refused = Vec::new();
+        let mut chosen = None;
+        for &tier in options.choice.candidates() {
+            match attach_open_tier(&mut ebpf, tier, &mut program_ids) {
+                Ok(()) => {
+                    chosen = Some(tier);
+                    break;
+                }
+                Err(reason) => refused.push((tier, reason)),
+            }
+        }
+        let Some(tier) = chosen else {
+            let reasons = refused
+                .iter()
+                .map(|(tier, why)| format!("{tier}: {why}"))
+                .collect::<Vec<_>>()
+                .join("; ");
+            return Err(LoadError::NoTier(reasons));
+        };
+
+        let take = |ebpf: &mut Ebpf, map: &'static str| {
+            ebpf.take_map(map).ok_or(LoadError::Map {
+                map,
+                message: "not in the object".into(),
+            })
+        };
+        let map_error = |map: &'static str| {
+            move |e: aya::maps::MapError| LoadError::Map {
+                map,
+                message: chain(&e),
+            }
+        };
+        let ring =
+            RingBuf::try_from(take(&mut ebpf, EVENTS_MAP)?).map_err(map_error(EVENTS_MAP))?;
+        let lost =
+            PerCpuArray::try_from(take(&mut ebpf, LOST_MAP)?).map_err(map_error(LOST_MAP))?;
+        let nodes = BpfHashMap::try_from(take(&mut ebpf, GPU_NODES_MAP)?)
+            .map_err(map_error(GPU_NODES_MAP))?;
+        let intake = EventIntake::new(ring, lost).map_err(|e| LoadError::Map {
+            map: EVENTS_MAP,
+            message: format!("cannot register with the runtime: {e}"),
+        })?;
+        Ok((
+            Self {
+                _ebpf: ebpf,
+                tier,
+                refused,
+                nodes,
+                program_ids,
+            },
+            intake,
+        ))
+    }
+
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    pub fn refused(&self) -> &[(Tier, String)] {
+        &self.refused
+    }
+
+    /// Kernel ids of the loaded programs (what `bpftool prog` lists).
+    pub fn program_ids(&self) -> &[u32] {
+        &self.program_ids
+    }
+
+    /// Makes the kernel watch exactly the nodes of `map`.
+    pub fn watch_nodes(&mut self, map: &DeviceMap) -> Result<(), LoadError> {
+        let error = |e: aya::maps::MapError| LoadError::Map {
+            map: GPU_NODES_MAP,
+            message: chain(&e),
+        };
+        let wanted: std::collections::HashMap<u32, u32> =
+            map.kernel_entries().take(MAX_GPU_NODES as usize).collect();
+        let stale: Vec<u32> = self
+            .nodes
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|dev| !wanted.contains_key(dev))
+            .collect();
+        for dev in stale {
+            self.nodes.remove(&dev).map_err(error)?;
+        }
+        for (dev, index) in wanted {
+            self.nodes.insert(dev, index, 0).map_err(error)?;
+        }
+        Ok(())
+    }
+}
+
+/// exec, fork and exit: needed on every tier.
+fn attach_lifecycle(ebpf: &mut Ebpf, ids: &mut Vec<u32>) -> Result<(), LoadError> {
+    for (program, category, name) in [
+        ("proc_exec", "sched", "sched_process_exec"),
+        ("proc_exit", "sched", "sched_process_exit"),
+    ] {
+        let error = program_error(program);
+        let tp: &mut TracePoint = program_mut(ebpf, program)?.try_into().map_err(&error)?;
+        tp.load().map_err(&error)?;
+        tp.attach(category, name).map_err(&error)?;
+        ids.push(tp.info().map_err(&error)?.id());
+    }
+    let error = program_error("proc_fork");
+    let raw: &mut RawTracePoint = program_mut(ebpf, "proc_fork")?.try_into().map_err(&error)?;
+    raw.load().map_err(&error)?;
+    raw.attach("sched_process_fork").map_err(&error)?;
+    ids.push(raw.info().map_err(&error)?.id());
+    Ok(())
+}
+
+fn program_mut<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut aya::programs::Program, LoadError> {
+    ebpf.program_mut(program).ok_or(LoadError::Program {
+        program,
+        message: "not in the object".into(),
+    })
+}
+
+/// Loads and attaches one open tier; the reason it was refused otherwise.
+fn attach_open_tier(ebpf: &mut Ebpf, tier: Tier, ids: &mut Vec<u32>) -> Result<(), String> {
+    let describe = |e: ProgramError| chain(&e);
+    match tier {
+        Tier::Lsm => {
+            if let Ok(active) = std::fs::read_to_string("/sys/kernel/security/lsm") {
+                if !active.split(',').any(|lsm| lsm.trim() == "bpf") {
+                    return Err(format!(
+                        "BPF LSM is not active (active LSMs: {}; boot with lsm=...,bpf)",
+                        active.trim()
+                    ));
+                }
+            }
+            let btf = aya::Btf::from_sys_fs().map_err(|e| chain(&e))?;
+            let lsm: &mut Lsm = program_mut(ebpf, "open_lsm")
+                .map_err(|e| e.to_string())?
+                .try_into()
+                .map_err(describe)?;
+            lsm.load("file_open", &btf).map_err(describe)?;
+            lsm.attach().map_err(describe)?;
+            ids.push(lsm.info().map_err(describe)?.id());
+        }
+        Tier::Fentry => {
+            let btf = aya::Btf::from_sys_fs().map_err(|e| chain(&e))?;
+            let fentry: &mut FEntry = program_mut(ebpf, "open_fentry")
+                .map_err(|e| e.to_string())?
+                .try_into()
+                .map_err(describe)?;
+            fentry.load("security_file_open", &btf).map_err(describe)?;
+            fentry.attach().map_err(describe)?;
+            ids.push(fentry.info().map_err(describe)?.id());
+        }
+        Tier::Tracepoint => {
+            let mut attached = 0;
+            let mut missing = Vec::new();
+            for (program, name) in [
+                ("open_exit_at", "sys_exit_openat"),
+                ("open_exit_at2", "sys_exit_openat2"),
+                ("open_exit_open", "sys_exit_open"),
+            ] {
+                let tp: &mut TracePoint = program_mut(ebpf, program)
+                    .map_err(|e| e.to_string())?
+                    .try_into()
+                    .map_err(describe)?;
+                tp.load().map_err(describe)?;
+                match tp.attach("syscalls", name) {
+                    Ok(_) => {
+                        attached += 1;
+                        ids.push(tp.info().map_err(describe)?.id());
+                    }
+                    // Some architectures have no open(2); openat is what matters.
+                    Err(e) if name != "sys_exit_openat" => {
+                        missing.push(format!("{name}: {}", describe(e)))
+                    }
+                    Err(e) => return Err(format!("{name}: {}", describe(e))),
+                }
+            }
+            if attached == 0 {
+                return Err(missing.join("; "));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,45 @@
+//! The [`Offsets`] the programs need, from this kernel's BTF and tracefs.
+
+use std::path::Path;
+
+use genv_ebpf_common::Offsets;
+
+use super::btf::{Btf, BtfError};
+use super::tracefs::{self, TracefsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum OffsetsError {
+    #[error(transparent)]
+    Btf(#[from] BtfError),
+    #[error(transparent)]
+    Tracefs(#[from] TracefsError),
+}
+
+pub fn for_running_kernel(btf: &Btf, tracefs_root: &Path) -> Result<Offsets, OffsetsError> {
+    let member = |s: &str, m: &str| btf.member_offset(s, m);
+    Ok(Offsets {
+        task_pid: member("task_struct", "pid")?,
+        task_tgid: member("task_struct", "tgid")?,
+        task_files: member("task_struct", "files")?,
+        files_fdt: member("files_struct", "fdt")?,
+        fdtable_max_fds: member("fdtable", "max_fds")?,
+        fdtable_fd: member("fdtable", "fd")?,
+        file_f_inode: member("file", "f_inode")?,
+        file_f_mode: member("file", "f_mode")?,
+        inode_i_mode: member("inode", "i_mode")?,
+        inode_i_rdev: member("inode", "i_rdev")?,
+        sys_exit_ret: tracefs::required_field_offset(
+            tracefs_root,
+            "syscalls",
+            "sys_exit_openat",
+            "ret",
+        )?,
+        exit_group_dead: tracefs::field_offset(
+            tracefs_root,
+            "sched",
+            "sched_process_exit",
+            "group_dead",
+        )?
+        .unwrap_or(Offsets::ABSENT),
+    })
+}

@@ -1,0 +1,8 @@
+//! Event intake: the kernel programs' ring buffer read asynchronously ([`ring`]), its
+//! records checked and turned into typed events ([`event`]).
+
+mod event;
+mod ring;
+
+pub use event::{GpuOpen, KernelEvent, UnknownEvent};
+pub use ring::EventIntake;

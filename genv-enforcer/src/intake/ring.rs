@@ -1,0 +1,67 @@
+//! The ring buffer, read when the kernel says it has data, and the count of events it had
+//! no room for.
+
+use std::io;
+
+use aya::maps::{MapData, PerCpuArray, RingBuf};
+use genv_ebpf_common::RawEvent;
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+
+use super::{KernelEvent, UnknownEvent};
+
+pub struct EventIntake {
+    ring: AsyncFd<RingBuf<MapData>>,
+    lost: PerCpuArray<MapData, u64>,
+    lost_seen: u64,
+}
+
+impl EventIntake {
+    /// Must be called inside a tokio runtime with I/O enabled.
+    pub fn new(ring: RingBuf<MapData>, lost: PerCpuArray<MapData, u64>) -> io::Result<Self> {
+        Ok(Self {
+            // SAFETY: the ring buffer owns its map descriptor for as long as it lives, and
+            // the AsyncFd owns the ring buffer.
+            ring: unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }?,
+            lost,
+            lost_seen: 0,
+        })
+    }
+
+    /// Waits until the ring buffer has records, then moves them all into `events`;
+    /// records the daemon cannot decode go to `unknown`.
+    pub async fn next_batch(
+        &mut self,
+        events: &mut Vec<KernelEvent>,
+        unknown: &mut Vec<UnknownEvent>,
+    ) -> io::Result<()> {
+        let mut guard = self.ring.readable_mut().await?;
+        let ring = guard.get_inner_mut();
+        while let Some(item) = ring.next() {
+            if item.len() < size_of::<RawEvent>() {
+                continue;
+            }
+            // SAFETY: the record holds at least one RawEvent, written by our programs;
+            // read unaligned since the ring gives no alignment promise for our type.
+            let raw: RawEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+            match KernelEvent::try_from(raw) {
+                Ok(event) => events.push(event),
+                Err(e) => unknown.push(e),
+            }
+        }
+        guard.clear_ready();
+        Ok(())
+    }
+
+    /// Events lost since the last call (the ring buffer was full).
+    pub fn newly_lost(&mut self) -> u64 {
+        let total: u64 = match self.lost.get(&0, 0) {
+            Ok(per_cpu) => per_cpu.iter().sum(),
+            // Unreadable: assume nothing new; the next read catches up.
+            Err(_) => return 0,
+        };
+        let new = total.saturating_sub(self.lost_seen);
+        self.lost_seen = total;
+        new
+    }
+}
