@@ -1,9 +1,12 @@
-//! One full enforcement cycle, as genv runs it: snapshot under the global lock, all
-//! rules, then one execution phase under the lock again.
+//! Enforcement checks. The full cycle is genv's: snapshot under the global lock, all
+//! rules, then one execution phase under the lock again. The event-driven daemon also
+//! runs narrower checks of the same snapshot (see [`Scope`]).
+
+use std::collections::HashSet;
 
 use crate::actions::Executor;
 use crate::report::Report;
-use crate::rules::{self, Rules, Survey};
+use crate::rules::{self, Finding, Rules, Survey};
 use crate::snapshot::{Snapshot, SnapshotBuilder};
 
 pub struct Enforcer {
@@ -12,12 +15,24 @@ pub struct Enforcer {
     pub executor: Executor,
 }
 
-/// What a cycle saw and did, for callers that count (tests, benchmarks, status).
+/// Which rules look at which processes.
+#[derive(Clone, Copy, Debug)]
+pub enum Scope<'a> {
+    /// genv's cycle: every enabled rule over every process.
+    Full,
+    /// After GPU opens: the non-env and env-devices rules for these processes, and the
+    /// memory rule for the environments they are in.
+    Opened(&'a HashSet<u32>),
+    /// The memory poll: the memory rule alone.
+    Memory,
+}
+
+/// What a check saw and did, for callers that count (tests, benchmarks, status).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CycleSummary {
     pub processes: usize,
     pub findings: usize,
-    pub terminated: usize,
+    pub terminated: Vec<u32>,
     pub detached: usize,
 }
 
@@ -33,9 +48,16 @@ impl Enforcer {
         Ok(snapshot)
     }
 
-    /// Runs one cycle. Nothing here ends the daemon: a lock that cannot be taken is
-    /// reported and the cycle skipped.
+    /// Runs one full cycle.
     pub fn cycle(&mut self) -> CycleSummary {
+        self.check(Scope::Full, &HashSet::new())
+    }
+
+    /// Runs one check. Processes in `settled` (already terminated by a recent check) are
+    /// left out of the narrow scopes, so that a dying process is neither signalled twice
+    /// nor counted against its environment's memory. Nothing here ends the daemon: a
+    /// lock that cannot be taken is reported and the check skipped.
+    pub fn check(&mut self, scope: Scope<'_>, settled: &HashSet<u32>) -> CycleSummary {
         let snapshot = match self.snapshot() {
             Ok(snapshot) => snapshot,
             Err(e) => {
@@ -46,11 +68,11 @@ impl Enforcer {
                 return CycleSummary::default();
             }
         };
+        let findings = self.findings(&snapshot, scope, settled);
         let surveys = [Survey {
             hostname: None,
             snapshot: &snapshot,
         }];
-        let findings = rules::check(&surveys, &self.rules);
         for finding in &findings {
             println!("{}", finding.line(&[None]));
         }
@@ -58,13 +80,66 @@ impl Enforcer {
         let summary = CycleSummary {
             processes: snapshot.processes.len(),
             findings: findings.len(),
-            terminated: report.terminate.len(),
+            terminated: report.terminate.iter().map(|p| p.pid).collect(),
             detached: report.detach.iter().map(|d| d.envs.len()).sum(),
         };
         if !report.is_empty() {
             self.execute(&report);
         }
         summary
+    }
+
+    fn findings(
+        &self,
+        snapshot: &Snapshot,
+        scope: Scope<'_>,
+        settled: &HashSet<u32>,
+    ) -> Vec<Finding> {
+        let run = |snapshot: &Snapshot, rules: &Rules| {
+            rules::check(
+                &[Survey {
+                    hostname: None,
+                    snapshot,
+                }],
+                rules,
+            )
+        };
+        let only = |keep: &dyn Fn(&crate::snapshot::GpuProcess) -> bool| {
+            let mut narrowed = snapshot.clone();
+            narrowed
+                .processes
+                .retain(|p| !settled.contains(&p.pid) && keep(p));
+            narrowed
+        };
+        let memory_rule = Rules {
+            non_env_processes: false,
+            env_devices: false,
+            env_memory: self.rules.env_memory,
+            max_devices_per_user: None,
+        };
+        match scope {
+            Scope::Full => run(snapshot, &self.rules),
+            Scope::Opened(pids) => {
+                let opened = only(&|p| pids.contains(&p.pid));
+                let process_rules = Rules {
+                    env_memory: false,
+                    max_devices_per_user: None,
+                    ..self.rules.clone()
+                };
+                let mut findings = run(&opened, &process_rules);
+                let envs: HashSet<&str> = opened
+                    .processes
+                    .iter()
+                    .filter_map(|p| p.eid.as_deref())
+                    .collect();
+                if !envs.is_empty() {
+                    let in_envs = only(&|p| p.eid.as_deref().is_some_and(|e| envs.contains(e)));
+                    findings.extend(run(&in_envs, &memory_rule));
+                }
+                findings
+            }
+            Scope::Memory => run(&only(&|_| true), &memory_rule),
+        }
     }
 
     /// Carries out a report under genv's global lock.

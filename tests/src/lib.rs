@@ -5,16 +5,20 @@
 //! its real binary against it, loading the fake NVML through `--nvml-lib`'s environment
 //! variable, exactly as it loads the real library. [`Genv`] runs the real genv 1.4.3
 //! (installed from PyPI into a private venv) against the same node, through a mock
-//! `nvidia-smi` that reads the same configuration.
+//! `nvidia-smi` that reads the same configuration. [`events`] adds what the
+//! event-driven tests need: a device node that opens without a driver, and the daemon
+//! started with its kernel programs.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+
+pub mod events;
 
 pub const MIB: u64 = 1024 * 1024;
 
@@ -156,6 +160,7 @@ impl Node {
         command
             .args(args)
             .stdout(Stdio::piped())
+            .stdin(Stdio::piped())
             .env_remove("GENV_ENVIRONMENT_ID");
         if let Some(eid) = eid {
             command.env("GENV_ENVIRONMENT_ID", eid);
@@ -170,6 +175,22 @@ impl Node {
             .unwrap();
         assert_eq!(line.trim(), "ready", "gpu-process did not start");
         self.adopt(child, usage)
+    }
+
+    /// Lets a helper started with `--wait-stdin` do its opens; returns once it has.
+    pub fn release(&mut self, pid: u32) {
+        let child = self.children.get_mut(&pid).expect("a process of this node");
+        child
+            .stdin
+            .as_mut()
+            .expect("started with a piped stdin")
+            .write_all(b"go\n")
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "opened", "gpu-process did not open");
     }
 
     /// Lists an already-running process (started by the test itself) as a compute
@@ -478,6 +499,10 @@ impl Daemon {
             }
         }
         panic!("no line containing {needle:?} within {timeout:?}; saw {seen:#?}");
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Sends SIGTERM and waits up to `timeout` for the daemon to exit.

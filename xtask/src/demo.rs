@@ -1,25 +1,32 @@
-//! `cargo xtask demo`: the enforcer on a simulated GPU node, no GPU needed.
+//! `cargo xtask demo`: the event-driven enforcer on a simulated GPU node, no GPU needed.
 //!
 //! Two fake GPUs (the test suite's fake NVML stands in for libnvidia-ml.so), a genv
-//! environment attached to GPU 0 with one process on it, a process of that environment
-//! straying onto GPU 1, and a rogue process outside any environment on GPU 1. The
-//! enforcer runs one cycle, as `genv enforce --interval 0 --non-env-processes` would.
+//! environment attached to GPU 0 with a process on it, and a device node standing in for
+//! GPU 1 (`/dev/full`'s number, which opens without an NVIDIA driver). The enforcer runs
+//! `enforce --event-driven --non-env-processes`; then a rogue process outside any
+//! environment opens GPU 1, and a process of the environment strays onto it. The demo
+//! shows the daemon's lines and measures how long each intruder lived after its open.
 
+use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
-use serde_json::json;
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
 
 use crate::{cargo, run as run_command};
 
-struct Proc {
-    name: &'static str,
-    child: Child,
-}
+const GPU1_NODE: &str = "1:7=1";
 
 pub fn run(root: &Path) -> Result<()> {
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "the demo loads kernel programs and makes a device node: run `sudo -E cargo xtask demo`"
+        );
+    }
+    crate::toolchain::ensure_ebpf_toolchain()?;
     run_command(&mut cargo(&[
         "build",
         "-q",
@@ -27,35 +34,54 @@ pub fn run(root: &Path) -> Result<()> {
         "genv-enforcer",
         "-p",
         "fake-nvml",
+        "-p",
+        "genv-enforcer-tests",
+        "--bin",
+        "genv-enforcer",
+        "--bin",
+        "gpu-process",
+        "--lib",
     ]))?;
     let target = root.join("target/debug");
     let dir = std::env::temp_dir().join(format!("genv-enforcer-demo-{}", std::process::id()));
     let state = dir.join("genv");
     std::fs::create_dir_all(&state)?;
+    let result = demo(&target, &dir, &state);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
 
-    let sleeper = |eid: Option<&str>| -> Result<Child> {
-        let mut command = Command::new("sleep");
-        command.arg("600").env_remove("GENV_ENVIRONMENT_ID");
+fn demo(target: &Path, dir: &Path, state: &Path) -> Result<()> {
+    let gpu1 = dir.join("nvidia1");
+    let c_path = std::ffi::CString::new(gpu1.to_str().unwrap())?;
+    if unsafe { libc::mknod(c_path.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 7)) } != 0 {
+        bail!(
+            "mknod {}: {}",
+            gpu1.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    let helper = |eid: Option<&str>| -> Result<(Child, ChildStdout)> {
+        let mut command = Command::new(target.join("gpu-process"));
+        command
+            .args(["--wait-stdin", "--open", gpu1.to_str().unwrap()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .env_remove("GENV_ENVIRONMENT_ID");
         if let Some(eid) = eid {
             command.env("GENV_ENVIRONMENT_ID", eid);
         }
-        command.spawn().context("starting a demo process")
+        let mut child = command.spawn().context("starting a demo process")?;
+        let mut stdout = child.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(&mut stdout).read_line(&mut line)?;
+        Ok((child, stdout))
     };
-    let shell = sleeper(None)?;
-    let mut procs = vec![
-        Proc {
-            name: "in env `demo` on its GPU 0",
-            child: sleeper(Some("demo"))?,
-        },
-        Proc {
-            name: "in env `demo` on GPU 1 (not attached)",
-            child: sleeper(Some("demo"))?,
-        },
-        Proc {
-            name: "outside any environment on GPU 1",
-            child: sleeper(None)?,
-        },
-    ];
+    // (Their stdout stays open: they print `opened` after opening.)
+    let (mut shell, _shell_out) = helper(None)?;
+    let (mut worker, _worker_out) = helper(Some("demo"))?;
+    let (mut rogue, _rogue_out) = helper(None)?;
+    let (mut stray, _stray_out) = helper(Some("demo"))?;
     let uid = unsafe { libc::getuid() };
     std::fs::write(
         state.join("envs.json"),
@@ -71,55 +97,144 @@ pub fn run(root: &Path) -> Result<()> {
             {"index": 1, "total_memory": "16384mi", "attachments": []}]}))?,
     )?;
     let nvml = dir.join("nvml.json");
-    std::fs::write(
-        &nvml,
-        json!({"devices": [
+    let context = |child: &Child, gpu: u32| json!({"pid": child.id(), "gpu": gpu, "used_memory": 512u64 << 20});
+    let nvml_config = |processes: Vec<Value>| -> Result<()> {
+        let config: Value = json!({"devices": [
                 {"uuid": "GPU-demo-0", "minor": 0, "total_memory": 16u64 << 30},
                 {"uuid": "GPU-demo-1", "minor": 1, "total_memory": 16u64 << 30}],
-               "processes": [
-                {"pid": procs[0].child.id(), "gpu": 0, "used_memory": 512u64 << 20},
-                {"pid": procs[1].child.id(), "gpu": 1, "used_memory": 512u64 << 20},
-                {"pid": procs[2].child.id(), "gpu": 1, "used_memory": 1u64 << 30}]})
-        .to_string(),
-    )?;
+            "processes": processes});
+        let temporary = dir.join("nvml.json.new");
+        std::fs::write(&temporary, config.to_string())?;
+        Ok(std::fs::rename(&temporary, &nvml)?)
+    };
+    nvml_config(vec![context(&worker, 0)])?;
 
     println!("Simulated GPU node in {}", dir.display());
     println!(
-        "  GPUs: 0 and 1 (fake NVML: {})",
-        target.join("libnvidia_ml_fake.so").display()
+        "  GPUs 0 and 1 (fake NVML); {} stands in for GPU 1's device node",
+        gpu1.display()
     );
     println!("  genv environment `demo` of user demo-user, attached to GPU 0");
-    for p in &procs {
-        println!("  process {:>7}: {}", p.child.id(), p.name);
-    }
-    println!("\n$ genv-enforcer enforce --interval 0 --non-env-processes");
-    let start = Instant::now();
-    let status = Command::new(target.join("genv-enforcer"))
-        .args(["enforce", "--interval", "0", "--non-env-processes"])
-        .env("GENV_TMPDIR", &state)
+    println!("  process {:>7}: in `demo`, on GPU 0", worker.id());
+    let args = [
+        "enforce",
+        "--event-driven",
+        "--non-env-processes",
+        "--verbose",
+        "--interval",
+        "5",
+        "--gpu-node",
+        GPU1_NODE,
+        "--run-dir",
+    ];
+    println!("\n$ genv-enforcer {} {}/run", args.join(" "), dir.display());
+    let mut daemon = Command::new(target.join("genv-enforcer"))
+        .args(args)
+        .arg(dir.join("run"))
+        .env("GENV_TMPDIR", state)
         .env("GENV_FAKE_NVML_CONFIG", &nvml)
         .env(
             "GENV_ENFORCER_NVML_LIB",
             target.join("libnvidia_ml_fake.so"),
         )
-        .status()?;
-    let elapsed = start.elapsed();
-    std::thread::sleep(Duration::from_millis(100));
-    println!(
-        "\n(one cycle, {:.1} ms, exit {status})",
-        elapsed.as_secs_f64() * 1e3
-    );
-    for p in &mut procs {
-        let fate = match p.child.try_wait()? {
-            Some(status) => format!("terminated ({status})"),
-            None => "still running".to_owned(),
+        .env_remove("GENV_TERMINATE_PROCESSES")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let lines = stream(&mut daemon);
+    wait_for(&lines, "Watching GPU nodes", Duration::from_secs(60))?;
+    // The intruders become GPU processes before they open, so that what is measured is
+    // the enforcer's reaction to the open, not CUDA's start-up.
+    nvml_config(vec![
+        context(&worker, 0),
+        context(&rogue, 1),
+        context(&stray, 1),
+    ])?;
+
+    for (what, child) in [
+        ("a process outside any environment opens GPU 1", &mut rogue),
+        (
+            "a process of `demo` opens GPU 1, not attached to it",
+            &mut stray,
+        ),
+    ] {
+        std::thread::sleep(Duration::from_millis(300));
+        println!("\n# {what} (pid {})", child.id());
+        let opened = Instant::now();
+        child.stdin.as_mut().unwrap().write_all(b"go\n")?;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            if opened.elapsed() > Duration::from_secs(30) {
+                bail!(
+                    "process {} is still running 30 s after its open",
+                    child.id()
+                );
+            }
+            std::thread::sleep(Duration::from_micros(200));
         };
-        println!("  process {:>7} {}: {fate}", p.child.id(), p.name);
+        let lived = opened.elapsed();
+        std::thread::sleep(Duration::from_millis(100));
+        println!(
+            "  -> ended by {status} {:.1} ms after it was told to open (genv polls every 10 s)",
+            lived.as_secs_f64() * 1e3
+        );
     }
-    for mut child in procs.into_iter().map(|p| p.child).chain([shell]) {
+    std::thread::sleep(Duration::from_millis(300));
+    println!(
+        "\n  process {:>7} (in `demo`, on its own GPU 0): {}",
+        worker.id(),
+        if worker.try_wait()?.is_none() {
+            "still running"
+        } else {
+            "ENDED (unexpected)"
+        }
+    );
+    println!(
+        "\n$ kill -TERM {}  # the daemon detaches its programs and exits",
+        daemon.id()
+    );
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
+    let status = daemon.wait()?;
+    std::thread::sleep(Duration::from_millis(100));
+    println!("  (daemon exited: {status})");
+    for child in [&mut shell, &mut worker, &mut rogue, &mut stray] {
         let _ = child.kill();
         let _ = child.wait();
     }
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
+}
+
+/// The daemon's stdout and stderr, printed as they come and kept for matching.
+fn stream(daemon: &mut Child) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    let out: Box<dyn std::io::Read + Send> = Box::new(daemon.stdout.take().unwrap());
+    let err: Box<dyn std::io::Read + Send> = Box::new(daemon.stderr.take().unwrap());
+    for stream in [out, err] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                println!("  | {line}");
+                let _ = tx.send(line);
+            }
+        });
+    }
+    rx
+}
+
+fn wait_for(lines: &mpsc::Receiver<String>, needle: &str, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        match lines.recv_timeout(left) {
+            Ok(line) if line.contains(needle) => return Ok(()),
+            Ok(line) if line.contains("No BPF tier could be loaded") => {
+                println!("  (no kernel tier here: the full cycle every 5 s does the work)");
+                return Ok(());
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    bail!("the daemon did not start (no {needle:?} line)")
 }

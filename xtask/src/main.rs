@@ -4,12 +4,16 @@
 //!   lints, builds every artefact the end-to-end tests run (the enforcer, the fake NVML,
 //!   the helper process), then runs every test. The real genv 1.4.3 is installed from
 //!   PyPI into `target/genv-venv` on first use.
-//! - `demo`: a simulated GPU node with no GPU: the fake NVML, a genv environment, a
-//!   rogue process, and what the enforcer does about it.
+//! - `demo`: the event-driven enforcer on a simulated GPU node with no GPU: the fake
+//!   NVML, a genv environment, intruders opening a GPU node, and how fast they end.
+//! - `build-ebpf`: the kernel programs' object alone (the enforcer's build script builds
+//!   and embeds it too). `test`, `demo` and `build-ebpf` first install what building it
+//!   needs ([`toolchain`]).
 //! - `bench`: one full enforcement cycle with 0, 100 and 1,000 GPU processes; writes the
 //!   table to `docs/bench.md`.
 
 mod demo;
+mod toolchain;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,7 +26,8 @@ fn main() -> Result<()> {
         Some("test") => test(&args[1..]),
         Some("demo") => demo::run(&root()),
         Some("bench") => bench(),
-        _ => bail!("usage: cargo xtask <test [-- cargo test args] | demo | bench>"),
+        Some("build-ebpf") => toolchain::build_ebpf(&root()),
+        _ => bail!("usage: cargo xtask <test [-- cargo test args] | demo | bench | build-ebpf>"),
     }
 }
 
@@ -57,6 +62,7 @@ fn test(extra: &[String]) -> Result<()> {
         bail!("the test suite needs root (mknod, other uids): run `sudo -E cargo xtask test`");
     }
     ensure_python_venv()?;
+    toolchain::ensure_ebpf_toolchain()?;
     run(&mut cargo(&["fmt", "--all", "--", "--check"]))?;
     run(&mut cargo(&[
         "clippy",
@@ -100,6 +106,7 @@ fn which(program: &str) -> Result<()> {
 }
 
 fn bench() -> Result<()> {
+    toolchain::ensure_ebpf_toolchain()?;
     run(&mut cargo(&["build", "--release", "-p", "fake-nvml"]))?;
     let lib = root().join("target/release/libnvidia_ml_fake.so");
     let output = cargo(&[

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::backends::devmap::NodeOverride;
 use crate::backends::nvml::DEFAULT_LIBRARY;
+use crate::bpf::TierChoice;
 use crate::snapshot::SnapshotJson;
 
 #[derive(Debug, Parser)]
@@ -27,7 +29,16 @@ pub enum Command {
     /// Take a usage snapshot or execute a report (genv usage), wire-compatible with genv.
     #[command(subcommand)]
     Usage(UsageCommand),
+    /// Show what a running event-driven enforcer is doing (tier, programs, counters).
+    Status {
+        /// The running enforcer's runtime directory.
+        #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_RUN_DIR", default_value = DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
+    },
 }
+
+/// Where the event-driven daemon keeps its instance lock and status file.
+pub const DEFAULT_RUN_DIR: &str = "/run/genv-enforcer";
 
 #[derive(Debug, Subcommand)]
 pub enum UsageCommand {
@@ -98,6 +109,50 @@ pub struct EnforceArgs {
 
     #[command(flatten)]
     pub sources: SourceArgs,
+
+    #[command(flatten)]
+    pub events: EventArgs,
+}
+
+/// The event-driven mode: kernel programs report GPU opens and process lifecycle.
+#[derive(Debug, Args)]
+pub struct EventArgs {
+    /// React to GPU opens and state-file changes as they happen (eBPF), with the full
+    /// cycle every --interval as a safety net.
+    #[arg(long)]
+    pub event_driven: bool,
+
+    /// Which kernel tier watches GPU opens: the best the kernel accepts (auto), a forced
+    /// one (an error if the kernel refuses it), or none (the full cycle alone).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "TIER",
+        default_value = "auto",
+        requires = "event_driven"
+    )]
+    pub bpf_tier: TierChoice,
+
+    /// Seconds between NVML memory polls (fractions allowed).
+    #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = positive_seconds, requires = "event_driven")]
+    pub memory_interval: f64,
+
+    /// Treat device node MAJOR:MINOR as GPU INDEX (repeatable), in addition to what
+    /// /proc/devices and NVML's minor numbers say.
+    #[arg(long, value_name = "MAJOR:MINOR=INDEX", action = clap::ArgAction::Append, requires = "event_driven")]
+    pub gpu_node: Vec<NodeOverride>,
+
+    /// Runtime directory: the single-instance lock and the status file.
+    #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_RUN_DIR", default_value = DEFAULT_RUN_DIR)]
+    pub run_dir: PathBuf,
+
+    /// Print each GPU open the kernel reports, and how long each reaction took.
+    #[arg(long, short, requires = "event_driven")]
+    pub verbose: bool,
+
+    /// Ring buffer size in bytes (a power of two, at least 4096).
+    #[arg(long, value_name = "BYTES", value_parser = ring_bytes, hide = true, requires = "event_driven")]
+    pub ring_buffer_bytes: Option<u32>,
 }
 
 /// How reports are carried out.
@@ -128,6 +183,20 @@ fn non_negative_seconds(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(s) if s.is_finite() && s >= 0.0 => Ok(s),
         _ => Err(format!("{text:?} is not a number of seconds (0 or more)")),
+    }
+}
+
+fn positive_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 => Ok(s),
+        _ => Err(format!("{text:?} is not a number of seconds above 0")),
+    }
+}
+
+fn ring_bytes(text: &str) -> Result<u32, String> {
+    match text.parse::<u32>() {
+        Ok(n) if n >= 4096 && n.is_power_of_two() => Ok(n),
+        _ => Err(format!("{text:?} is not a power of two of at least 4096")),
     }
 }
 
@@ -191,6 +260,19 @@ mod tests {
         );
         let err = enforce(&["--interval", "-1"]).unwrap_err().to_string();
         assert!(err.contains("--interval"), "{err}");
+        let err = enforce(&["--event-driven", "--gpu-node", "195:0"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--gpu-node") && err.contains("MAJOR:MINOR=INDEX"),
+            "{err}"
+        );
+        let err = enforce(&["--event-driven", "--memory-interval", "0"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--memory-interval"), "{err}");
+        let err = enforce(&["--bpf-tier", "lsm"]).unwrap_err().to_string();
+        assert!(err.contains("--event-driven"), "{err}");
         let err = enforce(&["--max-devices-per-user", "-1"])
             .unwrap_err()
             .to_string();

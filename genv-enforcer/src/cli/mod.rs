@@ -5,13 +5,15 @@ pub mod args;
 
 use std::io::Read;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Parser;
 
 use crate::actions::{Executor, ExecutorConfig};
 use crate::cycle::Enforcer;
+use crate::daemon;
+use crate::daemon::event_driven::Settings;
 use crate::report::Report;
 use crate::rules::{DeviceLimit, Rules};
 use crate::snapshot::{EnvPolicy, SnapshotBuilder};
@@ -32,6 +34,7 @@ pub fn main() -> ExitCode {
 pub fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Enforce(args) => enforce(args),
+        Command::Status { run_dir } => daemon::status::show(&run_dir),
         Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
             let mut builder = builder(&sources, EnvPolicy::default());
             let lock = builder
@@ -116,6 +119,11 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
         rules: rules(&args),
         executor: Executor::new(executor_config(&args.execution)),
     };
+    if args.interval == 0.0 && args.events.event_driven {
+        bail!(
+            "--event-driven needs a daemon: give --interval a value above 0 (the full cycle's period)"
+        );
+    }
     if args.interval == 0.0 {
         enforcer.cycle();
         enforcer.executor.finish();
@@ -126,7 +134,20 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
         .enable_io()
         .build()
         .context("starting the runtime")?;
-    runtime.block_on(daemon(enforcer, Duration::from_secs_f64(args.interval)))
+    let interval = Duration::from_secs_f64(args.interval);
+    if !args.events.event_driven {
+        return runtime.block_on(daemon::polling::run(enforcer, interval));
+    }
+    let settings = Settings {
+        interval,
+        memory_interval: Duration::from_secs_f64(args.events.memory_interval),
+        tier: args.events.bpf_tier,
+        ring_bytes: args.events.ring_buffer_bytes,
+        gpu_nodes: args.events.gpu_node,
+        run_dir: args.events.run_dir,
+        verbose: args.events.verbose,
+    };
+    runtime.block_on(daemon::event_driven::run(enforcer, settings))
 }
 
 /// The process table keeps one `/proc/<pid>/stat` descriptor per GPU process; the
@@ -139,31 +160,4 @@ fn raise_open_file_limit() {
         limit.current = limit.maximum;
         let _ = setrlimit(Resource::Nofile, limit);
     }
-}
-
-/// Cycles every `interval` until SIGINT or SIGTERM, escalating to SIGKILL on time in
-/// between.
-async fn daemon(mut enforcer: Enforcer, interval: Duration) -> Result<ExitCode> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut next_cycle = Instant::now();
-    loop {
-        let now = Instant::now();
-        if now >= next_cycle {
-            enforcer.cycle();
-            next_cycle = now + interval;
-        }
-        enforcer.executor.escalate(Instant::now());
-        let wake = enforcer
-            .executor
-            .next_deadline()
-            .map_or(next_cycle, |deadline| deadline.min(next_cycle));
-        tokio::select! {
-            _ = tokio::time::sleep_until(wake.into()) => {}
-            _ = sigterm.recv() => break,
-            _ = sigint.recv() => break,
-        }
-    }
-    Ok(ExitCode::SUCCESS)
 }

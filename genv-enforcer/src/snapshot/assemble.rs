@@ -147,6 +147,19 @@ impl SnapshotBuilder {
         &self.state
     }
 
+    /// The devices NVML listed at the last snapshot (empty before one, or without NVML).
+    pub fn devices(&self) -> &[GpuInfo] {
+        &self.last_devices
+    }
+
+    /// The kernel reported that `pid` exec'd or exited: what was read of it no longer
+    /// holds. (Each snapshot also re-validates by start time and exec fingerprint; the
+    /// events make that a formality.)
+    pub fn forget(&mut self, pid: u32) {
+        self.table.known.remove(&pid);
+        self.table.stat_files.remove(&pid);
+    }
+
     /// Loads NVML if it is not loaded; says once that it is missing, and once that it is
     /// back.
     fn ensure_nvml(&mut self, warnings: &mut Vec<Warning>) {

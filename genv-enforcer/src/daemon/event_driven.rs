@@ -1,0 +1,376 @@
+//! The event-driven daemon. Triggers, and what each runs:
+//! - a GPU open reported by the kernel → the process is watched, and checked (non-env and
+//!   env-devices rules, memory for its environment) at once and at growing intervals
+//!   while its window lasts ([`super::watchlist`]);
+//! - a write to `envs.json` or `devices.json` → a full cycle at once;
+//! - every `--memory-interval` → the memory rule;
+//! - every `--interval`, and whenever the kernel lost events → a full cycle;
+//! - exec and exit events keep the process table current.
+
+use std::collections::{HashMap, HashSet};
+use std::process::ExitCode;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Result, bail};
+
+use super::StopSignals;
+use super::instance::Instance;
+use super::state_watch::StateWatch;
+use super::status::Status;
+use super::watchlist::Watchlist;
+use crate::backends::devmap::{DeviceMap, NodeOverride};
+use crate::backends::procfs;
+use crate::bpf::{KernelPrograms, LoadOptions, TierChoice};
+use crate::cycle::{CycleSummary, Enforcer, Scope};
+use crate::intake::{EventIntake, KernelEvent, UnknownEvent};
+
+pub struct Settings {
+    pub interval: Duration,
+    pub memory_interval: Duration,
+    pub tier: TierChoice,
+    pub ring_bytes: Option<u32>,
+    pub gpu_nodes: Vec<NodeOverride>,
+    pub run_dir: std::path::PathBuf,
+    pub verbose: bool,
+}
+
+/// How long a process terminated by a narrow check is left out of the next ones.
+const SETTLE: Duration = Duration::from_secs(2);
+/// How often the status file is rewritten at most.
+const STATUS_EVERY: Duration = Duration::from_secs(1);
+
+pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
+    let mut stop = StopSignals::install()?;
+    let instance = Instance::claim(&settings.run_dir)?;
+    let mut status = Status {
+        pid: std::process::id(),
+        started: unix_now(),
+        interval_s: settings.interval.as_secs_f64(),
+        memory_interval_s: settings.memory_interval.as_secs_f64(),
+        ..Status::default()
+    };
+
+    let (mut kernel, mut intake) = load(&settings, &mut status)?;
+    instance.publish(&status);
+
+    let mut daemon = Daemon {
+        enforcer,
+        settings,
+        status,
+        watchlist: Watchlist::default(),
+        settled: HashMap::new(),
+        device_map: None,
+    };
+    let mut state_watch = None;
+    let mut next_full = Instant::now();
+    let mut next_memory = Instant::now() + daemon.settings.memory_interval;
+    let mut next_status = Instant::now();
+    let mut events = Vec::new();
+    let mut unknown = Vec::new();
+    let mut said_unknown = false;
+
+    loop {
+        let mut now = Instant::now();
+        if now >= next_full {
+            daemon.full_cycle(kernel.as_mut());
+            if state_watch.as_ref().is_none_or(StateWatch::is_lost) {
+                state_watch = watch_state(&daemon.enforcer);
+            }
+            now = Instant::now();
+            next_full = now + daemon.settings.interval;
+            next_memory = now + daemon.settings.memory_interval;
+        }
+        if let Some(pids) = daemon.watchlist.due(now) {
+            daemon.opened_check(&pids);
+        }
+        if now >= next_memory {
+            daemon.memory_check();
+            next_memory = Instant::now() + daemon.settings.memory_interval;
+        }
+        daemon.enforcer.executor.escalate(Instant::now());
+        if Instant::now() >= next_status {
+            daemon.status.updated = unix_now();
+            instance.publish(&daemon.status);
+            next_status = Instant::now() + STATUS_EVERY;
+        }
+
+        let wake = [
+            Some(next_full),
+            Some(next_memory),
+            Some(next_status),
+            daemon.watchlist.next_wake(),
+            daemon.enforcer.executor.next_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .expect("at least the full cycle is scheduled");
+        tokio::select! {
+            biased;
+            () = stop.recv() => break,
+            read = next_batch(intake.as_mut(), &mut events, &mut unknown) => {
+                if let Err(e) = read {
+                    eprintln!("[WARNING] Cannot read kernel events: {e}; running a full cycle");
+                    next_full = Instant::now();
+                }
+            }
+            changed = state_changed(state_watch.as_mut()) => match changed {
+                Ok(true) => {
+                    daemon.status.counts.state_changes += 1;
+                    next_full = Instant::now();
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    eprintln!("[WARNING] Watching genv's state directory failed ({e}); state changes wait for the full cycle");
+                    state_watch = None;
+                }
+            },
+            () = tokio::time::sleep_until(wake.into()) => {}
+        }
+
+        let now = Instant::now();
+        for event in events.drain(..) {
+            daemon.on_event(event, now);
+        }
+        if !unknown.is_empty() {
+            if !said_unknown {
+                eprintln!("[WARNING] {}; treating it as a lost event", unknown[0]);
+                said_unknown = true;
+            }
+            unknown.clear();
+            next_full = now;
+        }
+        if let Some(intake) = intake.as_mut() {
+            let lost = intake.newly_lost();
+            if lost > 0 {
+                daemon.status.counts.lost_events += lost;
+                eprintln!(
+                    "[WARNING] The kernel lost {lost} events (its ring buffer was full); running a full cycle to resynchronise"
+                );
+                next_full = now;
+            }
+        }
+    }
+
+    // Programs and maps go with `kernel` and `intake`; the status file with `instance`.
+    drop(intake);
+    drop(kernel.take());
+    drop(instance);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Loads the kernel programs as `--bpf-tier` asks: a forced tier the kernel refuses is
+/// an error; under `auto`, no tier at all leaves the full cycle alone, said loudly.
+fn load(
+    settings: &Settings,
+    status: &mut Status,
+) -> Result<(Option<KernelPrograms>, Option<EventIntake>)> {
+    let every = settings.interval.as_secs_f64();
+    if settings.tier == TierChoice::None {
+        status.sees = format!("no BPF (--bpf-tier none): the full cycle alone, every {every}s");
+        eprintln!(
+            "[INFO] --bpf-tier none: no kernel programs; enforcing with the full cycle alone every {every}s"
+        );
+        return Ok((None, None));
+    }
+    let options = LoadOptions {
+        choice: settings.tier,
+        ring_bytes: settings.ring_bytes,
+    };
+    match KernelPrograms::load(&options) {
+        Ok((kernel, intake)) => {
+            for (tier, why) in kernel.refused() {
+                eprintln!("[INFO] The kernel refused the {tier} tier: {why}");
+                status.refused.push(format!("{tier}: {why}"));
+            }
+            eprintln!(
+                "[INFO] Event-driven on the {} tier: it sees {}",
+                kernel.tier(),
+                kernel.tier().sees()
+            );
+            status.tier = Some(kernel.tier().to_string());
+            status.sees = kernel.tier().sees().to_owned();
+            status.programs = kernel.program_ids().to_vec();
+            Ok((Some(kernel), Some(intake)))
+        }
+        Err(e) if settings.tier != TierChoice::Auto => {
+            bail!("--bpf-tier {}: {e}", settings.tier.to_possible_value_name())
+        }
+        Err(e) => {
+            eprintln!(
+                "[WARNING] No BPF tier could be loaded ({e}); enforcing with the full cycle alone every {every}s, as genv does"
+            );
+            status.sees = format!("no BPF ({e}): the full cycle alone, every {every}s");
+            Ok((None, None))
+        }
+    }
+}
+
+trait PossibleValueName {
+    fn to_possible_value_name(&self) -> String;
+}
+
+impl PossibleValueName for TierChoice {
+    fn to_possible_value_name(&self) -> String {
+        use clap::ValueEnum;
+        self.to_possible_value()
+            .map_or_else(String::new, |v| v.get_name().to_owned())
+    }
+}
+
+struct Daemon {
+    enforcer: Enforcer,
+    settings: Settings,
+    status: Status,
+    watchlist: Watchlist,
+    /// Processes a narrow check terminated, and when.
+    settled: HashMap<u32, Instant>,
+    device_map: Option<DeviceMap>,
+}
+
+impl Daemon {
+    fn on_event(&mut self, event: KernelEvent, now: Instant) {
+        let counts = &mut self.status.counts;
+        match event {
+            KernelEvent::Exec { pid } => {
+                counts.exec_events += 1;
+                self.enforcer.builder.forget(pid);
+            }
+            KernelEvent::Fork { .. } => counts.fork_events += 1,
+            KernelEvent::Exit { pid } => {
+                counts.exit_events += 1;
+                self.enforcer.builder.forget(pid);
+                self.watchlist.remove(pid);
+                self.settled.remove(&pid);
+            }
+            KernelEvent::Open(open) => {
+                counts.open_events += 1;
+                if self.settings.verbose {
+                    eprintln!(
+                        "[EVENT] Process {} (thread {}) opened GPU {} (node {}:{}) [{}]",
+                        open.pid, open.tid, open.index, open.major, open.minor, open.tier
+                    );
+                }
+                self.watchlist.add(open, now);
+            }
+        }
+    }
+
+    fn full_cycle(&mut self, kernel: Option<&mut KernelPrograms>) {
+        let summary = self.enforcer.cycle();
+        self.status.counts.full_cycles += 1;
+        self.count(&summary);
+        if let Some(kernel) = kernel {
+            self.refresh_device_map(kernel);
+        }
+    }
+
+    /// The device map follows NVML's device list, which the full cycle refreshes.
+    fn refresh_device_map(&mut self, kernel: &mut KernelPrograms) {
+        let proc_devices = std::fs::read_to_string("/proc/devices").ok();
+        let map = DeviceMap::build(
+            self.enforcer.builder.devices(),
+            procfs::driver_minors_in_pci_order(),
+            proc_devices.as_deref(),
+            &self.settings.gpu_nodes,
+        );
+        if self.device_map.as_ref() == Some(&map) {
+            return;
+        }
+        match kernel.watch_nodes(&map) {
+            Ok(()) => {
+                eprintln!("[INFO] Watching GPU nodes: {map}");
+                self.status.gpu_nodes = map.to_string();
+                self.device_map = Some(map);
+            }
+            Err(e) => eprintln!("[ERROR] Cannot update the watched GPU nodes: {e}"),
+        }
+    }
+
+    fn opened_check(&mut self, pids: &HashSet<u32>) {
+        let settled = self.settled(Instant::now());
+        let summary = self.enforcer.check(Scope::Opened(pids), &settled);
+        self.status.counts.open_checks += 1;
+        self.count(&summary);
+        let now_ns = monotonic_ns();
+        for pid in &summary.terminated {
+            if let Some(open) = self.watchlist.first_open(*pid) {
+                let ms = now_ns.saturating_sub(open.at_ns) as f64 / 1e6;
+                eprintln!(
+                    "[INFO] Acted on process {pid} {ms:.1} ms after it opened GPU {} [{}]",
+                    open.index, open.tier
+                );
+            }
+            self.settled.insert(*pid, Instant::now());
+        }
+    }
+
+    fn memory_check(&mut self) {
+        if !self.enforcer.rules.env_memory {
+            return;
+        }
+        let settled = self.settled(Instant::now());
+        let summary = self.enforcer.check(Scope::Memory, &settled);
+        self.status.counts.memory_checks += 1;
+        self.count(&summary);
+        let now = Instant::now();
+        for pid in summary.terminated {
+            self.settled.insert(pid, now);
+        }
+    }
+
+    fn settled(&mut self, now: Instant) -> HashSet<u32> {
+        self.settled
+            .retain(|_, at| now.duration_since(*at) < SETTLE);
+        self.settled.keys().copied().collect()
+    }
+
+    fn count(&mut self, summary: &CycleSummary) {
+        self.status.counts.terminated += summary.terminated.len() as u64;
+        self.status.counts.detached += summary.detached as u64;
+    }
+}
+
+fn watch_state(enforcer: &Enforcer) -> Option<StateWatch> {
+    let dir = enforcer.builder.state().root();
+    match StateWatch::new(dir) {
+        Ok(watch) => Some(watch),
+        Err(e) => {
+            eprintln!(
+                "[WARNING] Cannot watch {} ({e}); state changes wait for the full cycle",
+                dir.display()
+            );
+            None
+        }
+    }
+}
+
+async fn next_batch(
+    intake: Option<&mut EventIntake>,
+    events: &mut Vec<KernelEvent>,
+    unknown: &mut Vec<UnknownEvent>,
+) -> std::io::Result<()> {
+    match intake {
+        Some(intake) => intake.next_batch(events, unknown).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn state_changed(watch: Option<&mut StateWatch>) -> std::io::Result<bool> {
+    match watch {
+        Some(watch) => watch.changed().await,
+        None => std::future::pending().await,
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
+fn monotonic_ns() -> u64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}

@@ -1,0 +1,101 @@
+//! What the event-driven daemon publishes about itself in `<run-dir>/status.json`, and
+//! `genv-enforcer status`, which prints it.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+pub const FILE: &str = "status.json";
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Status {
+    pub pid: u32,
+    /// Seconds since the epoch.
+    pub started: u64,
+    pub updated: u64,
+    /// The open tier in use; `None` when no BPF could be loaded (full cycle alone).
+    pub tier: Option<String>,
+    /// What the tier sees, in words.
+    pub sees: String,
+    /// Better tiers the kernel refused, with why.
+    pub refused: Vec<String>,
+    /// Kernel ids of the loaded programs.
+    pub programs: Vec<u32>,
+    /// The watched GPU nodes, `MAJOR:MINOR=GPUn`.
+    pub gpu_nodes: String,
+    pub interval_s: f64,
+    pub memory_interval_s: f64,
+    pub counts: Counts,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Counts {
+    pub exec_events: u64,
+    pub fork_events: u64,
+    pub exit_events: u64,
+    pub open_events: u64,
+    /// Events the ring buffer had no room for (each loss triggers a full cycle).
+    pub lost_events: u64,
+    pub full_cycles: u64,
+    pub open_checks: u64,
+    pub memory_checks: u64,
+    pub state_changes: u64,
+    pub terminated: u64,
+    pub detached: u64,
+}
+
+/// `genv-enforcer status`.
+pub fn show(run_dir: &Path) -> Result<ExitCode> {
+    let path = run_dir.join(FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            println!(
+                "genv-enforcer is not running in event-driven mode (no {})",
+                path.display()
+            );
+            return Ok(ExitCode::from(3));
+        }
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let status: Status = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a status file", path.display()))?;
+    if !crate::backends::procfs::pid_exists(status.pid as i32) {
+        println!(
+            "genv-enforcer is not running: {} is left from pid {}, which is gone",
+            path.display(),
+            status.pid
+        );
+        return Ok(ExitCode::from(3));
+    }
+    let c = &status.counts;
+    println!("genv-enforcer pid {} (event-driven)", status.pid);
+    match &status.tier {
+        Some(tier) => println!("tier: {tier}: sees {}", status.sees),
+        None => println!("tier: none: {}", status.sees),
+    }
+    for refused in &status.refused {
+        println!("refused: {refused}");
+    }
+    println!("programs: {:?}", status.programs);
+    println!("gpu nodes: {}", status.gpu_nodes);
+    println!(
+        "interval: {}s full cycle, {}s memory poll",
+        status.interval_s, status.memory_interval_s
+    );
+    println!(
+        "events: {} exec, {} fork, {} exit, {} open, {} lost",
+        c.exec_events, c.fork_events, c.exit_events, c.open_events, c.lost_events
+    );
+    println!(
+        "checks: {} full, {} after opens, {} memory, {} state changes",
+        c.full_cycles, c.open_checks, c.memory_checks, c.state_changes
+    );
+    println!(
+        "actions: {} terminated, {} detached",
+        c.terminated, c.detached
+    );
+    Ok(ExitCode::SUCCESS)
+}

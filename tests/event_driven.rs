@@ -1,0 +1,329 @@
+//! The event-driven daemon on this kernel, for real: its programs loaded, real processes
+//! opening a test GPU node, the fake NVML listing them. Every daemon here runs its full
+//! cycle once at start and then only hourly, so whatever it does during a test was
+//! caused by a kernel event, a state-file change or the memory poll.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use genv_enforcer_tests::events::{EventDaemon, make_gpu_node, program_loaded};
+use genv_enforcer_tests::{Daemon, Node, artefact, device_record, env_record};
+use serde_json::json;
+
+/// Generous: these machines are shared and noisy. Speed is measured by the benchmark.
+const DEATH: Duration = Duration::from_secs(30);
+const SIGTERM: i32 = libc::SIGTERM;
+
+/// A node with two GPUs, no environment yet, and a test node for GPU 0.
+fn node() -> (Node, PathBuf) {
+    let node = Node::new(2);
+    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
+    node.write_state(
+        json!([]),
+        json!([device_record(0, &[]), device_record(1, &[])]),
+    );
+    (node, gpu)
+}
+
+fn path(p: &std::path::Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn a_process_outside_any_environment_is_terminated_when_it_opens_a_gpu() {
+    let (mut node, gpu) = node();
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    let rogue = node.spawn_with(None, &[(0, 100)], &["--open", path(&gpu)], None);
+    daemon.expect(&format!(
+        "[EVENT] Process {rogue} (thread {rogue}) opened GPU 0"
+    ));
+    daemon.expect(&format!(
+        "Process {rogue} is not running in a GPU environment"
+    ));
+    daemon.expect(&format!(
+        "Terminating process {rogue} from environment N/A that is running on GPU(s) 0"
+    ));
+    daemon.expect(&format!("Acted on process {rogue} "));
+    assert_eq!(node.wait_exit(rogue, DEATH), Some(SIGTERM));
+}
+
+#[test]
+fn a_process_on_a_device_not_attached_to_its_environment_is_terminated() {
+    let (mut node, gpu) = node();
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("E", 0, "root", None, shell)]),
+        json!([device_record(0, &[]), device_record(1, &["E"])]),
+    );
+    let Some(daemon) = EventDaemon::start(&node, &[]) else {
+        return;
+    };
+    let stray = node.spawn_with(Some("E"), &[(0, 100)], &["--open", path(&gpu)], None);
+    daemon.expect(&format!("[EVENT] Process {stray} "));
+    daemon.expect(&format!(
+        "Process {stray} from environment E is using non-attached GPU(s) 0"
+    ));
+    assert_eq!(node.wait_exit(stray, DEATH), Some(SIGTERM));
+    assert!(node.alive(shell));
+}
+
+#[test]
+fn a_process_on_its_attached_device_survives() {
+    let (mut node, gpu) = node();
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("E", 0, "root", None, shell)]),
+        json!([device_record(0, &["E"]), device_record(1, &[])]),
+    );
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    let worker = node.spawn_with(Some("E"), &[(0, 100)], &["--open", path(&gpu)], None);
+    daemon.expect(&format!("[EVENT] Process {worker} "));
+    // Let the quick checks after the open run with the context listed.
+    std::thread::sleep(Duration::from_secs(2));
+    daemon.wait_count("open_checks");
+    assert!(
+        node.alive(worker),
+        "a process on its own device was terminated"
+    );
+    let lines: Vec<String> = daemon.daemon.output.try_iter().collect();
+    assert!(
+        !lines.iter().any(|l| l.contains("Terminating")),
+        "{lines:#?}"
+    );
+}
+
+#[test]
+fn detaching_a_device_terminates_its_processes_without_waiting_for_the_interval() {
+    let (mut node, _gpu) = node();
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("E", 0, "root", None, shell)]),
+        json!([device_record(0, &["E"]), device_record(1, &[])]),
+    );
+    let worker = node.spawn(Some("E"), &[(0, 100)]);
+    let Some(daemon) = EventDaemon::start(&node, &[]) else {
+        return;
+    };
+    assert!(node.alive(worker));
+    // genv's detach: devices.json rewritten in place.
+    node.write_file(
+        "devices.json",
+        &serde_json::to_string_pretty(
+            &json!({"devices": [device_record(0, &[]), device_record(1, &["E"])]}),
+        )
+        .unwrap(),
+    );
+    daemon.expect(&format!(
+        "Process {worker} from environment E is using non-attached GPU(s) 0"
+    ));
+    assert_eq!(node.wait_exit(worker, DEATH), Some(SIGTERM));
+    daemon.wait_count("state_changes");
+}
+
+#[test]
+fn an_environment_over_its_memory_is_brought_under_it_by_the_memory_poll() {
+    let (mut node, _gpu) = node();
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("E", 0, "root", Some("1000mi"), shell)]),
+        json!([device_record(0, &["E"]), device_record(1, &[])]),
+    );
+    let a = node.spawn(Some("E"), &[(0, 400)]);
+    let b = node.spawn(Some("E"), &[(0, 400)]);
+    let Some(daemon) = EventDaemon::start(&node, &["--memory-interval", "0.2"]) else {
+        return;
+    };
+    // 800 MiB of 1000: nothing to do. A third process takes E to 1200 MiB; it opens
+    // nothing, so only the memory poll can see it.
+    let c = node.spawn(Some("E"), &[(0, 400)]);
+    daemon.expect("Environment E is using");
+    let lines = daemon.expect("Terminating process");
+    let victim = [a, b, c]
+        .into_iter()
+        .find(|pid| lines.last().unwrap().contains(&format!("process {pid} ")))
+        .expect("the victim is one of E's processes");
+    assert_eq!(node.wait_exit(victim, DEATH), Some(SIGTERM));
+    // One process covers the 200 MiB excess: the greedy rule stops there.
+    std::thread::sleep(Duration::from_secs(1));
+    for pid in [a, b, c].into_iter().filter(|p| *p != victim) {
+        assert!(node.alive(pid), "greedy rule killed more than needed");
+    }
+}
+
+#[test]
+fn opens_are_seen_whatever_the_way_in() {
+    let (mut node, gpu) = node();
+    let dir = node.dir.clone();
+    let symlink = dir.join("symlink");
+    std::os::unix::fs::symlink(&gpu, &symlink).unwrap();
+    let hard_link = dir.join("hard-link");
+    std::fs::hard_link(&gpu, &hard_link).unwrap();
+    let private = dir.join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(
+        &private,
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
+    let private_node = make_gpu_node(&private.join("my-gpu"));
+    let ways: [(&str, Vec<&str>); 8] = [
+        ("symlink", vec!["--open", path(&symlink)]),
+        ("hard link", vec!["--open", path(&hard_link)]),
+        ("private mknod", vec!["--open", path(&private_node)]),
+        ("/proc/self/fd re-open", vec!["--reopen", path(&gpu)]),
+        ("openat(dirfd)", vec!["--open-at", path(&dir), "nvidia0"]),
+        ("open(2)", vec!["--open-syscall", path(&gpu)]),
+        ("openat2(2)", vec!["--open2", path(&gpu)]),
+        ("second thread", vec!["--open-in-thread", path(&gpu)]),
+    ];
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    for (way, args) in ways {
+        let rogue = node.spawn_with(None, &[(0, 100)], &args, None);
+        daemon.expect(&format!("[EVENT] Process {rogue} "));
+        assert_eq!(
+            node.wait_exit(rogue, DEATH),
+            Some(SIGTERM),
+            "opened by {way}"
+        );
+    }
+}
+
+#[test]
+fn a_storm_of_execs_loses_nothing_without_a_resync() {
+    let (mut node, gpu) = node();
+    // A one-page ring buffer, and the daemon stopped while it fills: the rogue's open is
+    // lost for sure, and only the resynchronising full cycle can find it.
+    let Some(daemon) = EventDaemon::start(
+        &node,
+        &["--non-env-processes", "--ring-buffer-bytes", "4096"],
+    ) else {
+        return;
+    };
+    let pid = daemon.daemon.pid() as i32;
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let storm = |n: u32| {
+        let status = Command::new("sh")
+            .args([
+                "-c",
+                &format!("i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done"),
+            ])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    storm(300);
+    let rogue = node.spawn_with(None, &[(0, 100)], &["--open", path(&gpu)], None);
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    daemon.expect("[WARNING] The kernel lost");
+    daemon.expect(&format!(
+        "Process {rogue} is not running in a GPU environment"
+    ));
+    assert_eq!(node.wait_exit(rogue, DEATH), Some(SIGTERM));
+
+    // With the daemon running, a storm is either all delivered or resynchronised.
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = daemon.status()["counts"].clone();
+    storm(2000);
+    std::thread::sleep(Duration::from_millis(2500));
+    let after = daemon.status()["counts"].clone();
+    let count = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+    let execs = count(&after, "exec_events") - count(&before, "exec_events");
+    let lost = count(&after, "lost_events") - count(&before, "lost_events");
+    let cycles = count(&after, "full_cycles") - count(&before, "full_cycles");
+    assert!(
+        execs >= 2000 || (lost > 0 && cycles > 0),
+        "{execs} execs seen, {lost} lost, {cycles} resyncs: events vanished unnoticed"
+    );
+}
+
+#[test]
+fn one_instance_and_nothing_left_behind() {
+    let (node, _gpu) = node();
+    let Some(mut daemon) = EventDaemon::start(&node, &[]) else {
+        return;
+    };
+    let status = daemon.status();
+    assert_eq!(status["tier"], daemon.tier.as_str());
+    let programs: Vec<u32> = status["programs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| id.as_u64().unwrap() as u32)
+        .collect();
+    assert!(programs.len() >= 4, "{programs:?}");
+    assert!(programs.iter().all(|id| program_loaded(*id)));
+
+    let shown = node
+        .enforcer()
+        .args(["status", "--run-dir", path(&daemon.run_dir)])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(shown.contains(&format!("tier: {}", daemon.tier)), "{shown}");
+
+    let second = node
+        .enforcer()
+        .args([
+            "enforce",
+            "--event-driven",
+            "--interval",
+            "3600",
+            "--run-dir",
+        ])
+        .arg(&daemon.run_dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success());
+    assert!(
+        stderr.contains("another genv-enforcer is already running")
+            && stderr.contains(&daemon.daemon.pid().to_string()),
+        "{stderr}"
+    );
+
+    let exit = daemon
+        .daemon
+        .stop(DEATH)
+        .expect("the daemon stops on SIGTERM");
+    assert!(exit.success(), "{exit:?}");
+    let left: Vec<u32> = programs
+        .into_iter()
+        .filter(|id| program_loaded(*id))
+        .collect();
+    assert!(left.is_empty(), "programs left loaded after exit: {left:?}");
+    assert!(!daemon.run_dir.join("status.json").exists());
+}
+
+#[test]
+fn without_bpf_the_full_cycle_enforces_alone() {
+    let (mut node, _gpu) = node();
+    let run_dir = node.dir.join("run");
+    let daemon = Daemon::start(
+        &node,
+        &[
+            "--event-driven",
+            "--bpf-tier",
+            "none",
+            "--non-env-processes",
+            "--interval",
+            "0.5",
+            "--run-dir",
+            path(&run_dir),
+        ],
+    );
+    daemon.expect_line("the full cycle alone", DEATH);
+    let rogue = node.spawn(None, &[(0, 100)]);
+    daemon.expect_line(
+        &format!("Process {rogue} is not running in a GPU environment"),
+        DEATH,
+    );
+    assert_eq!(node.wait_exit(rogue, DEATH), Some(SIGTERM));
+    let _ = artefact; // the same binary as every other suite
+}

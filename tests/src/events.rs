@@ -1,0 +1,161 @@
+//! Helpers for the event-driven suites.
+//!
+//! The tracepoint tier sees only opens that succeed, and no NVIDIA node opens without
+//! the driver, so the daemon is told (`--gpu-node 1:7=0`) that `/dev/full`'s device
+//! number is GPU 0; tests open private nodes with that number (made with `mknod`), which
+//! nothing else on a test machine opens.
+//!
+//! `GENV_REQUIRE_BPF=1` (set by CI) turns "the kernel programs could not be loaded" from a
+//! skip into a failure. `GENV_TEST_BPF_TIER` picks the tier (default `auto`: the best
+//! the kernel accepts).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::{Daemon, Node};
+
+/// The device number tests use as GPU 0 (`/dev/full`'s).
+pub const TEST_NODE: (u32, u32) = (1, 7);
+pub const TEST_NODE_FLAG: &str = "1:7=0";
+
+/// Makes a character node with [`TEST_NODE`]'s number at `path`.
+pub fn make_gpu_node(path: &Path) -> PathBuf {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let dev = libc::makedev(TEST_NODE.0, TEST_NODE.1);
+    let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, dev) };
+    assert_eq!(
+        rc,
+        0,
+        "mknod {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+    path.to_owned()
+}
+
+pub fn bpf_required() -> bool {
+    std::env::var("GENV_REQUIRE_BPF").is_ok_and(|v| v == "1")
+}
+
+pub fn requested_tier() -> String {
+    std::env::var("GENV_TEST_BPF_TIER").unwrap_or_else(|_| "auto".into())
+}
+
+/// An event-driven daemon, started and past its first full cycle.
+pub struct EventDaemon {
+    pub daemon: Daemon,
+    /// The tier it runs on.
+    pub tier: String,
+    pub run_dir: PathBuf,
+}
+
+impl EventDaemon {
+    /// Starts `genv-enforcer enforce --event-driven` on `node` with the test GPU node
+    /// mapped, a full cycle only every hour (so that whatever happens within a test was
+    /// caused by an event), and `args`. `None` (after saying why) when the kernel
+    /// programs cannot be loaded here and BPF is not required.
+    pub fn start(node: &Node, args: &[&str]) -> Option<Self> {
+        let run_dir = node.dir.join("run");
+        let tier = requested_tier();
+        let mut all = vec![
+            "--event-driven",
+            "--verbose",
+            "--bpf-tier",
+            &tier,
+            "--gpu-node",
+            TEST_NODE_FLAG,
+            "--interval",
+            "3600",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ];
+        all.extend_from_slice(args);
+        let daemon = Daemon::start(node, &all);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut seen = Vec::new();
+        let mut running_on = None;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            let Ok(line) = daemon.output.recv_timeout(left) else {
+                break;
+            };
+            if let Some(rest) = line.split("Event-driven on the ").nth(1) {
+                running_on = rest.split(' ').next().map(str::to_owned);
+            }
+            let failed = line.contains("No BPF tier could be loaded");
+            let ready = line.contains("Watching GPU nodes");
+            seen.push(line);
+            if failed {
+                break;
+            }
+            if ready {
+                let tier = running_on.expect("the tier line comes first");
+                eprintln!("tier: {tier}");
+                return Some(Self {
+                    daemon,
+                    tier,
+                    run_dir,
+                });
+            }
+        }
+        let why = format!("the event-driven daemon did not start its kernel programs: {seen:#?}");
+        if bpf_required() {
+            panic!("GENV_REQUIRE_BPF=1 and {why}");
+        }
+        eprintln!("skipped (GENV_REQUIRE_BPF is not set): {why}");
+        None
+    }
+
+    /// Waits for a line containing `needle`.
+    pub fn expect(&self, needle: &str) -> Vec<String> {
+        self.daemon.expect_line(needle, Duration::from_secs(30))
+    }
+
+    /// Waits (generously) until the status file's counter `name` is above 0; the daemon
+    /// rewrites the file about once a second.
+    pub fn wait_count(&self, name: &str) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let count = self.status()["counts"][name].as_u64().unwrap();
+            if count > 0 {
+                return count;
+            }
+            assert!(Instant::now() < deadline, "counter {name} stayed at 0");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The daemon's status file.
+    pub fn status(&self) -> Value {
+        let text = std::fs::read_to_string(self.run_dir.join("status.json")).unwrap();
+        serde_json::from_str(&text).unwrap()
+    }
+}
+
+/// Whether a BPF program with this id is loaded (`BPF_PROG_GET_FD_BY_ID`), the check
+/// `bpftool prog show id N` makes.
+pub fn program_loaded(id: u32) -> bool {
+    const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
+    // union bpf_attr for this command: { u32 prog_id; u32 next_id; u32 open_flags; }
+    let attr: [u32; 3] = [id, 0, 0];
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_GET_FD_BY_ID,
+            attr.as_ptr(),
+            size_of_val(&attr),
+        )
+    };
+    if fd >= 0 {
+        unsafe { libc::close(fd as i32) };
+        return true;
+    }
+    let errno = std::io::Error::last_os_error();
+    assert_eq!(
+        errno.raw_os_error(),
+        Some(libc::ENOENT),
+        "BPF_PROG_GET_FD_BY_ID {id}: {errno}"
+    );
+    false
+}
