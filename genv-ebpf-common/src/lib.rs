@@ -122,3 +122,23 @@ mod pod {
     unsafe impl aya::Pod for super::RawEvent {}
     unsafe impl aya::Pod for super::Offsets {}
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_have_the_layout_both_sides_compile() {
+        // The programs and the daemon are built by different compilers for different
+        // targets; a size change means one side was not rebuilt or a field is unaligned.
+        assert_eq!(size_of::<RawEvent>(), 32);
+        assert_eq!(size_of::<Offsets>(), 12 * 4);
+    }
+
+    #[test]
+    fn kernel_device_numbers_round_trip() {
+        assert_eq!(kernel_dev(195, 255), (195 << 20) | 255);
+        assert_eq!(split_kernel_dev(kernel_dev(1, 7)), (1, 7));
+        assert_eq!(split_kernel_dev(kernel_dev(4095, 0xfffff)), (4095, 0xfffff));
+    }
+}

@@ -5,14 +5,14 @@ use aya_ebpf::programs::{RawTracePointContext, TracePointContext};
 use genv_ebpf_common::{Offsets, kind};
 
 use crate::kernel::{current, read};
-use crate::maps::{emit, offsets};
+use crate::maps::{Wake, emit, offsets};
 
 /// `sched/sched_process_exec`: the current task has a new program image (and, for the
 /// daemon, possibly a new environment block and uid).
 #[tracepoint]
 pub fn proc_exec(_ctx: TracePointContext) -> u32 {
     let (pid, tid) = current();
-    emit(kind::EXEC, pid, tid, 0, 0, 0);
+    emit(kind::EXEC, pid, tid, 0, 0, 0, Wake::Later);
     0
 }
 
@@ -30,7 +30,7 @@ pub fn proc_fork(ctx: RawTracePointContext) -> i32 {
     };
     if pid == tgid {
         let (parent, tid) = current();
-        emit(kind::FORK, parent, tid, tgid as u32, 0, 0);
+        emit(kind::FORK, parent, tid, tgid as u32, 0, 0, Wake::Later);
     }
     0
 }
@@ -48,7 +48,7 @@ pub fn proc_exit(ctx: TracePointContext) -> u32 {
         unsafe { ctx.read_at::<u8>(o.exit_group_dead as usize) }.is_ok_and(|dead| dead != 0)
     };
     if group_dead {
-        emit(kind::EXIT, pid, tid, 0, 0, 0);
+        emit(kind::EXIT, pid, tid, 0, 0, 0, Wake::Later);
     }
     0
 }

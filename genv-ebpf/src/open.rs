@@ -8,7 +8,7 @@ use aya_ebpf::programs::{FEntryContext, LsmContext, TracePointContext};
 use genv_ebpf_common::{Offsets, hook, kind};
 
 use crate::kernel::{current, read};
-use crate::maps::{GPU_NODES, emit, offsets};
+use crate::maps::{GPU_NODES, Wake, emit, offsets};
 
 const S_IFMT: u16 = 0o170000;
 const S_IFCHR: u16 = 0o020000;
@@ -16,17 +16,19 @@ const S_IFCHR: u16 = 0o020000;
 /// been part of the kernel's ABI with itself since 2.6.39; BTF does not carry macros.
 const FMODE_PATH: u32 = 1 << 14;
 
-/// The GPU index of the node `file` refers to, if it is a watched GPU node.
+/// The GPU index of the node `file` refers to, if it is a watched GPU node. Every open
+/// in the system comes through here: the device number is looked up first (0 for
+/// anything but a device), and the rest is read only for watched numbers.
 #[inline(always)]
 fn gpu_of(file: *const u8, o: &Offsets) -> Option<(u32, u32)> {
     let inode: *const u8 = read(file, o.file_f_inode)?;
-    let mode: u16 = read(inode, o.inode_i_mode)?;
-    if mode & S_IFMT != S_IFCHR {
-        return None;
-    }
     let rdev: u32 = read(inode, o.inode_i_rdev)?;
     // SAFETY: a plain lookup; the value is copied out at once.
     let index = unsafe { GPU_NODES.get(&rdev) }.copied()?;
+    let mode: u16 = read(inode, o.inode_i_mode)?;
+    if mode & S_IFMT != S_IFCHR {
+        return None; // a block device with the same number
+    }
     Some((rdev, index))
 }
 
@@ -35,7 +37,7 @@ fn report_open(file: *const u8, tier: u32) {
     let o = offsets();
     if let Some((rdev, index)) = gpu_of(file, &o) {
         let (pid, tid) = current();
-        emit(kind::OPEN, pid, tid, rdev, index, tier);
+        emit(kind::OPEN, pid, tid, rdev, index, tier, Wake::Now);
     }
 }
 
@@ -97,9 +99,22 @@ fn on_open_exit(ctx: &TracePointContext) {
     let Ok(file) = (unsafe { bpf_probe_read_kernel(fds.wrapping_add(fd as usize)) }) else {
         return;
     };
-    match read::<u32>(file, o.file_f_mode) {
-        Some(mode) if mode & FMODE_PATH == 0 => report_open(file, hook::TRACEPOINT),
-        _ => {}
+    if let Some((rdev, index)) = gpu_of(file, &o) {
+        match read::<u32>(file, o.file_f_mode) {
+            Some(mode) if mode & FMODE_PATH == 0 => {
+                let (pid, tid) = current();
+                emit(
+                    kind::OPEN,
+                    pid,
+                    tid,
+                    rdev,
+                    index,
+                    hook::TRACEPOINT,
+                    Wake::Now,
+                );
+            }
+            _ => {}
+        }
     }
 }
 

@@ -36,6 +36,8 @@ pub struct Settings {
 
 /// How long a process terminated by a narrow check is left out of the next ones.
 const SETTLE: Duration = Duration::from_secs(2);
+/// How often the daemon wakes at least, to read lifecycle events (which do not wake it).
+const DRAIN_EVERY: Duration = Duration::from_millis(100);
 /// How often the status file is rewritten at most.
 const STATUS_EVERY: Duration = Duration::from_secs(1);
 
@@ -90,6 +92,9 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
         daemon.enforcer.executor.escalate(Instant::now());
         if Instant::now() >= next_status {
             daemon.status.updated = unix_now();
+            if let Some(kernel) = &kernel {
+                daemon.status.programs = kernel.stats();
+            }
             instance.publish(&daemon.status);
             next_status = Instant::now() + STATUS_EVERY;
         }
@@ -100,6 +105,7 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
             Some(next_status),
             daemon.watchlist.next_wake(),
             daemon.enforcer.executor.next_deadline(),
+            intake.as_ref().map(|_| Instant::now() + DRAIN_EVERY),
         ]
         .into_iter()
         .flatten()
@@ -129,6 +135,9 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
         }
 
         let now = Instant::now();
+        if let Some(intake) = intake.as_mut() {
+            intake.drain_now(&mut events, &mut unknown);
+        }
         for event in events.drain(..) {
             daemon.on_event(event, now);
         }
@@ -190,7 +199,7 @@ fn load(
             );
             status.tier = Some(kernel.tier().to_string());
             status.sees = kernel.tier().sees().to_owned();
-            status.programs = kernel.program_ids().to_vec();
+            status.programs = kernel.stats();
             Ok((Some(kernel), Some(intake)))
         }
         Err(e) if settings.tier != TierChoice::Auto => {
@@ -297,7 +306,7 @@ impl Daemon {
             if let Some(open) = self.watchlist.first_open(*pid) {
                 let ms = now_ns.saturating_sub(open.at_ns) as f64 / 1e6;
                 eprintln!(
-                    "[INFO] Acted on process {pid} {ms:.1} ms after it opened GPU {} [{}]",
+                    "[INFO] Acted on process {pid} {ms:.2} ms after it opened GPU {} [{}]",
                     open.index, open.tier
                 );
             }

@@ -36,21 +36,16 @@ impl EventIntake {
         unknown: &mut Vec<UnknownEvent>,
     ) -> io::Result<()> {
         let mut guard = self.ring.readable_mut().await?;
-        let ring = guard.get_inner_mut();
-        while let Some(item) = ring.next() {
-            if item.len() < size_of::<RawEvent>() {
-                continue;
-            }
-            // SAFETY: the record holds at least one RawEvent, written by our programs;
-            // read unaligned since the ring gives no alignment promise for our type.
-            let raw: RawEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
-            match KernelEvent::try_from(raw) {
-                Ok(event) => events.push(event),
-                Err(e) => unknown.push(e),
-            }
-        }
+        drain(guard.get_inner_mut(), events, unknown);
         guard.clear_ready();
         Ok(())
+    }
+
+    /// Moves whatever the ring buffer holds into `events` without waiting: lifecycle
+    /// events do not wake the daemon (see the programs' `Wake`), so it reads them at
+    /// every wake-up.
+    pub fn drain_now(&mut self, events: &mut Vec<KernelEvent>, unknown: &mut Vec<UnknownEvent>) {
+        drain(self.ring.get_mut(), events, unknown);
     }
 
     /// Events lost since the last call (the ring buffer was full).
@@ -63,5 +58,24 @@ impl EventIntake {
         let new = total.saturating_sub(self.lost_seen);
         self.lost_seen = total;
         new
+    }
+}
+
+fn drain(
+    ring: &mut RingBuf<MapData>,
+    events: &mut Vec<KernelEvent>,
+    unknown: &mut Vec<UnknownEvent>,
+) {
+    while let Some(item) = ring.next() {
+        if item.len() < size_of::<RawEvent>() {
+            continue;
+        }
+        // SAFETY: the record holds at least one RawEvent, written by our programs; read
+        // unaligned since the ring gives no alignment promise for our type.
+        let raw: RawEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+        match KernelEvent::try_from(raw) {
+            Ok(event) => events.push(event),
+            Err(e) => unknown.push(e),
+        }
     }
 }
