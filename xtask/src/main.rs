@@ -9,9 +9,11 @@
 //! - `build-ebpf`: the kernel programs' object alone (the enforcer's build script builds
 //!   and embeds it too). `test`, `demo` and `build-ebpf` first install what building it
 //!   needs ([`toolchain`]).
-//! - `bench`: one full enforcement cycle with 0, 100 and 1,000 GPU processes; writes the
-//!   table to `docs/bench.md`.
+//! - `bench`: one full enforcement cycle with 0, 100 and 1,000 GPU processes, the
+//!   event-driven reaction to a GPU open, and the kernel programs' cost per run; writes
+//!   the tables to `docs/bench.md`.
 
+mod bench_events;
 mod demo;
 mod toolchain;
 
@@ -107,7 +109,21 @@ fn which(program: &str) -> Result<()> {
 
 fn bench() -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
-    run(&mut cargo(&["build", "--release", "-p", "fake-nvml"]))?;
+    run(&mut cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "fake-nvml",
+        "-p",
+        "genv-enforcer",
+        "-p",
+        "genv-enforcer-tests",
+        "--bin",
+        "genv-enforcer",
+        "--bin",
+        "gpu-process",
+        "--lib",
+    ]))?;
     let lib = root().join("target/release/libnvidia_ml_fake.so");
     let output = cargo(&[
         "bench",
@@ -126,10 +142,14 @@ fn bench() -> Result<()> {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    print!("{stdout}");
+    let table = format!(
+        "{stdout}{}",
+        bench_events::run(&root().join("target/release"))?
+    );
+    print!("{table}");
     let docs = root().join("docs");
     std::fs::create_dir_all(&docs)?;
-    std::fs::write(docs.join("bench.md"), stdout.as_bytes())?;
+    std::fs::write(docs.join("bench.md"), table.as_bytes())?;
     eprintln!("xtask: wrote docs/bench.md");
     Ok(())
 }

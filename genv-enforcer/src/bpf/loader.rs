@@ -71,12 +71,23 @@ pub struct LoadOptions {
 /// The loaded programs; the open tier in use; the map of watched nodes.
 pub struct KernelPrograms {
     /// Owns the programs and their links.
-    _ebpf: Ebpf,
+    ebpf: Ebpf,
     tier: Tier,
     /// Why each better tier was not used.
     refused: Vec<(Tier, String)>,
     nodes: BpfHashMap<MapData, u32, u32>,
-    program_ids: Vec<u32>,
+    /// Loaded programs: name in the object, kernel id.
+    programs: Vec<(&'static str, u32)>,
+}
+
+/// One program's counters, as the kernel keeps them while `kernel.bpf_stats_enabled`
+/// is 1 (off by default: it costs a clock read per run).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ProgramStats {
+    pub name: String,
+    pub id: u32,
+    pub runs: u64,
+    pub run_time_ns: u64,
 }
 
 impl KernelPrograms {
@@ -94,14 +105,14 @@ impl KernelPrograms {
         let mut ebpf = loader
             .load(OBJECT)
             .map_err(|e| LoadError::Object(chain(&e)))?;
-        let mut program_ids = Vec::new();
+        let mut programs = Vec::new();
 
-        attach_lifecycle(&mut ebpf, &mut program_ids)?;
+        attach_lifecycle(&mut ebpf, &mut programs)?;
 
         let mut refused = Vec::new();
         let mut chosen = None;
         for &tier in options.choice.candidates() {
-            match attach_open_tier(&mut ebpf, tier, &mut program_ids) {
+            match attach_open_tier(&mut ebpf, tier, &mut programs) {
                 Ok(()) => {
                     chosen = Some(tier);
                     break;
@@ -142,11 +153,11 @@ impl KernelPrograms {
         })?;
         Ok((
             Self {
-                _ebpf: ebpf,
+                ebpf,
                 tier,
                 refused,
                 nodes,
-                program_ids,
+                programs,
             },
             intake,
         ))
@@ -161,8 +172,24 @@ impl KernelPrograms {
     }
 
     /// Kernel ids of the loaded programs (what `bpftool prog` lists).
-    pub fn program_ids(&self) -> &[u32] {
-        &self.program_ids
+    pub fn program_ids(&self) -> Vec<u32> {
+        self.programs.iter().map(|(_, id)| *id).collect()
+    }
+
+    /// Each program's run count and time so far.
+    pub fn stats(&self) -> Vec<ProgramStats> {
+        self.programs
+            .iter()
+            .map(|&(name, id)| {
+                let info = self.ebpf.program(name).and_then(|p| p.info().ok());
+                ProgramStats {
+                    name: name.to_owned(),
+                    id,
+                    runs: info.as_ref().map_or(0, |i| i.run_count()),
+                    run_time_ns: info.map_or(0, |i| i.run_time().as_nanos() as u64),
+                }
+            })
+            .collect()
     }
 
     /// Makes the kernel watch exactly the nodes of `map`.
@@ -190,7 +217,7 @@ impl KernelPrograms {
 }
 
 /// exec, fork and exit: needed on every tier.
-fn attach_lifecycle(ebpf: &mut Ebpf, ids: &mut Vec<u32>) -> Result<(), LoadError> {
+fn attach_lifecycle(ebpf: &mut Ebpf, ids: &mut Vec<(&'static str, u32)>) -> Result<(), LoadError> {
     for (program, category, name) in [
         ("proc_exec", "sched", "sched_process_exec"),
         ("proc_exit", "sched", "sched_process_exit"),
@@ -199,13 +226,13 @@ fn attach_lifecycle(ebpf: &mut Ebpf, ids: &mut Vec<u32>) -> Result<(), LoadError
         let tp: &mut TracePoint = program_mut(ebpf, program)?.try_into().map_err(&error)?;
         tp.load().map_err(&error)?;
         tp.attach(category, name).map_err(&error)?;
-        ids.push(tp.info().map_err(&error)?.id());
+        ids.push((program, tp.info().map_err(&error)?.id()));
     }
     let error = program_error("proc_fork");
     let raw: &mut RawTracePoint = program_mut(ebpf, "proc_fork")?.try_into().map_err(&error)?;
     raw.load().map_err(&error)?;
     raw.attach("sched_process_fork").map_err(&error)?;
-    ids.push(raw.info().map_err(&error)?.id());
+    ids.push(("proc_fork", raw.info().map_err(&error)?.id()));
     Ok(())
 }
 
@@ -220,7 +247,11 @@ fn program_mut<'a>(
 }
 
 /// Loads and attaches one open tier; the reason it was refused otherwise.
-fn attach_open_tier(ebpf: &mut Ebpf, tier: Tier, ids: &mut Vec<u32>) -> Result<(), String> {
+fn attach_open_tier(
+    ebpf: &mut Ebpf,
+    tier: Tier,
+    ids: &mut Vec<(&'static str, u32)>,
+) -> Result<(), String> {
     let describe = |e: ProgramError| chain(&e);
     match tier {
         Tier::Lsm => {
@@ -239,7 +270,7 @@ fn attach_open_tier(ebpf: &mut Ebpf, tier: Tier, ids: &mut Vec<u32>) -> Result<(
                 .map_err(describe)?;
             lsm.load("file_open", &btf).map_err(describe)?;
             lsm.attach().map_err(describe)?;
-            ids.push(lsm.info().map_err(describe)?.id());
+            ids.push(("open_lsm", lsm.info().map_err(describe)?.id()));
         }
         Tier::Fentry => {
             let btf = aya::Btf::from_sys_fs().map_err(|e| chain(&e))?;
@@ -249,7 +280,7 @@ fn attach_open_tier(ebpf: &mut Ebpf, tier: Tier, ids: &mut Vec<u32>) -> Result<(
                 .map_err(describe)?;
             fentry.load("security_file_open", &btf).map_err(describe)?;
             fentry.attach().map_err(describe)?;
-            ids.push(fentry.info().map_err(describe)?.id());
+            ids.push(("open_fentry", fentry.info().map_err(describe)?.id()));
         }
         Tier::Tracepoint => {
             let mut attached = 0;
@@ -267,7 +298,7 @@ fn attach_open_tier(ebpf: &mut Ebpf, tier: Tier, ids: &mut Vec<u32>) -> Result<(
                 match tp.attach("syscalls", name) {
                     Ok(_) => {
                         attached += 1;
-                        ids.push(tp.info().map_err(describe)?.id());
+                        ids.push((program, tp.info().map_err(describe)?.id()));
                     }
                     // Some architectures have no open(2); openat is what matters.
                     Err(e) if name != "sys_exit_openat" => {

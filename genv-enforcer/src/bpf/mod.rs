@@ -10,5 +10,5 @@ pub mod offsets;
 pub mod tier;
 pub mod tracefs;
 
-pub use loader::{KernelPrograms, LoadError, LoadOptions};
+pub use loader::{KernelPrograms, LoadError, LoadOptions, ProgramStats};
 pub use tier::{Tier, TierChoice};

@@ -7,6 +7,8 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::bpf::ProgramStats;
+
 pub const FILE: &str = "status.json";
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -21,8 +23,9 @@ pub struct Status {
     pub sees: String,
     /// Better tiers the kernel refused, with why.
     pub refused: Vec<String>,
-    /// Kernel ids of the loaded programs.
-    pub programs: Vec<u32>,
+    /// The loaded programs, with the kernel's run statistics when
+    /// `kernel.bpf_stats_enabled` is 1.
+    pub programs: Vec<ProgramStats>,
     /// The watched GPU nodes, `MAJOR:MINOR=GPUn`.
     pub gpu_nodes: String,
     pub interval_s: f64,
@@ -79,7 +82,13 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
     for refused in &status.refused {
         println!("refused: {refused}");
     }
-    println!("programs: {:?}", status.programs);
+    for p in &status.programs {
+        let cost = match p.runs {
+            0 => String::new(),
+            runs => format!(", {runs} runs, {} ns/run", p.run_time_ns / runs),
+        };
+        println!("program {} (id {}){cost}", p.name, p.id);
+    }
     println!("gpu nodes: {}", status.gpu_nodes);
     println!(
         "interval: {}s full cycle, {}s memory poll",

@@ -1,0 +1,200 @@
+//! The event-driven benchmark: how fast the daemon acts on a GPU open, and what its
+//! kernel programs cost per run.
+//!
+//! A release daemon (`--event-driven --non-env-processes`, full cycle hourly) watches a
+//! test node standing in for GPU 0. One at a time, 100 intruders are listed in the fake
+//! NVML and then told to open the node; for each, the daemon's own figure (open → SIGTERM
+//! sent, both on CLOCK_MONOTONIC) and the wall time until the intruder is reaped. Then
+//! 100,000 opens of `/dev/null` run with the programs attached, and the kernel's
+//! statistics (`kernel.bpf_stats_enabled=1` for the run) give each program's cost.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+const INTRUDERS: usize = 100;
+const BACKGROUND_OPENS: usize = 100_000;
+const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+pub fn run(target: &Path) -> Result<String> {
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the event-driven benchmark loads kernel programs: run it as root");
+    }
+    let before = std::fs::read_to_string(STATS_SYSCTL).unwrap_or_else(|_| "0".into());
+    std::fs::write(STATS_SYSCTL, "1").context("enabling kernel.bpf_stats_enabled")?;
+    let dir =
+        std::env::temp_dir().join(format!("genv-enforcer-bench-events-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("genv"))?;
+    let result = measure(target, &dir);
+    let _ = std::fs::write(STATS_SYSCTL, before.trim());
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn measure(target: &Path, dir: &Path) -> Result<String> {
+    let gpu = dir.join("nvidia0");
+    let c_path = std::ffi::CString::new(gpu.to_str().unwrap())?;
+    if unsafe { libc::mknod(c_path.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 7)) } != 0 {
+        bail!("mknod: {}", std::io::Error::last_os_error());
+    }
+    let nvml = dir.join("nvml.json");
+    let write_nvml = |processes: Value| -> Result<()> {
+        let config = json!({"devices": [{"uuid": "GPU-bench-0", "minor": 0, "total_memory": 16u64 << 30}],
+                            "processes": processes});
+        let temporary = dir.join("nvml.json.new");
+        std::fs::write(&temporary, config.to_string())?;
+        Ok(std::fs::rename(&temporary, &nvml)?)
+    };
+    write_nvml(json!([]))?;
+    let run_dir = dir.join("run");
+    let mut daemon = Command::new(target.join("genv-enforcer"))
+        .args([
+            "enforce",
+            "--event-driven",
+            "--non-env-processes",
+            "--verbose",
+        ])
+        .args(["--interval", "3600", "--gpu-node", "1:7=0", "--run-dir"])
+        .arg(&run_dir)
+        .env("GENV_TMPDIR", dir.join("genv"))
+        .env("GENV_FAKE_NVML_CONFIG", &nvml)
+        .env(
+            "GENV_ENFORCER_NVML_LIB",
+            target.join("libnvidia_ml_fake.so"),
+        )
+        .env_remove("GENV_TERMINATE_PROCESSES")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()?;
+    let (tx, lines) = mpsc::channel();
+    let stderr = daemon.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let tier = wait_line(&lines, "Event-driven on the ")?;
+    wait_line(&lines, "Watching GPU nodes")?;
+    let tier = tier
+        .split("Event-driven on the ")
+        .nth(1)
+        .unwrap_or("")
+        .split(' ')
+        .next()
+        .unwrap_or("")
+        .to_owned();
+
+    let mut reacted_ms = Vec::new();
+    let mut gone_ms = Vec::new();
+    for _ in 0..INTRUDERS {
+        let mut intruder = Command::new(target.join("gpu-process"))
+            .args(["--wait-stdin", "--open", gpu.to_str().unwrap()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .env_remove("GENV_ENVIRONMENT_ID")
+            .spawn()?;
+        let mut out = BufReader::new(intruder.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line)?;
+        write_nvml(json!([{"pid": intruder.id(), "gpu": 0, "used_memory": 1u64 << 30}]))?;
+        let start = Instant::now();
+        intruder.stdin.as_mut().unwrap().write_all(b"go\n")?;
+        wait_exit(&mut intruder)?;
+        gone_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        let acted = wait_line(&lines, &format!("Acted on process {} ", intruder.id()))?;
+        let ms: f64 = acted
+            .split(" ms after")
+            .next()
+            .and_then(|head| head.rsplit(' ').next())
+            .and_then(|n| n.parse().ok())
+            .context("parsing the daemon's reaction time")?;
+        reacted_ms.push(ms);
+    }
+    write_nvml(json!([]))?;
+
+    let started = Instant::now();
+    for _ in 0..BACKGROUND_OPENS {
+        drop(std::fs::File::open("/dev/null")?);
+    }
+    let open_close_ns = started.elapsed().as_nanos() as f64 / BACKGROUND_OPENS as f64;
+    std::thread::sleep(Duration::from_millis(1500)); // the status file's next rewrite
+    let status: Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("status.json"))?)?;
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
+    daemon.wait()?;
+
+    let mut table = format!(
+        "\n## Event-driven reaction ({tier} tier)\n\n\
+         `cargo xtask bench`: {INTRUDERS} intruders, one at a time, each listed in the fake NVML and then opening the \
+         test GPU node; release build.\n\n\
+         | measure | median | p99 | max |\n|---|---|---|---|\n"
+    );
+    for (what, samples) in [
+        (
+            "open → SIGTERM sent (daemon, CLOCK_MONOTONIC)",
+            &mut reacted_ms,
+        ),
+        (
+            "told to open → reaped (wall, includes the open itself)",
+            &mut gone_ms,
+        ),
+    ] {
+        samples.sort_by(f64::total_cmp);
+        let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+        table += &format!(
+            "| {what} | {:.2} ms | {:.2} ms | {:.2} ms |\n",
+            at(0.5),
+            at(0.99),
+            samples[samples.len() - 1]
+        );
+    }
+    table += &format!(
+        "\n## Kernel programs\n\nThe kernel's own statistics (`kernel.bpf_stats_enabled=1`) after the runs above and \
+         {BACKGROUND_OPENS} opens of `/dev/null` (open+close took {open_close_ns:.0} ns each with the programs \
+         attached). The `open_*` programs run on every open in the system and return at once for non-GPU nodes.\n\n\
+         | program | runs | ns/run |\n|---|---|---|\n"
+    );
+    for program in status["programs"].as_array().context("status: programs")? {
+        let runs = program["runs"].as_u64().unwrap_or(0);
+        let ns = program["run_time_ns"].as_u64().unwrap_or(0);
+        table += &format!(
+            "| {} | {runs} | {} |\n",
+            program["name"].as_str().unwrap_or("?"),
+            if runs > 0 {
+                format!("{:.0}", ns as f64 / runs as f64)
+            } else {
+                "-".into()
+            }
+        );
+    }
+    Ok(table)
+}
+
+fn wait_line(lines: &mpsc::Receiver<String>, needle: &str) -> Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        match lines.recv_timeout(left) {
+            Ok(line) if line.contains(needle) => return Ok(line),
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    bail!("the daemon printed no {needle:?} line")
+}
+
+fn wait_exit(child: &mut Child) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait()?.is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            bail!("intruder {} still running 30 s after its open", child.id());
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    Ok(())
+}
