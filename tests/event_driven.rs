@@ -255,7 +255,7 @@ fn one_instance_and_nothing_left_behind() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|id| id.as_u64().unwrap() as u32)
+        .map(|p| p["id"].as_u64().unwrap() as u32)
         .collect();
     assert!(programs.len() >= 4, "{programs:?}");
     assert!(programs.iter().all(|id| program_loaded(*id)));
@@ -293,10 +293,20 @@ fn one_instance_and_nothing_left_behind() {
         .stop(DEATH)
         .expect("the daemon stops on SIGTERM");
     assert!(exit.success(), "{exit:?}");
-    let left: Vec<u32> = programs
-        .into_iter()
-        .filter(|id| program_loaded(*id))
-        .collect();
+    // The kernel frees a program once its last reference is gone, after an RCU grace
+    // period: give it time.
+    let deadline = std::time::Instant::now() + DEATH;
+    let left = loop {
+        let left: Vec<u32> = programs
+            .iter()
+            .copied()
+            .filter(|id| program_loaded(*id))
+            .collect();
+        if left.is_empty() || std::time::Instant::now() > deadline {
+            break left;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert!(left.is_empty(), "programs left loaded after exit: {left:?}");
     assert!(!daemon.run_dir.join("status.json").exists());
 }
