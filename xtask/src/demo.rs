@@ -16,8 +16,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use crate::{cargo, run as run_command};
-
 const GPU1_NODE: &str = "1:7=1";
 
 pub fn run(root: &Path) -> Result<()> {
@@ -27,21 +25,7 @@ pub fn run(root: &Path) -> Result<()> {
         );
     }
     crate::toolchain::ensure_ebpf_toolchain()?;
-    run_command(&mut cargo(&[
-        "build",
-        "-q",
-        "-p",
-        "genv-enforcer",
-        "-p",
-        "fake-nvml",
-        "-p",
-        "genv-enforcer-tests",
-        "--bin",
-        "genv-enforcer",
-        "--bin",
-        "gpu-process",
-        "--lib",
-    ]))?;
+    crate::build_node_artefacts(&["-q"])?;
     let target = root.join("target/debug");
     let dir = std::env::temp_dir().join(format!("genv-enforcer-demo-{}", std::process::id()));
     let state = dir.join("genv");

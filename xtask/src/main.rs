@@ -95,6 +95,14 @@ fn ensure_python_venv() -> Result<()> {
     Ok(())
 }
 
+/// What a simulated node runs: the enforcer, the fake NVML, the gpu-process helper.
+pub fn build_node_artefacts(extra: &[&str]) -> Result<()> {
+    let mut build = cargo(&["build", "-p", "genv-enforcer", "-p", "fake-nvml"]);
+    build.args(["-p", "genv-enforcer-tests", "--bin", "genv-enforcer"]);
+    build.args(["--bin", "gpu-process", "--lib"]).args(extra);
+    run(&mut build)
+}
+
 fn which(program: &str) -> Result<()> {
     let found = Command::new("sh")
         .args(["-c", &format!("command -v {program}")])
@@ -109,21 +117,7 @@ fn which(program: &str) -> Result<()> {
 
 fn bench() -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
-    run(&mut cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "fake-nvml",
-        "-p",
-        "genv-enforcer",
-        "-p",
-        "genv-enforcer-tests",
-        "--bin",
-        "genv-enforcer",
-        "--bin",
-        "gpu-process",
-        "--lib",
-    ]))?;
+    build_node_artefacts(&["--release"])?;
     let lib = root().join("target/release/libnvidia_ml_fake.so");
     let output = cargo(&[
         "bench",
