@@ -32,13 +32,19 @@ fn gpu_of(file: *const u8, o: &Offsets) -> Option<(u32, u32)> {
     Some((rdev, index))
 }
 
+/// Reports `file` if it is a watched GPU node. `O_PATH` descriptors cannot reach the
+/// driver and are not reported; only the tracepoint tier sees them (the LSM hook is not
+/// called for them), and their mode is read only once the number matched.
 #[inline(always)]
-fn report_open(file: *const u8, tier: u32) {
-    let o = offsets();
-    if let Some((rdev, index)) = gpu_of(file, &o) {
-        let (pid, tid) = current();
-        emit(kind::OPEN, pid, tid, rdev, index, tier, Wake::Now);
+fn report_open(file: *const u8, o: &Offsets, tier: u32) {
+    let Some((rdev, index)) = gpu_of(file, o) else {
+        return;
+    };
+    if read::<u32>(file, o.file_f_mode).is_none_or(|mode| mode & FMODE_PATH != 0) {
+        return;
     }
+    let (pid, tid) = current();
+    emit(kind::OPEN, pid, tid, rdev, index, tier, Wake::Now);
 }
 
 /// Tier 1, BPF LSM `file_open`: runs for every open attempt, before the driver's
@@ -50,7 +56,7 @@ pub fn open_lsm(ctx: LsmContext) -> i32 {
     if previous != 0 {
         return previous;
     }
-    report_open(ctx.arg(0), hook::LSM);
+    report_open(ctx.arg(0), &offsets(), hook::LSM);
     0
 }
 
@@ -58,7 +64,7 @@ pub fn open_lsm(ctx: LsmContext) -> i32 {
 /// BPF LSM is not enabled.
 #[fentry(function = "security_file_open")]
 pub fn open_fentry(ctx: FEntryContext) -> u32 {
-    report_open(ctx.arg(0), hook::FENTRY);
+    report_open(ctx.arg(0), &offsets(), hook::FENTRY);
     0
 }
 

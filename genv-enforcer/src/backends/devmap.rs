@@ -89,14 +89,6 @@ impl DeviceMap {
             .iter()
             .map(|(&(major, minor), &index)| (kernel_dev(major, minor), index))
     }
-
-    pub fn index_of(&self, major: u32, minor: u32) -> Option<u32> {
-        self.nodes.get(&(major, minor)).copied()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
-    }
 }
 
 impl fmt::Display for DeviceMap {
@@ -129,6 +121,12 @@ pub fn nvidia_major(proc_devices: &str) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl DeviceMap {
+        fn index_of(&self, major: u32, minor: u32) -> Option<u32> {
+            self.nodes.get(&(major, minor)).copied()
+        }
+    }
 
     fn gpu(index: u32, minor: Option<u32>) -> GpuInfo {
         GpuInfo {

@@ -171,11 +171,6 @@ impl KernelPrograms {
         &self.refused
     }
 
-    /// Kernel ids of the loaded programs (what `bpftool prog` lists).
-    pub fn program_ids(&self) -> Vec<u32> {
-        self.programs.iter().map(|(_, id)| *id).collect()
-    }
-
     /// Each program's run count and time so far.
     pub fn stats(&self) -> Vec<ProgramStats> {
         self.programs

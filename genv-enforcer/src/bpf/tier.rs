@@ -67,6 +67,17 @@ pub enum TierChoice {
 }
 
 impl TierChoice {
+    /// As written on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            TierChoice::Auto => "auto",
+            TierChoice::Lsm => "lsm",
+            TierChoice::Fentry => "fentry",
+            TierChoice::Tracepoint => "tracepoint",
+            TierChoice::None => "none",
+        }
+    }
+
     /// The tiers to try, in order; empty for `none`.
     pub fn candidates(self) -> &'static [Tier] {
         match self {

@@ -203,7 +203,7 @@ fn load(
             Ok((Some(kernel), Some(intake)))
         }
         Err(e) if settings.tier != TierChoice::Auto => {
-            bail!("--bpf-tier {}: {e}", settings.tier.to_possible_value_name())
+            bail!("--bpf-tier {}: {e}", settings.tier.name())
         }
         Err(e) => {
             eprintln!(
@@ -212,18 +212,6 @@ fn load(
             status.sees = format!("no BPF ({e}): the full cycle alone, every {every}s");
             Ok((None, None))
         }
-    }
-}
-
-trait PossibleValueName {
-    fn to_possible_value_name(&self) -> String;
-}
-
-impl PossibleValueName for TierChoice {
-    fn to_possible_value_name(&self) -> String {
-        use clap::ValueEnum;
-        self.to_possible_value()
-            .map_or_else(String::new, |v| v.get_name().to_owned())
     }
 }
 
