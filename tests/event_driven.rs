@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use genv_enforcer_tests::events::{EventDaemon, make_gpu_node, program_loaded};
-use genv_enforcer_tests::{Daemon, Node, artefact, device_record, env_record};
+use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
 use serde_json::json;
 
 /// Generous: these machines are shared and noisy. Speed is measured by the benchmark.
@@ -90,7 +90,7 @@ fn a_process_on_its_attached_device_survives() {
         node.alive(worker),
         "a process on its own device was terminated"
     );
-    let lines: Vec<String> = daemon.daemon.output.try_iter().collect();
+    let lines = daemon.lines();
     assert!(
         !lines.iter().any(|l| l.contains("Terminating")),
         "{lines:#?}"
@@ -142,10 +142,10 @@ fn an_environment_over_its_memory_is_brought_under_it_by_the_memory_poll() {
     // nothing, so only the memory poll can see it.
     let c = node.spawn(Some("E"), &[(0, 400)]);
     daemon.expect("Environment E is using");
-    let lines = daemon.expect("Terminating process");
+    let line = daemon.expect("Terminating process");
     let victim = [a, b, c]
         .into_iter()
-        .find(|pid| lines.last().unwrap().contains(&format!("process {pid} ")))
+        .find(|pid| line.contains(&format!("process {pid} ")))
         .expect("the victim is one of E's processes");
     assert_eq!(node.wait_exit(victim, DEATH), Some(SIGTERM));
     // One process covers the 200 MiB excess: the greedy rule stops there.
@@ -335,5 +335,4 @@ fn without_bpf_the_full_cycle_enforces_alone() {
         DEATH,
     );
     assert_eq!(node.wait_exit(rogue, DEATH), Some(SIGTERM));
-    let _ = artefact; // the same binary as every other suite
 }

@@ -9,6 +9,7 @@
 //! skip into a failure. `GENV_TEST_BPF_TIER` picks the tier (default `auto`: the best
 //! the kernel accepts).
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -49,6 +50,8 @@ pub struct EventDaemon {
     /// The tier it runs on.
     pub tier: String,
     pub run_dir: PathBuf,
+    /// Every line the daemon printed so far.
+    seen: RefCell<Vec<String>>,
 }
 
 impl EventDaemon {
@@ -96,6 +99,7 @@ impl EventDaemon {
                     daemon,
                     tier,
                     run_dir,
+                    seen: RefCell::new(seen),
                 });
             }
         }
@@ -107,9 +111,31 @@ impl EventDaemon {
         None
     }
 
-    /// Waits for a line containing `needle`.
-    pub fn expect(&self, needle: &str) -> Vec<String> {
-        self.daemon.expect_line(needle, Duration::from_secs(30))
+    /// The first line containing `needle`, among those printed so far or within 30 s.
+    /// genv's lines go to stdout and the daemon's own to stderr, two pipes whose
+    /// relative order is lost, so lines are matched in any order.
+    pub fn expect(&self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(line) = self.seen.borrow().iter().find(|l| l.contains(needle)) {
+                return line.clone();
+            }
+            let left = deadline.checked_duration_since(Instant::now());
+            match left.and_then(|left| self.daemon.output.recv_timeout(left).ok()) {
+                Some(line) => self.seen.borrow_mut().push(line),
+                None => panic!(
+                    "no line containing {needle:?} within 30 s; saw {:#?}",
+                    self.seen.borrow()
+                ),
+            }
+        }
+    }
+
+    /// Every line the daemon printed so far.
+    pub fn lines(&self) -> Vec<String> {
+        let mut seen = self.seen.borrow_mut();
+        seen.extend(self.daemon.output.try_iter());
+        seen.clone()
     }
 
     /// Waits (generously) until the status file's counter `name` is above 0; the daemon
