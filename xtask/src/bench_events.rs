@@ -10,12 +10,14 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+
+use crate::sim;
 
 const INTRUDERS: usize = 100;
 const BACKGROUND_OPENS: usize = 100_000;
@@ -38,17 +40,12 @@ pub fn run(target: &Path) -> Result<String> {
 
 fn measure(target: &Path, dir: &Path) -> Result<String> {
     let gpu = dir.join("nvidia0");
-    let c_path = std::ffi::CString::new(gpu.to_str().unwrap())?;
-    if unsafe { libc::mknod(c_path.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 7)) } != 0 {
-        bail!("mknod: {}", std::io::Error::last_os_error());
-    }
+    sim::make_test_node(&gpu)?;
     let nvml = dir.join("nvml.json");
-    let write_nvml = |processes: Value| -> Result<()> {
+    let write_nvml = |processes: Value| {
         let config = json!({"devices": [{"uuid": "GPU-bench-0", "minor": 0, "total_memory": 16u64 << 30}],
                             "processes": processes});
-        let temporary = dir.join("nvml.json.new");
-        std::fs::write(&temporary, config.to_string())?;
-        Ok(std::fs::rename(&temporary, &nvml)?)
+        sim::write_nvml(&nvml, &config)
     };
     write_nvml(json!([]))?;
     let run_dir = dir.join("run");
@@ -71,13 +68,7 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()?;
-    let (tx, lines) = mpsc::channel();
-    let stderr = daemon.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let lines = sim::stream(&mut daemon, None);
     let tier = wait_line(&lines, "Event-driven on the ")?;
     wait_line(&lines, "Watching GPU nodes")?;
     let tier = tier
@@ -104,7 +95,7 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
         write_nvml(json!([{"pid": intruder.id(), "gpu": 0, "used_memory": 1u64 << 30}]))?;
         let start = Instant::now();
         intruder.stdin.as_mut().unwrap().write_all(b"go\n")?;
-        wait_exit(&mut intruder)?;
+        sim::wait_exit(&mut intruder, Duration::from_secs(30))?;
         gone_ms.push(start.elapsed().as_secs_f64() * 1e3);
         let acted = wait_line(&lines, &format!("Acted on process {} ", intruder.id()))?;
         let ms: f64 = acted
@@ -176,25 +167,5 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
 }
 
 fn wait_line(lines: &mpsc::Receiver<String>, needle: &str) -> Result<String> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-        match lines.recv_timeout(left) {
-            Ok(line) if line.contains(needle) => return Ok(line),
-            Ok(_) => {}
-            Err(_) => break,
-        }
-    }
-    bail!("the daemon printed no {needle:?} line")
-}
-
-fn wait_exit(child: &mut Child) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait()?.is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            bail!("intruder {} still running 30 s after its open", child.id());
-        }
-        std::thread::sleep(Duration::from_micros(100));
-    }
-    Ok(())
+    sim::wait_line(lines, &[needle], Duration::from_secs(60))
 }

@@ -10,11 +10,12 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+
+use crate::sim;
 
 const GPU1_NODE: &str = "1:7=1";
 
@@ -37,14 +38,7 @@ pub fn run(root: &Path) -> Result<()> {
 
 fn demo(target: &Path, dir: &Path, state: &Path) -> Result<()> {
     let gpu1 = dir.join("nvidia1");
-    let c_path = std::ffi::CString::new(gpu1.to_str().unwrap())?;
-    if unsafe { libc::mknod(c_path.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 7)) } != 0 {
-        bail!(
-            "mknod {}: {}",
-            gpu1.display(),
-            std::io::Error::last_os_error()
-        );
-    }
+    sim::make_test_node(&gpu1)?;
     let helper = |eid: Option<&str>| -> Result<(Child, ChildStdout)> {
         let mut command = Command::new(target.join("gpu-process"));
         command
@@ -82,14 +76,12 @@ fn demo(target: &Path, dir: &Path, state: &Path) -> Result<()> {
     )?;
     let nvml = dir.join("nvml.json");
     let context = |child: &Child, gpu: u32| json!({"pid": child.id(), "gpu": gpu, "used_memory": 512u64 << 20});
-    let nvml_config = |processes: Vec<Value>| -> Result<()> {
-        let config: Value = json!({"devices": [
+    let nvml_config = |processes: Vec<Value>| {
+        let config = json!({"devices": [
                 {"uuid": "GPU-demo-0", "minor": 0, "total_memory": 16u64 << 30},
                 {"uuid": "GPU-demo-1", "minor": 1, "total_memory": 16u64 << 30}],
             "processes": processes});
-        let temporary = dir.join("nvml.json.new");
-        std::fs::write(&temporary, config.to_string())?;
-        Ok(std::fs::rename(&temporary, &nvml)?)
+        sim::write_nvml(&nvml, &config)
     };
     nvml_config(vec![context(&worker, 0)])?;
 
@@ -125,8 +117,15 @@ fn demo(target: &Path, dir: &Path, state: &Path) -> Result<()> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
-    let lines = stream(&mut daemon);
-    wait_for(&lines, "Watching GPU nodes", Duration::from_secs(60))?;
+    let lines = sim::stream(&mut daemon, Some("  | "));
+    let started = sim::wait_line(
+        &lines,
+        &["Watching GPU nodes", "No BPF tier could be loaded"],
+        Duration::from_secs(60),
+    )?;
+    if started.contains("No BPF tier") {
+        println!("  (no kernel tier here: the full cycle every 5 s does the work)");
+    }
     // The intruders become GPU processes before they open, so that what is measured is
     // the enforcer's reaction to the open, not CUDA's start-up.
     nvml_config(vec![
@@ -146,18 +145,7 @@ fn demo(target: &Path, dir: &Path, state: &Path) -> Result<()> {
         println!("\n# {what} (pid {})", child.id());
         let opened = Instant::now();
         child.stdin.as_mut().unwrap().write_all(b"go\n")?;
-        let status = loop {
-            if let Some(status) = child.try_wait()? {
-                break status;
-            }
-            if opened.elapsed() > Duration::from_secs(30) {
-                bail!(
-                    "process {} is still running 30 s after its open",
-                    child.id()
-                );
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        };
+        let status = sim::wait_exit(child, Duration::from_secs(30))?;
         let lived = opened.elapsed();
         std::thread::sleep(Duration::from_millis(100));
         println!(
@@ -188,37 +176,4 @@ fn demo(target: &Path, dir: &Path, state: &Path) -> Result<()> {
         let _ = child.wait();
     }
     Ok(())
-}
-
-/// The daemon's stdout and stderr, printed as they come and kept for matching.
-fn stream(daemon: &mut Child) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    let out: Box<dyn std::io::Read + Send> = Box::new(daemon.stdout.take().unwrap());
-    let err: Box<dyn std::io::Read + Send> = Box::new(daemon.stderr.take().unwrap());
-    for stream in [out, err] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                println!("  | {line}");
-                let _ = tx.send(line);
-            }
-        });
-    }
-    rx
-}
-
-fn wait_for(lines: &mpsc::Receiver<String>, needle: &str, timeout: Duration) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-        match lines.recv_timeout(left) {
-            Ok(line) if line.contains(needle) => return Ok(()),
-            Ok(line) if line.contains("No BPF tier could be loaded") => {
-                println!("  (no kernel tier here: the full cycle every 5 s does the work)");
-                return Ok(());
-            }
-            Ok(_) => {}
-            Err(_) => break,
-        }
-    }
-    bail!("the daemon did not start (no {needle:?} line)")
 }

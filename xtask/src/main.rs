@@ -15,6 +15,7 @@
 
 mod bench_events;
 mod demo;
+mod sim;
 mod toolchain;
 
 use std::path::{Path, PathBuf};
