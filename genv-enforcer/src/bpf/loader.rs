@@ -241,6 +241,27 @@ fn program_mut<'a>(
     })
 }
 
+/// The kernel's active LSMs, mounting securityfs first where nothing did (a minimal
+/// system, a VM's init). A BPF LSM program loads and attaches even where the BPF LSM is
+/// not active, and then never runs: this list is the only way to know.
+fn active_lsms() -> Option<String> {
+    const SECURITYFS: &str = "/sys/kernel/security";
+    let list = std::path::Path::new(SECURITYFS).join("lsm");
+    if !list.exists() {
+        let mounted = rustix::mount::mount(
+            "securityfs",
+            SECURITYFS,
+            "securityfs",
+            rustix::mount::MountFlags::empty(),
+            None,
+        );
+        if let Err(e) = mounted {
+            eprintln!("[WARNING] Cannot mount securityfs on {SECURITYFS}: {e}");
+        }
+    }
+    std::fs::read_to_string(list).ok()
+}
+
 /// Loads and attaches one open tier; the reason it was refused otherwise.
 fn attach_open_tier(
     ebpf: &mut Ebpf,
@@ -250,13 +271,14 @@ fn attach_open_tier(
     let describe = |e: ProgramError| chain(&e);
     match tier {
         Tier::Lsm => {
-            if let Ok(active) = std::fs::read_to_string("/sys/kernel/security/lsm") {
-                if !active.split(',').any(|lsm| lsm.trim() == "bpf") {
-                    return Err(format!(
-                        "BPF LSM is not active (active LSMs: {}; boot with lsm=...,bpf)",
-                        active.trim()
-                    ));
-                }
+            let active = active_lsms().ok_or(
+                "cannot read /sys/kernel/security/lsm, so whether the BPF LSM runs is unknown",
+            )?;
+            if !active.split(',').any(|lsm| lsm.trim() == "bpf") {
+                return Err(format!(
+                    "BPF LSM is not active (active LSMs: {}; boot with lsm=...,bpf)",
+                    active.trim()
+                ));
             }
             let btf = aya::Btf::from_sys_fs().map_err(|e| chain(&e))?;
             let lsm: &mut Lsm = program_mut(ebpf, "open_lsm")

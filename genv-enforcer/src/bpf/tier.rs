@@ -38,6 +38,15 @@ impl Tier {
         }
     }
 
+    /// How an event line words what this tier saw: the LSM and fentry hooks run before
+    /// the driver's open, which may still fail; the tracepoints after a successful one.
+    pub fn open_verb(self) -> &'static str {
+        match self {
+            Tier::Lsm | Tier::Fentry => "is opening",
+            Tier::Tracepoint => "opened",
+        }
+    }
+
     /// What the tier sees, for the start-up line and the status output.
     pub fn sees(self) -> &'static str {
         match self {

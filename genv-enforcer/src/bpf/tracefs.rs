@@ -32,15 +32,20 @@ pub fn ensure_mounted() -> Result<PathBuf, TracefsError> {
         }
     }
     std::fs::create_dir_all(TRACEFS).map_err(TracefsError::Mount)?;
-    rustix::mount::mount(
+    let mounted = rustix::mount::mount(
         "nodev",
         TRACEFS,
         "tracefs",
         rustix::mount::MountFlags::empty(),
         None,
-    )
-    .map_err(|e| TracefsError::Mount(e.into()))?;
-    Ok(TRACEFS.into())
+    );
+    match mounted {
+        Ok(()) => Ok(TRACEFS.into()),
+        // Another process (a second loader starting at the same moment) mounted it
+        // between our look and our mount.
+        Err(_) if Path::new(TRACEFS).join("events").is_dir() => Ok(TRACEFS.into()),
+        Err(e) => Err(TracefsError::Mount(e.into())),
+    }
 }
 
 /// Byte offset of `field` in the record of tracepoint `category/name`; `Ok(None)` if the

@@ -74,10 +74,12 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
     loop {
         let mut now = Instant::now();
         if now >= next_full {
-            daemon.full_cycle(kernel.as_mut());
+            // Watch first: a state change during the cycle then triggers another one,
+            // where watching after it would miss a change made while it ran.
             if state_watch.as_ref().is_none_or(StateWatch::is_lost) {
                 state_watch = watch_state(&daemon.enforcer);
             }
+            daemon.full_cycle(kernel.as_mut());
             now = Instant::now();
             next_full = now + daemon.settings.interval;
             next_memory = now + daemon.settings.memory_interval;
@@ -244,8 +246,14 @@ impl Daemon {
                 counts.open_events += 1;
                 if self.settings.verbose {
                     eprintln!(
-                        "[EVENT] Process {} (thread {}) opened GPU {} (node {}:{}) [{}]",
-                        open.pid, open.tid, open.index, open.major, open.minor, open.tier
+                        "[EVENT] Process {} (thread {}) {} GPU {} (node {}:{}) [{}]",
+                        open.pid,
+                        open.tid,
+                        open.tier.open_verb(),
+                        open.index,
+                        open.major,
+                        open.minor,
+                        open.tier
                     );
                 }
                 self.watchlist.add(open, now);
@@ -294,7 +302,7 @@ impl Daemon {
             if let Some(open) = self.watchlist.first_open(*pid) {
                 let ms = now_ns.saturating_sub(open.at_ns) as f64 / 1e6;
                 eprintln!(
-                    "[INFO] Acted on process {pid} {ms:.2} ms after it opened GPU {} [{}]",
+                    "[INFO] Acted on process {pid} {ms:.2} ms after its open of GPU {} [{}]",
                     open.index, open.tier
                 );
             }
