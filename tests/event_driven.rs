@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use genv_enforcer_tests::events::{EventDaemon, make_gpu_node, program_loaded};
+use genv_enforcer_tests::events::{
+    EventDaemon, make_gpu_node, program_loaded, requested_tier, tier_sees_failed_opens,
+};
 use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
 use serde_json::json;
 
@@ -37,9 +39,8 @@ fn a_process_outside_any_environment_is_terminated_when_it_opens_a_gpu() {
         return;
     };
     let rogue = node.spawn_with(None, &[(0, 100)], &["--open", path(&gpu)], None);
-    daemon.expect(&format!(
-        "[EVENT] Process {rogue} (thread {rogue}) opened GPU 0"
-    ));
+    let event = daemon.expect(&format!("[EVENT] Process {rogue} (thread {rogue}) "));
+    assert!(event.contains(" GPU 0 (node "), "{event}");
     daemon.expect(&format!(
         "Process {rogue} is not running in a GPU environment"
     ));
@@ -47,6 +48,33 @@ fn a_process_outside_any_environment_is_terminated_when_it_opens_a_gpu() {
         "Terminating process {rogue} from environment N/A that is running on GPU(s) 0"
     ));
     daemon.expect(&format!("Acted on process {rogue} "));
+    assert_eq!(node.wait_exit(rogue, DEATH), Some(SIGTERM));
+}
+
+#[test]
+fn an_open_attempt_that_fails_is_still_seen() {
+    if !tier_sees_failed_opens() {
+        eprintln!(
+            "not applicable on the {} tier: it reads the descriptor a successful open returned",
+            requested_tier()
+        );
+        return;
+    }
+    let (mut node, gpu) = node();
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    let rogue = node.spawn_with(None, &[(0, 100)], &["--open", path(&gpu)], None);
+    daemon.expect(&format!("[EVENT] Process {rogue} "));
+    // No driver owns the node: the open failed (ENXIO), and the process holds nothing.
+    let held: Vec<PathBuf> = std::fs::read_dir(format!("/proc/{rogue}/fd"))
+        .unwrap()
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .collect();
+    assert!(!held.contains(&gpu), "the open succeeded: {held:?}");
+    daemon.expect(&format!(
+        "Process {rogue} is not running in a GPU environment"
+    ));
     assert_eq!(node.wait_exit(rogue, DEATH), Some(SIGTERM));
 }
 

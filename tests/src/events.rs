@@ -1,9 +1,15 @@
 //! Helpers for the event-driven suites.
 //!
-//! The tracepoint tier sees only opens that succeed, and no NVIDIA node opens without
-//! the driver, so the daemon is told (`--gpu-node 1:7=0`) that `/dev/full`'s device
-//! number is GPU 0; tests open private nodes with that number (made with `mknod`), which
-//! nothing else on a test machine opens.
+//! Which device number stands for GPU 0 depends on the tier under test
+//! ([`test_node`]):
+//! - the tracepoint tier sees only opens that succeed, and no NVIDIA node opens without
+//!   the driver, so the daemon is told (`--gpu-node 1:7=0`) that `/dev/full`'s number is
+//!   GPU 0;
+//! - the LSM and fentry tiers see the attempt before the driver is asked, so there the
+//!   node is NVIDIA's own `195:0`, whose opens fail with ENXIO where no driver is loaded
+//!   (as in the VM harness, where no driver owns major 195 either).
+//!
+//! Tests open private nodes with that number (made with `mknod`).
 //!
 //! `GENV_REQUIRE_BPF=1` (set by CI) turns "the kernel programs could not be loaded" from a
 //! skip into a failure. `GENV_TEST_BPF_TIER` picks the tier (default `auto`: the best
@@ -17,14 +23,33 @@ use serde_json::Value;
 
 use crate::{Daemon, Node};
 
-/// The device number tests use as GPU 0 (`/dev/full`'s).
-pub const TEST_NODE: (u32, u32) = (1, 7);
-pub const TEST_NODE_FLAG: &str = "1:7=0";
+/// The device number tests use as GPU 0 on the requested tier: NVIDIA's `195:0` where
+/// the hook runs before the driver (LSM, fentry), `/dev/full`'s `1:7` where only a
+/// successful open is seen (tracepoint, and `auto`, which may end up there).
+pub fn test_node() -> (u32, u32) {
+    match requested_tier().as_str() {
+        "lsm" | "fentry" => (195, 0),
+        _ => (1, 7),
+    }
+}
 
-/// Makes a character node with [`TEST_NODE`]'s number at `path`.
+/// `--gpu-node` mapping [`test_node`] to GPU 0.
+pub fn test_node_flag() -> String {
+    let (major, minor) = test_node();
+    format!("{major}:{minor}=0")
+}
+
+/// Whether the requested tier sees open attempts that fail (LSM and fentry run before
+/// the driver's open; the tracepoint tier reads the descriptor the syscall returned).
+pub fn tier_sees_failed_opens() -> bool {
+    matches!(requested_tier().as_str(), "lsm" | "fentry")
+}
+
+/// Makes a character node with [`test_node`]'s number at `path`.
 pub fn make_gpu_node(path: &Path) -> PathBuf {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    let dev = libc::makedev(TEST_NODE.0, TEST_NODE.1);
+    let (major, minor) = test_node();
+    let dev = libc::makedev(major, minor);
     let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, dev) };
     assert_eq!(
         rc,
@@ -42,6 +67,14 @@ pub fn bpf_required() -> bool {
 
 pub fn requested_tier() -> String {
     std::env::var("GENV_TEST_BPF_TIER").unwrap_or_else(|_| "auto".into())
+}
+
+/// Says which tier the running test is on, straight to stderr: libtest captures
+/// `eprintln!` of passing tests, and a run must show every test's tier.
+fn announce_tier(tier: &str) {
+    use std::io::Write;
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let _ = writeln!(std::io::stderr(), "[{tier} tier] {test}");
 }
 
 /// An event-driven daemon, started and past its first full cycle.
@@ -62,13 +95,14 @@ impl EventDaemon {
     pub fn start(node: &Node, args: &[&str]) -> Option<Self> {
         let run_dir = node.dir.join("run");
         let tier = requested_tier();
+        let node_flag = test_node_flag();
         let mut all = vec![
             "--event-driven",
             "--verbose",
             "--bpf-tier",
             &tier,
             "--gpu-node",
-            TEST_NODE_FLAG,
+            &node_flag,
             "--interval",
             "3600",
             "--run-dir",
@@ -94,7 +128,12 @@ impl EventDaemon {
             }
             if ready {
                 let tier = running_on.expect("the tier line comes first");
-                eprintln!("tier: {tier}");
+                let asked = requested_tier();
+                assert!(
+                    asked == "auto" || asked == tier,
+                    "asked for the {asked} tier, the daemon runs on {tier}"
+                );
+                announce_tier(&tier);
                 return Some(Self {
                     daemon,
                     tier,
