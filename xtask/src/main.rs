@@ -2,8 +2,11 @@
 //!
 //! - `test`: the whole suite, on a fresh machine of this kind: checks formatting and
 //!   lints, builds every artefact the end-to-end tests run (the enforcer, the fake NVML,
-//!   the helper process), then runs every test. The real genv 1.4.3 is installed from
-//!   PyPI into `target/genv-venv` on first use.
+//!   the helper process), then runs every test on the host (the tier-dependent ones on
+//!   the tracepoint tier), then the tier-dependent ones on the LSM and fentry tiers in a
+//!   VM, then the VM harness's refusal check. The real genv 1.4.3 is installed from PyPI
+//!   into `target/genv-venv` on first use.
+//! - `vm-test`: the tier-dependent suites in a Debian kernel under QEMU ([`vm`]).
 //! - `demo`: the event-driven enforcer on a simulated GPU node with no GPU: the fake
 //!   NVML, a genv environment, intruders opening a GPU node, and how fast they end.
 //! - `build-ebpf`: the kernel programs' object alone (the enforcer's build script builds
@@ -17,6 +20,7 @@ mod bench_events;
 mod demo;
 mod sim;
 mod toolchain;
+mod vm;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,7 +34,11 @@ fn main() -> Result<()> {
         Some("demo") => demo::run(&root()),
         Some("bench") => bench(),
         Some("build-ebpf") => toolchain::build_ebpf(&root()),
-        _ => bail!("usage: cargo xtask <test [-- cargo test args] | demo | bench | build-ebpf>"),
+        Some("vm-test") => vm_test(&args[1..]),
+        _ => bail!(
+            "usage: cargo xtask <test [-- cargo test args] | vm-test [--tiers LIST] [--lsm LIST] \
+             [-- test args] | demo | bench | build-ebpf>"
+        ),
     }
 }
 
@@ -76,9 +84,37 @@ fn test(extra: &[String]) -> Result<()> {
         "warnings",
     ]))?;
     run(&mut cargo(&["build", "--workspace"]))?;
+    // The host runs the tier-dependent suites on the tracepoint tier (the one this
+    // machine's kernel loads); the VM runs them on the LSM and fentry tiers.
     let mut test = cargo(&["test", "--workspace"]);
     test.args(extra.iter().skip_while(|a| *a == "--"));
-    run(&mut test)
+    if std::env::var_os("GENV_TEST_BPF_TIER").is_none() {
+        test.env("GENV_TEST_BPF_TIER", "tracepoint");
+    }
+    run(&mut test)?;
+    if !extra.is_empty() {
+        eprintln!("xtask: test arguments given: the VM suites were not run (cargo xtask vm-test)");
+        return Ok(());
+    }
+    let outcome = vm::test(&root(), &vm::Options::parse(&[])?)?;
+    if !outcome.passed {
+        bail!("the VM suites failed (see their output above)");
+    }
+    vm::refusal_check(&root())?;
+    eprintln!(
+        "xtask: all passed: the tier suites on tracepoint (host), lsm and fentry (VM), \
+         and the harness's refusal check"
+    );
+    Ok(())
+}
+
+fn vm_test(args: &[String]) -> Result<()> {
+    toolchain::ensure_ebpf_toolchain()?;
+    let outcome = vm::test(&root(), &vm::Options::parse(args)?)?;
+    if !outcome.passed {
+        bail!("vm-test: a tier failed (see its tests' output above)");
+    }
+    Ok(())
 }
 
 /// The real genv 1.4.3 is installed from PyPI into a venv under target/: that needs

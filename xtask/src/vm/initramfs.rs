@@ -1,0 +1,164 @@
+//! The guest's initramfs: busybox (static), the modules init needs, and `/init`.
+//!
+//! `/init` makes the guest look like the host: the host's root filesystem read-only over
+//! virtio-9p with a tmpfs overlay on top for writes, the project's work tree read-write
+//! at the same path, fresh `/proc`, `/sys`, `/dev`, `/tmp`, `/run` and bpffs. It then runs
+//! the guest script there (chrooted), prints its exit status and powers off. The host's
+//! binaries, test executables, Python and genv venv run unchanged.
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+/// What `/init` needs to know.
+pub struct Init<'a> {
+    /// Module file names under `/modules`, in load order.
+    pub modules: Vec<String>,
+    /// The work tree's path on the host, and so in the guest.
+    pub work_tree: &'a Path,
+    /// The script (inside the work tree) that runs the tests.
+    pub script: &'a Path,
+}
+
+/// The line the guest prints last; the host reads the status from it.
+pub const EXIT_MARKER: &str = "genv-vm: exit status ";
+
+impl Init<'_> {
+    fn script(&self) -> String {
+        let work = self.work_tree.display();
+        let modules = self.modules.join(" ");
+        let script = self.script.display();
+        // msize: 9p's default 8 KiB makes every read of a test binary a dozen round trips.
+        let p9 = "trans=virtio,version=9p2000.L,msize=262144";
+        format!(
+            r#"#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+fail() {{ echo "genv-vm: init failed: $*"; echo "{EXIT_MARKER}125"; poweroff -f; }}
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+for m in {modules}; do insmod /modules/$m || fail "insmod $m"; done
+mkdir -p /lower /rw /newroot
+mount -t 9p -o {p9},ro hostroot /lower || fail "mount the host's root"
+mount -t tmpfs tmpfs /rw && mkdir /rw/upper /rw/work
+mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /newroot \
+    || fail "mount the overlay"
+mount -t proc proc /newroot/proc
+mount -t sysfs sysfs /newroot/sys
+mount -t devtmpfs devtmpfs /newroot/dev
+mkdir -p /newroot/dev/pts /newroot/dev/shm
+mount -t devpts devpts /newroot/dev/pts
+mount -t tmpfs tmpfs /newroot/dev/shm
+mount -t tmpfs tmpfs /newroot/tmp
+mount -t tmpfs tmpfs /newroot/run
+mount -t bpf bpf /newroot/sys/fs/bpf
+mount -t securityfs securityfs /newroot/sys/kernel/security
+# Last, so that no fresh /tmp or /run hides it; cache=mmap: tests map files shared.
+mkdir -p "/newroot{work}"
+mount -t 9p -o {p9},cache=mmap work "/newroot{work}" || fail "mount the work tree"
+hostname genv-vm
+chroot /newroot /bin/sh "{script}"
+echo "{EXIT_MARKER}$?"
+sync
+poweroff -f
+"#
+        )
+    }
+}
+
+/// Writes the initramfs (an uncompressed `newc` cpio archive) to `out`.
+pub fn write(
+    out: &Path,
+    busybox: &Path,
+    modules: &[std::path::PathBuf],
+    init: &Init,
+) -> Result<()> {
+    let mut archive = Cpio::default();
+    for dir in ["bin", "dev", "proc", "sys", "modules"] {
+        archive.entry(dir, 0o040755, 0, &[]);
+    }
+    // The kernel gives init its stdio on /dev/console before anything is mounted.
+    archive.entry("dev/console", 0o020600, libc::makedev(5, 1), &[]);
+    let busybox = std::fs::read(busybox)
+        .with_context(|| format!("{} (apt-get install busybox-static)", busybox.display()))?;
+    archive.entry("bin/busybox", 0o100755, 0, &busybox);
+    for module in modules {
+        let name = module.file_name().unwrap().to_string_lossy();
+        archive.entry(
+            &format!("modules/{name}"),
+            0o100644,
+            0,
+            &std::fs::read(module)?,
+        );
+    }
+    archive.entry("init", 0o100755, 0, init.script().as_bytes());
+    std::fs::write(out, archive.finish()).with_context(|| format!("{}", out.display()))
+}
+
+/// A `newc` cpio archive (the format the kernel unpacks), built in memory.
+#[derive(Default)]
+struct Cpio {
+    bytes: Vec<u8>,
+    inode: u32,
+}
+
+impl Cpio {
+    fn entry(&mut self, name: &str, mode: u32, rdev: libc::dev_t, data: &[u8]) {
+        self.inode += 1;
+        let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+        let fields = [
+            self.inode,
+            mode,
+            0, // uid
+            0, // gid
+            1, // nlink
+            0, // mtime
+            data.len() as u32,
+            0, // device major
+            0, // device minor
+            major,
+            minor,
+            name.len() as u32 + 1,
+            0, // check
+        ];
+        write!(self.bytes, "070701").unwrap();
+        for field in fields {
+            write!(self.bytes, "{field:08x}").unwrap();
+        }
+        self.bytes.extend_from_slice(name.as_bytes());
+        self.bytes.push(0);
+        self.pad();
+        self.bytes.extend_from_slice(data);
+        self.pad();
+    }
+
+    fn pad(&mut self) {
+        while !self.bytes.len().is_multiple_of(4) {
+            self.bytes.push(0);
+        }
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        self.entry("TRAILER!!!", 0, 0, &[]);
+        self.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_are_aligned_and_the_archive_ends_with_the_trailer() {
+        let mut archive = Cpio::default();
+        archive.entry("init", 0o100755, 0, b"#!/bin/sh\n");
+        let bytes = archive.finish();
+        assert!(bytes.starts_with(b"070701"));
+        assert_eq!(bytes.len() % 4, 0);
+        // Header (110) + "init\0" padded to 116, then 10 bytes of data padded to 128.
+        assert_eq!(&bytes[128..134], b"070701");
+        assert!(bytes.windows(10).any(|w| w == b"TRAILER!!!"));
+    }
+}
