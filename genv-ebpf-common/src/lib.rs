@@ -16,6 +16,32 @@ pub const LOST_MAP: &str = "LOST";
 pub const GPU_NODES_MAP: &str = "GPU_NODES";
 /// The global holding [`Offsets`].
 pub const OFFSETS_GLOBAL: &str = "OFFSETS";
+/// Process (tgid) → its environment identity ([`identity`]), learnt at exec, inherited
+/// at fork, dropped at exit, seeded from `/proc` by the daemon.
+pub const PROC_ENV_MAP: &str = "PROC_ENV";
+/// Active environments: [`env_id_hash`] of the eid → [`EnvEntry`], mirrored from genv's
+/// state by the daemon.
+pub const ENVS_MAP: &str = "ENVS";
+/// Executables allowed to open GPU nodes outside any environment ([`ExeKey`] → 1).
+pub const ALLOWED_EXES_MAP: &str = "ALLOWED_EXES";
+/// One `u32` of [`policy`] flags.
+pub const POLICY_MAP: &str = "POLICY";
+/// Per-CPU counts of in-kernel decisions, by [`decision`] slot: exact even when the
+/// ring buffer had no room for the event.
+pub const DECISIONS_MAP: &str = "DECISIONS";
+/// Per-CPU scratch space for reading a process's environment block.
+pub const SCRATCH_MAP: &str = "SCRATCH";
+
+/// Capacity of [`PROC_ENV_MAP`]: live processes the kernel side can place.
+pub const MAX_PROCESSES: u32 = 1 << 17;
+/// Capacity of [`ENVS_MAP`].
+pub const MAX_ENVS: u32 = 4096;
+/// Capacity of [`ALLOWED_EXES_MAP`].
+pub const MAX_ALLOWED_EXES: u32 = 256;
+/// The longest environment id the kernel side reads; a longer one never matches.
+pub const MAX_ENV_ID: usize = 255;
+/// The variable genv puts its environment id in.
+pub const ENV_VAR_PREFIX: &[u8; 20] = b"GENV_ENVIRONMENT_ID=";
 
 /// Upper bound on the GPU nodes one node can have watched (`/dev/nvidia0..N` plus
 /// overrides).
@@ -31,6 +57,88 @@ pub mod kind {
     pub const EXIT: u32 = 3;
     /// A watched GPU node was opened; `arg` is its kernel `dev_t`, `index` its GPU.
     pub const OPEN: u32 = 4;
+}
+
+/// A process's environment identity in [`PROC_ENV_MAP`]: [`env_id_hash`] of its
+/// `GENV_ENVIRONMENT_ID`, or one of these.
+pub mod identity {
+    /// No `GENV_ENVIRONMENT_ID` in its environment block (or one too long to be real).
+    pub const NO_ENV: u64 = 0;
+    /// The block was too large to read within the program's bounds; the daemon reads
+    /// `/proc/<pid>/environ` and writes the answer. Counts as outside until then.
+    pub const UNRESOLVED: u64 = u64::MAX;
+}
+
+/// FNV-1a (64 bit) of an environment id, never [`identity::NO_ENV`] or
+/// [`identity::UNRESOLVED`]. The kernel side hashes the value it finds in the
+/// environment block, the daemon the eids in `envs.json`. A collision could at most let
+/// a user claim one of their own environments (the owner's uid is checked too), which
+/// setting the variable does anyway.
+pub const fn env_id_hash(id: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < id.len() {
+        hash ^= id[i] as u64;
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        i += 1;
+    }
+    match hash {
+        identity::NO_ENV => 1,
+        identity::UNRESOLVED => u64::MAX - 1,
+        hash => hash,
+    }
+}
+
+/// Flags in [`POLICY_MAP`].
+pub mod policy {
+    /// `--deny`: a process outside any environment may not use a GPU node: refused
+    /// (LSM) or killed in the syscall (fentry, tracepoint).
+    pub const DENY: u32 = 1;
+}
+
+/// Slots of [`DECISIONS_MAP`].
+pub mod decision {
+    pub const REFUSED: u32 = 0;
+    pub const KILLED: u32 = 1;
+    pub const SLOTS: u32 = 2;
+}
+
+/// What the kernel side decided about a GPU open ([`RawEvent::verdict`]).
+pub mod verdict {
+    /// A process of an active environment it may claim, on a GPU attached to it.
+    pub const ATTACHED: u32 = 1;
+    /// A process of an active environment, on a GPU not attached to it (never refused:
+    /// CUDA opens every node; the env-devices rule decides on actual use).
+    pub const NOT_ATTACHED: u32 = 2;
+    /// Outside any environment, let through (no `--deny`).
+    pub const OUTSIDE: u32 = 3;
+    /// Outside any environment, run by an allow-listed executable.
+    pub const ALLOWED_EXE: u32 = 4;
+    /// Outside any environment: the open failed with EPERM (LSM tier, `--deny`).
+    pub const REFUSED: u32 = 5;
+    /// Outside any environment: SIGKILL sent from the program, before the open
+    /// returned (fentry and tracepoint tiers, `--deny`).
+    pub const KILLED: u32 = 6;
+}
+
+/// An active environment, as the kernel side sees it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EnvEntry {
+    /// The uid that owns it; only that uid (or root) may claim it.
+    pub uid: u32,
+    pub _pad: u32,
+    /// Bit `i` set: GPU index `i` is attached.
+    pub attached: u64,
+}
+
+/// An executable, by the device (kernel `dev_t` of its filesystem) and inode of the file.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExeKey {
+    pub dev: u32,
+    pub _pad: u32,
+    pub ino: u64,
 }
 
 /// Which program saw an open; tells the daemon which guarantees it has.
@@ -54,15 +162,23 @@ pub struct RawEvent {
     pub pid: u32,
     /// The thread that acted.
     pub tid: u32,
-    /// Kind-specific: the child's pid for `FORK`, the node's `dev_t` for `OPEN`.
+    /// Kind-specific: the child's pid for `FORK`, the node's `dev_t` for `OPEN`,
+    /// [`EXEC_UNRESOLVED`] for an `EXEC` whose identity the daemon must read.
     pub arg: u32,
     /// The GPU index for `OPEN`.
     pub index: u32,
     /// One of [`hook`] for `OPEN`.
     pub hook: u32,
+    /// The real uid of the process, for `OPEN`.
+    pub uid: u32,
+    /// One of [`verdict`] for `OPEN`.
+    pub verdict: u32,
     /// `bpf_ktime_get_ns()` when the event happened (CLOCK_MONOTONIC).
     pub ktime_ns: u64,
 }
+
+/// `RawEvent::arg` of an `EXEC` whose environment block could not be read in full.
+pub const EXEC_UNRESOLVED: u32 = 1;
 
 /// Struct member offsets (bytes) in the running kernel, read from its BTF by the daemon,
 /// and tracepoint field offsets, read from tracefs. `ABSENT` marks a field this kernel
@@ -80,6 +196,13 @@ pub struct Offsets {
     pub file_f_mode: u32,
     pub inode_i_mode: u32,
     pub inode_i_rdev: u32,
+    pub task_mm: u32,
+    pub mm_env_start: u32,
+    pub mm_env_end: u32,
+    pub mm_exe_file: u32,
+    pub inode_i_ino: u32,
+    pub inode_i_sb: u32,
+    pub sb_s_dev: u32,
     /// `ret` in the `syscalls/sys_exit_open*` tracepoints.
     pub sys_exit_ret: u32,
     /// `group_dead` in `sched/sched_process_exit` (6.15 and later); `ABSENT` before.
@@ -100,6 +223,13 @@ impl Offsets {
         file_f_mode: 0,
         inode_i_mode: 0,
         inode_i_rdev: 0,
+        task_mm: 0,
+        mm_env_start: 0,
+        mm_env_end: 0,
+        mm_exe_file: 0,
+        inode_i_ino: 0,
+        inode_i_sb: 0,
+        sb_s_dev: 0,
         sys_exit_ret: 0,
         exit_group_dead: Self::ABSENT,
     };
@@ -121,6 +251,8 @@ mod pod {
     // SAFETY: plain `#[repr(C)]` integers with no padding holes.
     unsafe impl aya::Pod for super::RawEvent {}
     unsafe impl aya::Pod for super::Offsets {}
+    unsafe impl aya::Pod for super::EnvEntry {}
+    unsafe impl aya::Pod for super::ExeKey {}
 }
 
 #[cfg(test)]
@@ -131,8 +263,18 @@ mod tests {
     fn records_have_the_layout_both_sides_compile() {
         // The programs and the daemon are built by different compilers for different
         // targets; a size change means one side was not rebuilt or a field is unaligned.
-        assert_eq!(size_of::<RawEvent>(), 32);
-        assert_eq!(size_of::<Offsets>(), 12 * 4);
+        assert_eq!(size_of::<RawEvent>(), 40);
+        assert_eq!(size_of::<Offsets>(), 19 * 4);
+        assert_eq!(size_of::<EnvEntry>(), 16);
+        assert_eq!(size_of::<ExeKey>(), 16);
+    }
+
+    #[test]
+    fn environment_ids_hash_as_fnv1a_and_never_to_a_sentinel() {
+        // FNV-1a 64 test vectors.
+        assert_eq!(env_id_hash(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(env_id_hash(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_ne!(env_id_hash(b"21210"), env_id_hash(b"21211"));
     }
 
     #[test]

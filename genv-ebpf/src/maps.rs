@@ -5,8 +5,11 @@ use aya_ebpf::bindings::{
 };
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use aya_ebpf::macros::map;
-use aya_ebpf::maps::{HashMap, PerCpuArray, RingBuf};
-use genv_ebpf_common::{MAX_GPU_NODES, Offsets, RawEvent};
+use aya_ebpf::maps::{Array, HashMap, PerCpuArray, RingBuf};
+use genv_ebpf_common::{
+    EnvEntry, ExeKey, MAX_ALLOWED_EXES, MAX_ENV_ID, MAX_ENVS, MAX_GPU_NODES, MAX_PROCESSES,
+    Offsets, RawEvent, decision,
+};
 
 /// Events to the daemon. The daemon may resize it at load time (a power of two pages).
 #[map]
@@ -19,6 +22,48 @@ pub static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 /// Kernel `dev_t` → GPU index, for the nodes the daemon watches.
 #[map]
 pub static GPU_NODES: HashMap<u32, u32> = HashMap::with_max_entries(MAX_GPU_NODES, 0);
+
+/// tgid → environment identity (see `genv_ebpf_common::identity`).
+#[map]
+pub static PROC_ENV: HashMap<u32, u64> = HashMap::with_max_entries(MAX_PROCESSES, 0);
+
+/// Active environments by eid hash, mirrored from genv's state by the daemon.
+#[map]
+pub static ENVS: HashMap<u64, EnvEntry> = HashMap::with_max_entries(MAX_ENVS, 0);
+
+/// Executables that may open GPU nodes outside any environment.
+#[map]
+pub static ALLOWED_EXES: HashMap<ExeKey, u8> = HashMap::with_max_entries(MAX_ALLOWED_EXES, 0);
+
+/// `genv_ebpf_common::policy` flags, written by the daemon once identities are seeded.
+#[map]
+pub static POLICY: Array<u32> = Array::with_max_entries(1, 0);
+
+/// In-kernel decisions by `genv_ebpf_common::decision` slot.
+#[map]
+pub static DECISIONS: PerCpuArray<u64> = PerCpuArray::with_max_entries(decision::SLOTS, 0);
+
+/// Room to read one environment entry (the prefix and an id of up to `MAX_ENV_ID`).
+pub const SCRATCH_BYTES: usize = MAX_ENV_ID + 1 + 20;
+
+/// Per-CPU scratch for the exec hook (too large for the 512-byte BPF stack).
+#[map]
+pub static SCRATCH: PerCpuArray<[u8; SCRATCH_BYTES]> = PerCpuArray::with_max_entries(1, 0);
+
+/// Adds one to this CPU's count in `DECISIONS`.
+#[inline(always)]
+pub fn count_decision(slot: u32) {
+    if let Some(count) = DECISIONS.get_ptr_mut(slot) {
+        // SAFETY: this CPU's slot; programs on one CPU do not preempt each other.
+        unsafe { *count += 1 };
+    }
+}
+
+/// The `POLICY` flags.
+#[inline(always)]
+pub fn policy() -> u32 {
+    POLICY.get(0).copied().unwrap_or(0)
+}
 
 /// Filled in by the daemon before loading; read-only afterwards, so the verifier sees
 /// constants.
@@ -44,19 +89,12 @@ pub enum Wake {
     Later,
 }
 
-/// Sends an event, counting it as lost if the ring buffer is full.
+/// Sends an event (its time is stamped here), counting it as lost if the ring buffer is
+/// full.
 #[inline(always)]
-pub fn emit(kind: u32, pid: u32, tid: u32, arg: u32, index: u32, hook: u32, wake: Wake) {
-    let event = RawEvent {
-        kind,
-        pid,
-        tid,
-        arg,
-        index,
-        hook,
-        // SAFETY: a helper without arguments.
-        ktime_ns: unsafe { bpf_ktime_get_ns() },
-    };
+pub fn emit(mut event: RawEvent, wake: Wake) {
+    // SAFETY: a helper without arguments.
+    event.ktime_ns = unsafe { bpf_ktime_get_ns() };
     let flags = match wake {
         Wake::Now => BPF_RB_FORCE_WAKEUP,
         Wake::Later

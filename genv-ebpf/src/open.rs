@@ -2,13 +2,20 @@
 //! decides by the inode (character device, number in `GPU_NODES`), so symlinks, hard
 //! links, private `mknod`s and `/proc/<pid>/fd` re-opens are all the same node.
 
-use aya_ebpf::helpers::{bpf_get_current_task, bpf_probe_read_kernel};
+use aya_ebpf::helpers::{
+    bpf_get_current_task, bpf_get_current_uid_gid, bpf_probe_read_kernel, bpf_send_signal,
+};
 use aya_ebpf::macros::{fentry, lsm, tracepoint};
 use aya_ebpf::programs::{FEntryContext, LsmContext, TracePointContext};
-use genv_ebpf_common::{Offsets, hook, kind};
+use genv_ebpf_common::{ExeKey, Offsets, RawEvent, decision, hook, kind, policy, verdict};
 
 use crate::kernel::{current, read};
-use crate::maps::{GPU_NODES, Wake, emit, offsets};
+use crate::maps::{
+    ALLOWED_EXES, ENVS, GPU_NODES, PROC_ENV, Wake, count_decision, emit, offsets, policy,
+};
+
+const EPERM: i32 = 1;
+const SIGKILL: u32 = 9;
 
 const S_IFMT: u16 = 0o170000;
 const S_IFCHR: u16 = 0o020000;
@@ -32,19 +39,89 @@ fn gpu_of(file: *const u8, o: &Offsets) -> Option<(u32, u32)> {
     Some((rdev, index))
 }
 
-/// Reports `file` if it is a watched GPU node. `O_PATH` descriptors cannot reach the
-/// driver and are not reported; only the tracepoint tier sees them (the LSM hook is not
-/// called for them), and their mode is read only once the number matched.
+/// Decides about, and reports, an open of `file` if it is a watched GPU node; the
+/// verdict (one of `verdict`), or 0 for anything else. `O_PATH` descriptors cannot reach
+/// the driver and are let through; their mode is read only once the number matched.
+///
+/// The decision is made here, in the kernel, from the maps alone: the process's
+/// identity (`PROC_ENV`), the environment it names (`ENVS`: active, and owned by the
+/// process's uid unless that is root), then the allow-list. With `--deny`, a process
+/// outside any environment is refused on the LSM tier (the caller returns -EPERM on
+/// `REFUSED`) and sent SIGKILL here on the others, so the open never returns to it.
 #[inline(always)]
-fn report_open(file: *const u8, o: &Offsets, tier: u32) {
+fn decide(file: *const u8, o: &Offsets, tier: u32) -> u32 {
     let Some((rdev, index)) = gpu_of(file, o) else {
-        return;
+        return 0;
     };
     if read::<u32>(file, o.file_f_mode).is_none_or(|mode| mode & FMODE_PATH != 0) {
-        return;
+        return 0;
     }
     let (pid, tid) = current();
-    emit(kind::OPEN, pid, tid, rdev, index, tier, Wake::Now);
+    let uid = bpf_get_current_uid_gid() as u32;
+    let verdict = match environment_of(pid, uid) {
+        Some(attached) if index < 64 && attached & (1 << index) != 0 => verdict::ATTACHED,
+        Some(_) => verdict::NOT_ATTACHED,
+        None if exe_allowed(o) => verdict::ALLOWED_EXE,
+        None if policy() & policy::DENY == 0 => verdict::OUTSIDE,
+        None if tier == hook::LSM => {
+            count_decision(decision::REFUSED);
+            verdict::REFUSED
+        }
+        None => {
+            // SAFETY: signals the current process; pending SIGKILL is delivered before
+            // the syscall returns to user space.
+            unsafe { bpf_send_signal(SIGKILL) };
+            count_decision(decision::KILLED);
+            verdict::KILLED
+        }
+    };
+    emit(
+        RawEvent {
+            kind: kind::OPEN,
+            pid,
+            tid,
+            arg: rdev,
+            index,
+            hook: tier,
+            uid,
+            verdict,
+            ktime_ns: 0,
+        },
+        Wake::Now,
+    );
+    verdict
+}
+
+/// The attached-GPU mask of the active environment process `pid` (running as `uid`)
+/// belongs to; `None` outside any: no identity, an unknown environment, or one owned by
+/// another uid (root may claim any).
+#[inline(always)]
+fn environment_of(pid: u32, uid: u32) -> Option<u64> {
+    // SAFETY: plain lookups; the values are copied out at once.
+    let identity = unsafe { PROC_ENV.get(&pid) }.copied()?;
+    let env = unsafe { ENVS.get(&identity) }.copied()?;
+    (uid == 0 || env.uid == uid).then_some(env.attached)
+}
+
+/// Whether the current process runs an allow-listed executable (by the device and inode
+/// of `mm->exe_file`, so a copy or a same-named file elsewhere is not allowed).
+#[inline(always)]
+fn exe_allowed(o: &Offsets) -> bool {
+    // SAFETY: a helper without arguments; the task is read only through probe reads.
+    let task = unsafe { bpf_get_current_task() } as *const u8;
+    let key = || -> Option<ExeKey> {
+        let mm = read::<*const u8>(task, o.task_mm)?;
+        let exe = read::<*const u8>(mm, o.mm_exe_file)?;
+        let inode = read::<*const u8>(exe, o.file_f_inode)?;
+        let sb = read::<*const u8>(inode, o.inode_i_sb)?;
+        Some(ExeKey {
+            dev: read::<u32>(sb, o.sb_s_dev)?,
+            _pad: 0,
+            ino: read::<u64>(inode, o.inode_i_ino)?,
+        })
+    };
+    // SAFETY: a plain lookup.
+    key().is_some_and(|key| unsafe { ALLOWED_EXES.get(&key) }.is_some())
 }
 
 /// Tier 1, BPF LSM `file_open`: runs for every open attempt, before the driver's
@@ -56,15 +133,17 @@ pub fn open_lsm(ctx: LsmContext) -> i32 {
     if previous != 0 {
         return previous;
     }
-    report_open(ctx.arg(0), &offsets(), hook::LSM);
-    0
+    match decide(ctx.arg(0), &offsets(), hook::LSM) {
+        verdict::REFUSED => -EPERM,
+        _ => 0,
+    }
 }
 
 /// Tier 2, fentry on `security_file_open`: the same call site as the LSM hook, where
 /// BPF LSM is not enabled.
 #[fentry(function = "security_file_open")]
 pub fn open_fentry(ctx: FEntryContext) -> u32 {
-    report_open(ctx.arg(0), &offsets(), hook::FENTRY);
+    decide(ctx.arg(0), &offsets(), hook::FENTRY);
     0
 }
 
@@ -105,23 +184,7 @@ fn on_open_exit(ctx: &TracePointContext) {
     let Ok(file) = (unsafe { bpf_probe_read_kernel(fds.wrapping_add(fd as usize)) }) else {
         return;
     };
-    if let Some((rdev, index)) = gpu_of(file, &o) {
-        match read::<u32>(file, o.file_f_mode) {
-            Some(mode) if mode & FMODE_PATH == 0 => {
-                let (pid, tid) = current();
-                emit(
-                    kind::OPEN,
-                    pid,
-                    tid,
-                    rdev,
-                    index,
-                    hook::TRACEPOINT,
-                    Wake::Now,
-                );
-            }
-            _ => {}
-        }
-    }
+    decide(file, &o, hook::TRACEPOINT);
 }
 
 #[tracepoint]

@@ -23,20 +23,26 @@ use serde_json::Value;
 
 use crate::{Daemon, Node};
 
-/// The device number tests use as GPU 0 on the requested tier: NVIDIA's `195:0` where
-/// the hook runs before the driver (LSM, fentry), `/dev/full`'s `1:7` where only a
-/// successful open is seen (tracepoint, and `auto`, which may end up there).
-pub fn test_node() -> (u32, u32) {
+/// The device numbers tests use as GPUs 0 and 1 on the requested tier: NVIDIA's own
+/// where the hook runs before the driver (LSM, fentry); where only a successful open is
+/// seen (tracepoint, and `auto`, which may end up there), two real devices nothing else
+/// on a test machine opens: `/dev/full` and `/dev/btrfs-control`.
+pub fn test_nodes() -> [(u32, u32); 2] {
     match requested_tier().as_str() {
-        "lsm" | "fentry" => (195, 0),
-        _ => (1, 7),
+        "lsm" | "fentry" => [(195, 0), (195, 1)],
+        _ => [(1, 7), (10, 234)],
     }
 }
 
-/// `--gpu-node` mapping [`test_node`] to GPU 0.
-pub fn test_node_flag() -> String {
-    let (major, minor) = test_node();
-    format!("{major}:{minor}=0")
+/// The device number of GPU 0.
+pub fn test_node() -> (u32, u32) {
+    test_nodes()[0]
+}
+
+/// `--gpu-node` values mapping [`test_nodes`] to GPUs 0 and 1.
+pub fn test_node_flags() -> [String; 2] {
+    let [(a, b), (c, d)] = test_nodes();
+    [format!("{a}:{b}=0"), format!("{c}:{d}=1")]
 }
 
 /// Whether the requested tier sees open attempts that fail (LSM and fentry run before
@@ -45,10 +51,15 @@ pub fn tier_sees_failed_opens() -> bool {
     matches!(requested_tier().as_str(), "lsm" | "fentry")
 }
 
-/// Makes a character node with [`test_node`]'s number at `path`.
+/// Makes a character node with GPU 0's test number at `path`.
 pub fn make_gpu_node(path: &Path) -> PathBuf {
+    make_gpu_node_for(path, 0)
+}
+
+/// Makes a character node with GPU `gpu`'s test number (0 or 1) at `path`.
+pub fn make_gpu_node_for(path: &Path, gpu: usize) -> PathBuf {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    let (major, minor) = test_node();
+    let (major, minor) = test_nodes()[gpu];
     let dev = libc::makedev(major, minor);
     let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, dev) };
     assert_eq!(
@@ -95,14 +106,16 @@ impl EventDaemon {
     pub fn start(node: &Node, args: &[&str]) -> Option<Self> {
         let run_dir = node.dir.join("run");
         let tier = requested_tier();
-        let node_flag = test_node_flag();
+        let [gpu0, gpu1] = test_node_flags();
         let mut all = vec![
             "--event-driven",
             "--verbose",
             "--bpf-tier",
             &tier,
             "--gpu-node",
-            &node_flag,
+            &gpu0,
+            "--gpu-node",
+            &gpu1,
             "--interval",
             "3600",
             "--run-dir",

@@ -179,6 +179,18 @@ impl Node {
 
     /// Lets a helper started with `--wait-stdin` do its opens; returns once it has.
     pub fn release(&mut self, pid: u32) {
+        let lines = self.attempt(pid);
+        assert_eq!(
+            lines.last().map(String::as_str),
+            Some("opened"),
+            "gpu-process did not open: {lines:?}"
+        );
+    }
+
+    /// Lets a helper started with `--wait-stdin` do its opens, and returns what it
+    /// printed until it said `opened` or its output ended (it died): one `returned …`
+    /// line per open that returned to it.
+    pub fn attempt(&mut self, pid: u32) -> Vec<String> {
         let child = self.children.get_mut(&pid).expect("a process of this node");
         child
             .stdin
@@ -186,11 +198,19 @@ impl Node {
             .expect("started with a piped stdin")
             .write_all(b"go\n")
             .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(line.trim(), "opened", "gpu-process did not open");
+        let mut lines = Vec::new();
+        let mut reader = BufReader::new(child.stdout.as_mut().unwrap());
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return lines;
+            }
+            let done = line.trim() == "opened";
+            lines.push(line.trim().to_owned());
+            if done {
+                return lines;
+            }
+        }
     }
 
     /// Lists an already-running process (started by the test itself) as a compute

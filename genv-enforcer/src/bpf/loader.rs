@@ -12,6 +12,7 @@ use genv_ebpf_common::{EVENTS_MAP, GPU_NODES_MAP, LOST_MAP, MAX_GPU_NODES, OFFSE
 use super::btf::Btf;
 use super::object::OBJECT;
 use super::offsets::{self, OffsetsError};
+use super::policy_maps::PolicyMaps;
 use super::tier::{Tier, TierChoice};
 use super::tracefs::{self, TracefsError};
 use crate::backends::devmap::DeviceMap;
@@ -37,7 +38,7 @@ pub enum LoadError {
 }
 
 /// An error with its causes, as one line: aya's outer errors rarely say the errno.
-fn chain(error: &dyn Error) -> String {
+pub(super) fn chain(error: &dyn Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
@@ -76,6 +77,8 @@ pub struct KernelPrograms {
     /// Why each better tier was not used.
     refused: Vec<(Tier, String)>,
     nodes: BpfHashMap<MapData, u32, u32>,
+    /// Identities, environments, allow-list, `--deny`, decisions.
+    policy: PolicyMaps,
     /// Loaded programs: name in the object, kernel id.
     programs: Vec<(&'static str, u32)>,
 }
@@ -147,6 +150,7 @@ impl KernelPrograms {
             PerCpuArray::try_from(take(&mut ebpf, LOST_MAP)?).map_err(map_error(LOST_MAP))?;
         let nodes = BpfHashMap::try_from(take(&mut ebpf, GPU_NODES_MAP)?)
             .map_err(map_error(GPU_NODES_MAP))?;
+        let policy = PolicyMaps::take(&mut ebpf)?;
         let intake = EventIntake::new(ring, lost).map_err(|e| LoadError::Map {
             map: EVENTS_MAP,
             message: format!("cannot register with the runtime: {e}"),
@@ -157,6 +161,7 @@ impl KernelPrograms {
                 tier,
                 refused,
                 nodes,
+                policy,
                 programs,
             },
             intake,
@@ -185,6 +190,14 @@ impl KernelPrograms {
                 }
             })
             .collect()
+    }
+
+    pub fn policy(&self) -> &PolicyMaps {
+        &self.policy
+    }
+
+    pub fn policy_mut(&mut self) -> &mut PolicyMaps {
+        &mut self.policy
     }
 
     /// Makes the kernel watch exactly the nodes of `map`.

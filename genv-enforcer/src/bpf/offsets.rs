@@ -28,6 +28,13 @@ pub fn for_running_kernel(btf: &Btf, tracefs_root: &Path) -> Result<Offsets, Off
         file_f_mode: member("file", "f_mode")?,
         inode_i_mode: member("inode", "i_mode")?,
         inode_i_rdev: member("inode", "i_rdev")?,
+        task_mm: member("task_struct", "mm")?,
+        mm_env_start: member("mm_struct", "env_start")?,
+        mm_env_end: member("mm_struct", "env_end")?,
+        mm_exe_file: member("mm_struct", "exe_file")?,
+        inode_i_ino: member("inode", "i_ino")?,
+        inode_i_sb: member("inode", "i_sb")?,
+        sb_s_dev: member("super_block", "s_dev")?,
         sys_exit_ret: tracefs::required_field_offset(
             tracefs_root,
             "syscalls",

@@ -150,6 +150,19 @@ pub struct EventArgs {
     #[arg(long, short, requires = "event_driven")]
     pub verbose: bool,
 
+    /// Decide in the kernel, at the open: a GPU node opened by a process outside any
+    /// environment is refused with EPERM (lsm tier) or the process is killed before the
+    /// open returns (fentry and tracepoint tiers). It is --non-env-processes, enforced
+    /// before the process gets the GPU; processes inside environments are never refused.
+    #[arg(long, requires_all = ["event_driven", "non_env_processes"])]
+    pub deny: bool,
+
+    /// An executable that may open GPU nodes outside any environment (repeatable), by
+    /// device and inode; beyond the enforcer itself and nvidia-smi,
+    /// nvidia-persistenced, nv-hostengine, dcgmi and dcgm-exporter where they exist.
+    #[arg(long, value_name = "PATH", action = clap::ArgAction::Append, requires = "event_driven")]
+    pub allow_exe: Vec<PathBuf>,
+
     /// Ring buffer size in bytes (a power of two, at least 4096).
     #[arg(long, value_name = "BYTES", value_parser = ring_bytes, hide = true, requires = "event_driven")]
     pub ring_buffer_bytes: Option<u32>,

@@ -138,6 +138,9 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
     if !args.events.event_driven {
         return runtime.block_on(daemon::polling::run(enforcer, interval));
     }
+    if args.events.deny && args.events.bpf_tier == crate::bpf::TierChoice::None {
+        bail!("--deny is decided by the kernel programs, and --bpf-tier none loads none");
+    }
     let settings = Settings {
         interval,
         memory_interval: Duration::from_secs_f64(args.events.memory_interval),
@@ -146,6 +149,8 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
         gpu_nodes: args.events.gpu_node,
         run_dir: args.events.run_dir,
         verbose: args.events.verbose,
+        deny: args.events.deny,
+        allow_exes: args.events.allow_exe,
     };
     runtime.block_on(daemon::event_driven::run(enforcer, settings))
 }

@@ -5,7 +5,9 @@
 //! - a write to `envs.json` or `devices.json` → a full cycle at once;
 //! - every `--memory-interval` → the memory rule;
 //! - every `--interval`, and whenever the kernel lost events → a full cycle;
-//! - exec and exit events keep the process table current.
+//! - exec and exit events keep the process table current;
+//! - with `--deny`, the kernel refuses or kills at the open itself; its decisions arrive
+//!   as open events and are reported ([`super::prevention`]).
 
 use std::collections::{HashMap, HashSet};
 use std::process::ExitCode;
@@ -15,6 +17,7 @@ use anyhow::{Result, bail};
 
 use super::StopSignals;
 use super::instance::Instance;
+use super::prevention;
 use super::state_watch::StateWatch;
 use super::status::Status;
 use super::watchlist::Watchlist;
@@ -22,7 +25,7 @@ use crate::backends::devmap::{DeviceMap, NodeOverride};
 use crate::backends::procfs;
 use crate::bpf::{KernelPrograms, LoadOptions, TierChoice};
 use crate::cycle::{CycleSummary, Enforcer, Scope};
-use crate::intake::{EventIntake, KernelEvent, UnknownEvent};
+use crate::intake::{EventIntake, KernelEvent, UnknownEvent, Verdict};
 
 pub struct Settings {
     pub interval: Duration,
@@ -32,6 +35,10 @@ pub struct Settings {
     pub gpu_nodes: Vec<NodeOverride>,
     pub run_dir: std::path::PathBuf,
     pub verbose: bool,
+    /// `--deny`: refuse (LSM) or kill in the syscall (other tiers) outside processes.
+    pub deny: bool,
+    /// `--allow-exe`, beyond the defaults.
+    pub allow_exes: Vec<std::path::PathBuf>,
 }
 
 /// How long a process terminated by a narrow check is left out of the next ones.
@@ -53,6 +60,13 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
     };
 
     let (mut kernel, mut intake) = load(&settings, &mut status)?;
+    if let Some(kernel) = kernel.as_mut() {
+        let allowed = prevention::install_allow_list(kernel.policy_mut(), &settings.allow_exes)?;
+        let seeded = prevention::seed_identities(kernel.policy_mut());
+        eprintln!(
+            "[INFO] Environment identities of {seeded} running processes recorded in the kernel; allowed outside environments: {allowed}"
+        );
+    }
     instance.publish(&status);
 
     let mut daemon = Daemon {
@@ -62,6 +76,7 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
         watchlist: Watchlist::default(),
         settled: HashMap::new(),
         device_map: None,
+        armed: false,
     };
     let mut state_watch = None;
     let mut next_full = Instant::now();
@@ -80,6 +95,9 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
                 state_watch = watch_state(&daemon.enforcer);
             }
             daemon.full_cycle(kernel.as_mut());
+            if let Some(kernel) = kernel.as_mut() {
+                daemon.mirror_state(kernel);
+            }
             now = Instant::now();
             next_full = now + daemon.settings.interval;
             next_memory = now + daemon.settings.memory_interval;
@@ -96,6 +114,9 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
             daemon.status.updated = unix_now();
             if let Some(kernel) = &kernel {
                 daemon.status.programs = kernel.stats();
+                let decided = kernel.policy().decisions();
+                daemon.status.counts.refused_in_kernel = decided.refused;
+                daemon.status.counts.killed_in_kernel = decided.killed;
             }
             instance.publish(&daemon.status);
             next_status = Instant::now() + STATUS_EVERY;
@@ -141,7 +162,7 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
             intake.drain_now(&mut events, &mut unknown);
         }
         for event in events.drain(..) {
-            daemon.on_event(event, now);
+            daemon.on_event(event, now, kernel.as_mut());
         }
         if !unknown.is_empty() {
             if !said_unknown {
@@ -179,6 +200,7 @@ fn load(
     let every = settings.interval.as_secs_f64();
     if settings.tier == TierChoice::None {
         status.sees = format!("no BPF (--bpf-tier none): the full cycle alone, every {every}s");
+        status.guarantee = prevention::guarantee(None, false);
         eprintln!(
             "[INFO] --bpf-tier none: no kernel programs; enforcing with the full cycle alone every {every}s"
         );
@@ -212,6 +234,13 @@ fn load(
                 "[WARNING] No BPF tier could be loaded ({e}); enforcing with the full cycle alone every {every}s, as genv does"
             );
             status.sees = format!("no BPF ({e}): the full cycle alone, every {every}s");
+            status.guarantee = prevention::guarantee(None, settings.deny);
+            if settings.deny {
+                eprintln!(
+                    "[WARNING] --deny cannot be kept without kernel programs: GPU opens outside any environment are {}",
+                    status.guarantee
+                );
+            }
             Ok((None, None))
         }
     }
@@ -225,15 +254,21 @@ struct Daemon {
     /// Processes a narrow check terminated, and when.
     settled: HashMap<u32, Instant>,
     device_map: Option<DeviceMap>,
+    /// The environments were mirrored into the kernel once and the policy (`--deny` or
+    /// not) put in force and announced.
+    armed: bool,
 }
 
 impl Daemon {
-    fn on_event(&mut self, event: KernelEvent, now: Instant) {
+    fn on_event(&mut self, event: KernelEvent, now: Instant, kernel: Option<&mut KernelPrograms>) {
         let counts = &mut self.status.counts;
         match event {
-            KernelEvent::Exec { pid } => {
+            KernelEvent::Exec { pid, unresolved } => {
                 counts.exec_events += 1;
                 self.enforcer.builder.forget(pid);
+                if let (true, Some(kernel)) = (unresolved, kernel) {
+                    prevention::resolve_identity(kernel.policy_mut(), pid);
+                }
             }
             KernelEvent::Fork { .. } => counts.fork_events += 1,
             KernelEvent::Exit { pid } => {
@@ -246,19 +281,48 @@ impl Daemon {
                 counts.open_events += 1;
                 if self.settings.verbose {
                     eprintln!(
-                        "[EVENT] Process {} (thread {}) {} GPU {} (node {}:{}) [{}]",
+                        "[EVENT] Process {} (thread {}) {} GPU {} (node {}:{}) [{}; {}]",
                         open.pid,
                         open.tid,
                         open.tier.open_verb(),
                         open.index,
                         open.major,
                         open.minor,
-                        open.tier
+                        open.tier,
+                        open.verdict.describe()
                     );
                 }
-                self.watchlist.add(open, now);
+                if let Some(line) = prevention::decision_line(&open) {
+                    println!("{line}");
+                }
+                match open.verdict {
+                    Verdict::Refused => counts.refused += 1,
+                    Verdict::Killed => counts.killed += 1,
+                    // Let through: watched, and checked against genv's rules.
+                    _ => self.watchlist.add(open, now),
+                }
             }
         }
+    }
+
+    /// Mirrors genv's environments into the kernel, and arms `--deny` the first time
+    /// that succeeds: before it, every environment's processes would count as outside.
+    fn mirror_state(&mut self, kernel: &mut KernelPrograms) {
+        let current =
+            prevention::sync_environments(kernel.policy_mut(), self.enforcer.builder.state());
+        if !current || self.armed {
+            return;
+        }
+        if self.settings.deny {
+            if let Err(e) = kernel.policy_mut().set_deny(true) {
+                eprintln!("[ERROR] Cannot turn on --deny in the kernel: {e}");
+                return;
+            }
+        }
+        let guarantee = prevention::guarantee(Some(kernel.tier()), self.settings.deny);
+        eprintln!("[INFO] GPU opens outside any environment are {guarantee}");
+        self.status.guarantee = guarantee;
+        self.armed = true;
     }
 
     fn full_cycle(&mut self, kernel: Option<&mut KernelPrograms>) {

@@ -6,6 +6,7 @@
 pub mod event_driven;
 mod instance;
 pub mod polling;
+mod prevention;
 mod state_watch;
 pub mod status;
 mod watchlist;

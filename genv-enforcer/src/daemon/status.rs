@@ -28,6 +28,8 @@ pub struct Status {
     pub programs: Vec<ProgramStats>,
     /// The watched GPU nodes, `MAJOR:MINOR=GPUn`.
     pub gpu_nodes: String,
+    /// What happens to a GPU open outside any environment, in words.
+    pub guarantee: String,
     pub interval_s: f64,
     pub memory_interval_s: f64,
     pub counts: Counts,
@@ -47,6 +49,12 @@ pub struct Counts {
     pub state_changes: u64,
     pub terminated: u64,
     pub detached: u64,
+    /// In-kernel decisions reported as events.
+    pub refused: u64,
+    pub killed: u64,
+    /// The kernel's own counts of the same (exact even when events were lost).
+    pub refused_in_kernel: u64,
+    pub killed_in_kernel: u64,
 }
 
 /// `genv-enforcer status`.
@@ -90,6 +98,7 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
         println!("program {} (id {}){cost}", p.name, p.id);
     }
     println!("gpu nodes: {}", status.gpu_nodes);
+    println!("outside any environment: {}", status.guarantee);
     println!(
         "interval: {}s full cycle, {}s memory poll",
         status.interval_s, status.memory_interval_s
@@ -105,6 +114,10 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
     println!(
         "actions: {} terminated, {} detached",
         c.terminated, c.detached
+    );
+    println!(
+        "in the kernel: {} refused, {} killed ({} and {} reported as events)",
+        c.refused_in_kernel, c.killed_in_kernel, c.refused, c.killed
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -86,6 +86,8 @@ mod tests {
             minor: 0,
             index: 0,
             tier: Tier::Tracepoint,
+            uid: 0,
+            verdict: crate::intake::Verdict::Outside,
             at_ns: 0,
         }
     }

@@ -1,14 +1,24 @@
 //! Kernel events, typed: a record with an unknown kind or hook is refused, not guessed.
 
-use genv_ebpf_common::{RawEvent, kind, split_kernel_dev};
+use genv_ebpf_common::{EXEC_UNRESOLVED, RawEvent, kind, split_kernel_dev, verdict};
 
 use crate::bpf::Tier;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelEvent {
-    Exec { pid: u32 },
-    Fork { parent: u32, child: u32 },
-    Exit { pid: u32 },
+    /// `unresolved`: the environment block was too large for the program to read; the
+    /// daemon must tell the kernel the process's identity.
+    Exec {
+        pid: u32,
+        unresolved: bool,
+    },
+    Fork {
+        parent: u32,
+        child: u32,
+    },
+    Exit {
+        pid: u32,
+    },
     Open(GpuOpen),
 }
 
@@ -21,15 +31,71 @@ pub struct GpuOpen {
     pub minor: u32,
     pub index: u32,
     pub tier: Tier,
+    /// The process's real uid.
+    pub uid: u32,
+    /// What the kernel side decided.
+    pub verdict: Verdict,
     /// CLOCK_MONOTONIC nanoseconds of the open.
     pub at_ns: u64,
 }
 
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("unknown kernel event (kind {kind}, hook {hook}): the daemon and its programs disagree")]
+/// The kernel side's decision about a GPU open.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// A process of an environment it may claim, on a GPU attached to it.
+    Attached,
+    /// A process of an environment, on a GPU not attached to it (let through).
+    NotAttached,
+    /// Outside any environment, let through (no `--deny`).
+    Outside,
+    /// Outside any environment, run by an allow-listed executable.
+    AllowedExe,
+    /// Outside any environment: refused with EPERM in the kernel.
+    Refused,
+    /// Outside any environment: killed by the program before the open returned.
+    Killed,
+}
+
+impl Verdict {
+    fn from_raw(value: u32) -> Option<Self> {
+        Some(match value {
+            verdict::ATTACHED => Verdict::Attached,
+            verdict::NOT_ATTACHED => Verdict::NotAttached,
+            verdict::OUTSIDE => Verdict::Outside,
+            verdict::ALLOWED_EXE => Verdict::AllowedExe,
+            verdict::REFUSED => Verdict::Refused,
+            verdict::KILLED => Verdict::Killed,
+            _ => return None,
+        })
+    }
+
+    /// For the `[EVENT]` line.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Verdict::Attached => "in its environment, attached",
+            Verdict::NotAttached => "in its environment, not attached",
+            Verdict::Outside => "outside any environment",
+            Verdict::AllowedExe => "outside any environment, allow-listed executable",
+            Verdict::Refused => "outside any environment, refused",
+            Verdict::Killed => "outside any environment, killed",
+        }
+    }
+
+    /// Whether the kernel already ended the matter (the process got no GPU).
+    pub fn prevented(self) -> bool {
+        matches!(self, Verdict::Refused | Verdict::Killed)
+    }
+}
+
+#[derive(Clone, Copy, Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "unknown kernel event (kind {kind}, hook {hook}, verdict {verdict}): the daemon and its \
+     programs disagree"
+)]
 pub struct UnknownEvent {
     pub kind: u32,
     pub hook: u32,
+    pub verdict: u32,
 }
 
 impl TryFrom<RawEvent> for KernelEvent {
@@ -39,9 +105,13 @@ impl TryFrom<RawEvent> for KernelEvent {
         let unknown = UnknownEvent {
             kind: raw.kind,
             hook: raw.hook,
+            verdict: raw.verdict,
         };
         Ok(match raw.kind {
-            kind::EXEC => KernelEvent::Exec { pid: raw.pid },
+            kind::EXEC => KernelEvent::Exec {
+                pid: raw.pid,
+                unresolved: raw.arg == EXEC_UNRESOLVED,
+            },
             kind::FORK => KernelEvent::Fork {
                 parent: raw.pid,
                 child: raw.arg,
@@ -56,6 +126,8 @@ impl TryFrom<RawEvent> for KernelEvent {
                     minor,
                     index: raw.index,
                     tier: Tier::from_hook(raw.hook).ok_or(unknown)?,
+                    uid: raw.uid,
+                    verdict: Verdict::from_raw(raw.verdict).ok_or(unknown)?,
                     at_ns: raw.ktime_ns,
                 })
             }
@@ -66,7 +138,7 @@ impl TryFrom<RawEvent> for KernelEvent {
 
 #[cfg(test)]
 mod tests {
-    use genv_ebpf_common::{hook, kernel_dev};
+    use genv_ebpf_common::{hook, kernel_dev, verdict};
 
     use super::*;
 
@@ -79,6 +151,8 @@ mod tests {
             arg: kernel_dev(195, 3),
             index: 1,
             hook: hook::TRACEPOINT,
+            uid: 1000,
+            verdict: verdict::KILLED,
             ktime_ns: 5,
         };
         let KernelEvent::Open(open) = KernelEvent::try_from(raw).unwrap() else {
@@ -86,10 +160,12 @@ mod tests {
         };
         assert_eq!((open.major, open.minor, open.index), (195, 3, 1));
         assert_eq!((open.pid, open.tid, open.tier), (10, 11, Tier::Tracepoint));
+        assert_eq!((open.uid, open.verdict), (1000, Verdict::Killed));
+        assert!(open.verdict.prevented());
     }
 
     #[test]
-    fn refuses_unknown_kinds_and_hooks() {
+    fn refuses_unknown_kinds_hooks_and_verdicts() {
         let raw = RawEvent {
             kind: 99,
             ..RawEvent::default()
@@ -98,11 +174,23 @@ mod tests {
         let raw = RawEvent {
             kind: kind::OPEN,
             hook: 42,
+            verdict: verdict::OUTSIDE,
             ..RawEvent::default()
         };
         assert_eq!(
             KernelEvent::try_from(raw),
-            Err(UnknownEvent { kind: 4, hook: 42 })
+            Err(UnknownEvent {
+                kind: 4,
+                hook: 42,
+                verdict: verdict::OUTSIDE
+            })
         );
+        let raw = RawEvent {
+            kind: kind::OPEN,
+            hook: hook::LSM,
+            verdict: 77,
+            ..RawEvent::default()
+        };
+        assert!(KernelEvent::try_from(raw).is_err());
     }
 }

@@ -10,9 +10,17 @@
 //!   descriptor), `--reopen PATH` (O_PATH, then `/proc/self/fd/N`), `--open-in-thread
 //!   PATH` (from a second thread).
 //!
+//!   `--open-uring PATH` (an io_uring `IORING_OP_OPENAT`).
+//! - `--fork`: the opens happen in a child forked without exec; the parent waits for
+//!   it and prints `child exited N` or `child killed by signal N`;
+//! - `--reexec-env VALUE`: first exec itself again with `GENV_ENVIRONMENT_ID` set to
+//!   VALUE (`-`: removed), same pid, the other arguments kept.
+//!
 //! An open that fails with ENXIO (a node with NVIDIA's major and no driver behind it,
-//! which the LSM and fentry tiers see all the same) is reported on stderr and the
-//! process carries on, as a program probing GPUs would.
+//! which the LSM and fentry tiers see all the same) or EPERM (refused by the kernel)
+//! is reported and the process carries on, as a program probing GPUs would. After
+//! `--wait-stdin`, each open prints `returned ok|ENXIO|EPERM <how>` the moment it
+//! returns: a process killed inside the syscall prints nothing.
 //!
 //! It prints `ready` once set up (and `opened` after opens that waited for stdin), so
 //! tests never race it.
@@ -29,24 +37,45 @@ enum Open {
     Relative(String, String),
     Reopen(String),
     Thread(String),
+    Uring(String),
+}
+
+/// Whether open results are printed as they return (after `--wait-stdin`).
+static REPORT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn report(result: &str, what: &str) {
+    if REPORT.load(std::sync::atomic::Ordering::SeqCst) {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "returned {result} {what}").unwrap();
+        out.flush().unwrap();
+    }
 }
 
 fn cstr(path: &str) -> CString {
     CString::new(path).unwrap()
 }
 
-/// The descriptor, or `None` after an ENXIO (no driver behind the node).
+/// The descriptor, or `None` after an ENXIO (no driver behind the node) or an EPERM
+/// (the kernel refused).
 fn check(fd: i64, what: &str) -> Option<OwnedFd> {
     if fd < 0 {
         let error = std::io::Error::last_os_error();
-        if error.raw_os_error() == Some(libc::ENXIO) {
-            eprintln!("{what}: {error} (no driver behind the node; carrying on)");
-            return None;
-        }
-        panic!("{what}: {error}");
+        return failed(error, what);
     }
+    report("ok", what);
     // SAFETY: a descriptor the kernel just returned to us.
     Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn failed(error: std::io::Error, what: &str) -> Option<OwnedFd> {
+    let name = match error.raw_os_error() {
+        Some(libc::ENXIO) => "ENXIO",
+        Some(libc::EPERM) => "EPERM",
+        _ => panic!("{what}: {error}"),
+    };
+    report(name, what);
+    eprintln!("{what}: {error} (carrying on)");
+    None
 }
 
 fn openat(dirfd: i32, path: &str, flags: i32, what: &str) -> Option<OwnedFd> {
@@ -108,6 +137,62 @@ fn open(how: &Open) -> Vec<OwnedFd> {
                 .join()
                 .expect("the opening thread")
         }
+        Open::Uring(path) => open_with_io_uring(path).into_iter().collect(),
+    }
+}
+
+/// An `openat` submitted through io_uring: no `open*` syscall is made by the process.
+fn open_with_io_uring(path: &str) -> Option<OwnedFd> {
+    let mut ring = io_uring::IoUring::new(4).expect("io_uring_setup");
+    let name = cstr(path);
+    let entry = io_uring::opcode::OpenAt::new(io_uring::types::Fd(libc::AT_FDCWD), name.as_ptr())
+        .flags(libc::O_RDONLY)
+        .build();
+    // SAFETY: `name` outlives the submission, which completes before it is dropped.
+    unsafe { ring.submission().push(&entry) }.expect("a free submission slot");
+    ring.submit_and_wait(1).expect("io_uring_enter");
+    let result = ring.completion().next().expect("a completion").result();
+    let what = format!("io_uring openat {path}");
+    if result < 0 {
+        return failed(std::io::Error::from_raw_os_error(-result), &what);
+    }
+    check(result as i64, &what)
+}
+
+/// Re-executes this program with `GENV_ENVIRONMENT_ID` changed, keeping `args`.
+fn reexec(value: &str, args: &[String]) -> ! {
+    use std::os::unix::process::CommandExt;
+    let mut command = std::process::Command::new("/proc/self/exe");
+    command.args(args).env("GPU_PROCESS_REEXECUTED", "1");
+    if value == "-" {
+        command.env_remove("GENV_ENVIRONMENT_ID");
+    } else {
+        command.env("GENV_ENVIRONMENT_ID", value);
+    }
+    panic!("exec: {}", command.exec());
+}
+
+/// Runs the opens in a child forked without exec; reports how it ended.
+fn open_in_forked_child(opens: &[Open]) {
+    // SAFETY: the child only opens files, prints and exits.
+    match unsafe { libc::fork() } {
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            let held: Vec<OwnedFd> = opens.iter().flat_map(open).collect();
+            drop(held);
+            unsafe { libc::_exit(0) };
+        }
+        child => {
+            let mut status = 0;
+            unsafe { libc::waitpid(child, &mut status, 0) };
+            let mut out = std::io::stdout().lock();
+            if libc::WIFSIGNALED(status) {
+                writeln!(out, "child killed by signal {}", libc::WTERMSIG(status)).unwrap();
+            } else {
+                writeln!(out, "child exited {}", libc::WEXITSTATUS(status)).unwrap();
+            }
+            out.flush().unwrap();
+        }
     }
 }
 
@@ -115,7 +200,17 @@ fn main() {
     let mut held: Vec<OwnedFd> = Vec::new();
     let mut opens = Vec::new();
     let mut wait_stdin = false;
-    let mut args = std::env::args().skip(1);
+    let mut in_child = false;
+    let all: Vec<String> = std::env::args().skip(1).collect();
+    if std::env::var_os("GPU_PROCESS_REEXECUTED").is_none() {
+        if let Some(at) = all.iter().position(|a| a == "--reexec-env") {
+            let value = all.get(at + 1).expect("--reexec-env needs a value").clone();
+            let mut rest = all.clone();
+            rest.drain(at..at + 2);
+            reexec(&value, &rest);
+        }
+    }
+    let mut args = all.into_iter();
     let value = |args: &mut dyn Iterator<Item = String>, flag: &str| {
         args.next()
             .unwrap_or_else(|| panic!("{flag} needs a value"))
@@ -144,18 +239,31 @@ fn main() {
             }
             "--reopen" => opens.push(Open::Reopen(value(&mut args, "--reopen"))),
             "--open-in-thread" => opens.push(Open::Thread(value(&mut args, "--open-in-thread"))),
+            "--open-uring" => opens.push(Open::Uring(value(&mut args, "--open-uring"))),
+            "--fork" => in_child = true,
+            "--reexec-env" => {
+                value(&mut args, "--reexec-env"); // done above
+            }
             other => panic!("unknown argument {other}"),
         }
     }
+    let do_opens = |held: &mut Vec<OwnedFd>| {
+        if in_child {
+            open_in_forked_child(&opens);
+        } else {
+            held.extend(opens.iter().flat_map(open));
+        }
+    };
     if !wait_stdin {
-        held.extend(opens.iter().flat_map(open));
+        do_opens(&mut held);
     }
     println!("ready");
     std::io::stdout().flush().unwrap();
     if wait_stdin {
         let mut line = String::new();
         std::io::stdin().lock().read_line(&mut line).unwrap();
-        held.extend(opens.iter().flat_map(open));
+        REPORT.store(true, std::sync::atomic::Ordering::SeqCst);
+        do_opens(&mut held);
         println!("opened");
         std::io::stdout().flush().unwrap();
     }

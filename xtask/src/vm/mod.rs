@@ -22,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use crate::{cargo, run};
 
 /// The test binaries whose scenarios depend on the tier.
-const TIER_SUITES: [&str; 1] = ["event_driven"];
+const TIER_SUITES: [&str; 2] = ["event_driven", "prevention"];
 
 /// Debian's own kernel would pick AppArmor first and no BPF LSM; this is the list the
 /// LSM tier needs, with what a hardened distribution would also have.

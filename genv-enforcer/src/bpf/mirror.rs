@@ -1,0 +1,99 @@
+//! What the kernel's decision maps should hold, computed from genv's state and from
+//! `/proc`: pure functions, so that the mirror can be tested without a kernel.
+
+use std::collections::HashMap;
+
+use genv_ebpf_common::{EnvEntry, MAX_ENV_ID, env_id_hash, identity};
+
+use crate::state::model::{Device, Env};
+
+/// The identity the kernel gives a process whose `GENV_ENVIRONMENT_ID` is `id`.
+pub fn identity_of(id: Option<&str>) -> u64 {
+    match id {
+        // The programs read at most MAX_ENV_ID bytes of a value; a longer one is no
+        // environment's (see `env_entries`).
+        Some(id) if id.len() <= MAX_ENV_ID => env_id_hash(id.as_bytes()),
+        _ => identity::NO_ENV,
+    }
+}
+
+/// Every active environment, keyed as the programs look it up: its owner's uid and the
+/// GPUs attached to it. An eid longer than the programs read is left out (its processes
+/// count as outside); `skipped` names them.
+pub fn env_entries(envs: &[Env], devices: &[Device]) -> (HashMap<u64, EnvEntry>, Vec<String>) {
+    let mut entries = HashMap::new();
+    let mut skipped = Vec::new();
+    for env in envs {
+        if env.eid.len() > MAX_ENV_ID {
+            skipped.push(env.eid.clone());
+            continue;
+        }
+        let attached = devices
+            .iter()
+            .filter(|d| d.index < 64 && d.is_attached_to(&env.eid))
+            .fold(0u64, |mask, d| mask | (1 << d.index));
+        entries.insert(
+            env_id_hash(env.eid.as_bytes()),
+            EnvEntry {
+                uid: env.uid,
+                _pad: 0,
+                attached,
+            },
+        );
+    }
+    (entries, skipped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(eid: &str, uid: u32) -> Env {
+        serde_json::from_value(serde_json::json!({
+            "eid": eid, "uid": uid, "creation": "22/11/2026 02:28:47", "username": null,
+            "config": {}, "pids": [], "kernel_ids": []
+        }))
+        .unwrap()
+    }
+
+    fn device(index: u32, eids: &[&str]) -> Device {
+        serde_json::from_value(serde_json::json!({
+            "index": index, "total_memory": "16g",
+            "attachments": eids.iter().map(|e| serde_json::json!({
+                "eid": e, "gpu_memory": null, "time": "22/11/2026 02:28:47"
+            })).collect::<Vec<_>>()
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn environments_carry_their_owner_and_attached_gpus() {
+        let (entries, skipped) = env_entries(
+            &[env("a", 1000), env("b", 1001)],
+            &[device(0, &["a"]), device(1, &["a", "b"]), device(2, &[])],
+        );
+        assert!(skipped.is_empty());
+        let a = entries[&env_id_hash(b"a")];
+        assert_eq!((a.uid, a.attached), (1000, 0b011));
+        let b = entries[&env_id_hash(b"b")];
+        assert_eq!((b.uid, b.attached), (1001, 0b010));
+        assert_eq!(entries.len(), 2);
+    }
+
+    #[test]
+    fn an_eid_longer_than_the_programs_read_is_left_out_and_named() {
+        let long = "x".repeat(MAX_ENV_ID + 1);
+        let (entries, skipped) = env_entries(&[env(&long, 0)], &[]);
+        assert!(entries.is_empty());
+        assert_eq!(skipped.len(), 1);
+        assert_eq!(skipped[0], long);
+        assert_eq!(identity_of(Some(&long)), identity::NO_ENV);
+    }
+
+    #[test]
+    fn a_process_identity_is_the_hash_of_its_id_or_none() {
+        assert_eq!(identity_of(Some("21210")), env_id_hash(b"21210"));
+        assert_eq!(identity_of(None), identity::NO_ENV);
+        assert_ne!(identity_of(Some("")), identity::NO_ENV);
+    }
+}

@@ -1,0 +1,133 @@
+//! The maps through which the daemon tells the kernel programs what they decide on:
+//! process identities (seeded from `/proc`; the programs keep them current), the active
+//! environments mirrored from genv's state, the executable allow-list, the `--deny`
+//! flag; and the kernel's own count of what it decided.
+
+use std::collections::{HashMap, HashSet};
+
+use aya::Ebpf;
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray};
+use genv_ebpf_common::{
+    ALLOWED_EXES_MAP, DECISIONS_MAP, ENVS_MAP, EnvEntry, ExeKey, MAX_ALLOWED_EXES, MAX_ENVS,
+    POLICY_MAP, PROC_ENV_MAP, decision, policy,
+};
+
+use super::loader::{LoadError, chain};
+
+/// `BPF_NOEXIST`: insert only if absent.
+const NOEXIST: u64 = 1;
+
+pub struct PolicyMaps {
+    proc_env: BpfHashMap<MapData, u32, u64>,
+    envs: BpfHashMap<MapData, u64, EnvEntry>,
+    allowed: BpfHashMap<MapData, ExeKey, u8>,
+    policy: Array<MapData, u32>,
+    decisions: PerCpuArray<MapData, u64>,
+}
+
+/// What the kernel decided, by its own per-CPU counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Decisions {
+    pub refused: u64,
+    pub killed: u64,
+}
+
+fn map_error(map: &'static str) -> impl Fn(MapError) -> LoadError {
+    move |e| LoadError::Map {
+        map,
+        message: chain(&e),
+    }
+}
+
+impl PolicyMaps {
+    pub(super) fn take(ebpf: &mut Ebpf) -> Result<Self, LoadError> {
+        let mut take = |map: &'static str| {
+            ebpf.take_map(map).ok_or(LoadError::Map {
+                map,
+                message: "not in the object".into(),
+            })
+        };
+        Ok(Self {
+            proc_env: BpfHashMap::try_from(take(PROC_ENV_MAP)?).map_err(map_error(PROC_ENV_MAP))?,
+            envs: BpfHashMap::try_from(take(ENVS_MAP)?).map_err(map_error(ENVS_MAP))?,
+            allowed: BpfHashMap::try_from(take(ALLOWED_EXES_MAP)?)
+                .map_err(map_error(ALLOWED_EXES_MAP))?,
+            policy: Array::try_from(take(POLICY_MAP)?).map_err(map_error(POLICY_MAP))?,
+            decisions: PerCpuArray::try_from(take(DECISIONS_MAP)?)
+                .map_err(map_error(DECISIONS_MAP))?,
+        })
+    }
+
+    /// Records the identity of a process that existed before the programs, unless the
+    /// exec or fork hook already did (theirs is newer than what `/proc` said).
+    pub fn seed_identity(&mut self, pid: u32, identity: u64) -> Result<(), LoadError> {
+        match self.proc_env.insert(pid, identity, NOEXIST) {
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
+                Ok(())
+            }
+            other => other.map_err(map_error(PROC_ENV_MAP)),
+        }
+    }
+
+    /// Overwrites a process's identity (one whose block the exec hook could not read).
+    pub fn set_identity(&mut self, pid: u32, identity: u64) -> Result<(), LoadError> {
+        self.proc_env
+            .insert(pid, identity, 0)
+            .map_err(map_error(PROC_ENV_MAP))
+    }
+
+    /// Makes the kernel's active environments exactly `wanted`.
+    pub fn sync_envs(&mut self, wanted: &HashMap<u64, EnvEntry>) -> Result<(), LoadError> {
+        let error = map_error(ENVS_MAP);
+        let stale: Vec<u64> = self
+            .envs
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|id| !wanted.contains_key(id))
+            .collect();
+        for id in stale {
+            self.envs.remove(&id).map_err(&error)?;
+        }
+        for (id, entry) in wanted.iter().take(MAX_ENVS as usize) {
+            self.envs.insert(id, entry, 0).map_err(&error)?;
+        }
+        Ok(())
+    }
+
+    /// Makes the allow-list exactly `wanted`.
+    pub fn allow_exes(&mut self, wanted: &HashSet<ExeKey>) -> Result<(), LoadError> {
+        let error = map_error(ALLOWED_EXES_MAP);
+        let stale: Vec<ExeKey> = self
+            .allowed
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| !wanted.contains(key))
+            .collect();
+        for key in stale {
+            self.allowed.remove(&key).map_err(&error)?;
+        }
+        for key in wanted.iter().take(MAX_ALLOWED_EXES as usize) {
+            self.allowed.insert(key, 1, 0).map_err(&error)?;
+        }
+        Ok(())
+    }
+
+    /// Turns in-kernel denial on or off.
+    pub fn set_deny(&mut self, deny: bool) -> Result<(), LoadError> {
+        let flags = if deny { policy::DENY } else { 0 };
+        self.policy.set(0, flags, 0).map_err(map_error(POLICY_MAP))
+    }
+
+    pub fn decisions(&self) -> Decisions {
+        let sum = |slot: u32| {
+            self.decisions
+                .get(&slot, 0)
+                .map(|per_cpu| per_cpu.iter().sum())
+                .unwrap_or(0)
+        };
+        Decisions {
+            refused: sum(decision::REFUSED),
+            killed: sum(decision::KILLED),
+        }
+    }
+}
