@@ -5,8 +5,14 @@
 //! test node standing in for GPU 0. One at a time, 100 intruders are listed in the fake
 //! NVML and then told to open the node; for each, the daemon's own figure (open → SIGTERM
 //! sent, both on CLOCK_MONOTONIC) and the wall time until the intruder is reaped. Then
-//! 100,000 opens of `/dev/null` run with the programs attached, and the kernel's
-//! statistics (`kernel.bpf_stats_enabled=1` for the run) give each program's cost.
+//! 100,000 opens of `/dev/null` and 2,000 execs (with this process's environment and a
+//! `GENV_ENVIRONMENT_ID` last, so the exec hook reads the whole block) run with the
+//! programs attached, and the kernel's statistics (`kernel.bpf_stats_enabled=1` for the
+//! run) give each program's cost.
+//!
+//! Then `--deny`: an outside process forks 10,000 children that each try to open the
+//! node once; on this host's tracepoint tier each must die inside the open. The same loop
+//! runs on the LSM and fentry tiers in the VM (`cargo xtask vm-test`'s kernel).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -21,6 +27,8 @@ use crate::sim;
 
 const INTRUDERS: usize = 100;
 const BACKGROUND_OPENS: usize = 100_000;
+const EXECS: usize = 2_000;
+const ATTEMPTS: u32 = 10_000;
 const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
 pub fn run(target: &Path) -> Result<String> {
@@ -113,11 +121,27 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
         drop(std::fs::File::open("/dev/null")?);
     }
     let open_close_ns = started.elapsed().as_nanos() as f64 / BACKGROUND_OPENS as f64;
+    let environment: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| k != "GENV_ENVIRONMENT_ID")
+        .chain([("GENV_ENVIRONMENT_ID".to_owned(), "bench-env".to_owned())])
+        .collect();
+    let env_bytes: usize = environment.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+    let env_vars = environment.len();
+    for _ in 0..EXECS {
+        let status = Command::new("/bin/true")
+            .env_clear()
+            .envs(environment.iter().cloned())
+            .status()?;
+        if !status.success() {
+            bail!("/bin/true failed");
+        }
+    }
     std::thread::sleep(Duration::from_millis(1500)); // the status file's next rewrite
     let status: Value =
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("status.json"))?)?;
     unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
     daemon.wait()?;
+    let host_loop = attempt_loop(target, dir, &gpu, &nvml)?;
 
     let mut table = format!(
         "\n## Event-driven reaction ({tier} tier)\n\n\
@@ -147,7 +171,10 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
     table += &format!(
         "\n## Kernel programs\n\nThe kernel's own statistics (`kernel.bpf_stats_enabled=1`) after the runs above and \
          {BACKGROUND_OPENS} opens of `/dev/null` (open+close took {open_close_ns:.0} ns each with the programs \
-         attached). The `open_*` programs run on every open in the system and return at once for non-GPU nodes.\n\n\
+         attached) and {EXECS} execs of `/bin/true` with {env_vars} environment variables ({env_bytes} bytes, \
+         `GENV_ENVIRONMENT_ID` last). The `open_*` programs run on every open in the system and return at once \
+         for non-GPU nodes; on a GPU node they look up the process's identity and environment. `proc_exec` reads \
+         the whole environment block of every exec.\n\n\
          | program | runs | ns/run |\n|---|---|---|\n"
     );
     for program in status["programs"].as_array().context("status: programs")? {
@@ -163,7 +190,92 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
             }
         );
     }
+    table += &format!(
+        "\n## `--deny`: {ATTEMPTS} open attempts by a process outside any environment\n\n\
+         One process forks {ATTEMPTS} children one after the other; each opens the test GPU node once and, if the \
+         open returns to it, says so through a pipe. The LSM and fentry rows come from the VM \
+         (`cargo xtask vm-test`, TCG: counts, not times).\n\n\
+         | tier | attempts | open returned | open succeeded | killed in the open |\n|---|---|---|---|---|\n"
+    );
+    table += &host_loop;
+    table += &vm_attempt_loops()?;
     Ok(table)
+}
+
+/// The attempt loop against a `--deny` daemon on this host; its table row.
+fn attempt_loop(target: &Path, dir: &Path, gpu: &Path, nvml: &Path) -> Result<String> {
+    let mut daemon = Command::new(target.join("genv-enforcer"))
+        .args(["enforce", "--event-driven", "--non-env-processes", "--deny"])
+        .args(["--interval", "3600", "--gpu-node", "1:7=0", "--run-dir"])
+        .arg(dir.join("run-deny"))
+        .env("GENV_TMPDIR", dir.join("genv"))
+        .env("GENV_FAKE_NVML_CONFIG", nvml)
+        .env(
+            "GENV_ENFORCER_NVML_LIB",
+            target.join("libnvidia_ml_fake.so"),
+        )
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()?;
+    let lines = sim::stream(&mut daemon, None);
+    let tier = wait_line(&lines, "Event-driven on the ")?;
+    let tier = tier.split("Event-driven on the ").nth(1).unwrap_or("");
+    let tier = tier.split(' ').next().unwrap_or("").to_owned();
+    wait_line(&lines, "GPU opens outside any environment are ")?;
+    let output = Command::new(target.join("gpu-process"))
+        .args(["--attempts", &ATTEMPTS.to_string()])
+        .arg(gpu)
+        .env_remove("GENV_ENVIRONMENT_ID")
+        .output()?;
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
+    daemon.wait()?;
+    let said = String::from_utf8_lossy(&output.stdout);
+    let figures: Vec<u64> = said
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let [attempts, returned, succeeded, killed] = figures[..] else {
+        bail!("the attempt loop said {said:?}");
+    };
+    Ok(format!(
+        "| {tier} (this host) | {attempts} | {returned} | {succeeded} | {killed} |\n"
+    ))
+}
+
+/// The same loop on the LSM and fentry tiers, in the VM: the prevention suite's test
+/// prints it as `[attempt loop] tier=… attempts=… returned=… succeeded=… killed=…`.
+fn vm_attempt_loops() -> Result<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let options = crate::vm::Options::parse(&[
+        "--".into(),
+        "--exact".into(),
+        "ten_thousand_attempts_from_outside_never_get_the_gpu".into(),
+    ])?;
+    let outcome = crate::vm::test(root, &options)?;
+    if !outcome.passed {
+        bail!("the attempt loop failed in the VM");
+    }
+    let mut rows = String::new();
+    for line in &outcome.console {
+        let Some(rest) = line.strip_prefix("[attempt loop] ") else {
+            continue;
+        };
+        let field = |name: &str| {
+            rest.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+                .unwrap_or("?")
+                .to_owned()
+        };
+        rows += &format!(
+            "| {} (VM) | {} | {} | {} | {} |\n",
+            field("tier"),
+            field("attempts"),
+            field("returned"),
+            field("succeeded"),
+            field("killed")
+        );
+    }
+    Ok(rows)
 }
 
 fn wait_line(lines: &mpsc::Receiver<String>, needle: &str) -> Result<String> {

@@ -5,6 +5,11 @@
 use std::error::Error;
 
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::programs::fentry::FEntryLinkId;
+use aya::programs::links::{FdLink, PinnedLink};
+use aya::programs::lsm::LsmLinkId;
+use aya::programs::raw_trace_point::RawTracePointLinkId;
+use aya::programs::trace_point::TracePointLinkId;
 use aya::programs::{FEntry, Lsm, ProgramError, RawTracePoint, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 use genv_ebpf_common::{EVENTS_MAP, GPU_NODES_MAP, LOST_MAP, MAX_GPU_NODES, OFFSETS_GLOBAL};
@@ -35,6 +40,11 @@ pub enum LoadError {
     Map { map: &'static str, message: String },
     #[error("no open tier could be loaded: {0}")]
     NoTier(String),
+    #[error("pinning {path}: {message}")]
+    Pin {
+        path: std::path::PathBuf,
+        message: String,
+    },
 }
 
 /// An error with its causes, as one line: aya's outer errors rarely say the errno.
@@ -67,6 +77,8 @@ pub struct LoadOptions {
     /// Ring buffer size in bytes (a power-of-two number of pages); `None` keeps the
     /// object's 256 KiB.
     pub ring_bytes: Option<u32>,
+    /// Pin links and maps here (`--keep-pinned`).
+    pub pin_dir: Option<std::path::PathBuf>,
 }
 
 /// The loaded programs; the open tier in use; the map of watched nodes.
@@ -79,8 +91,27 @@ pub struct KernelPrograms {
     nodes: BpfHashMap<MapData, u32, u32>,
     /// Identities, environments, allow-list, `--deny`, decisions.
     policy: PolicyMaps,
-    /// Loaded programs: name in the object, kernel id.
-    programs: Vec<(&'static str, u32)>,
+    /// Loaded and attached programs.
+    programs: Vec<Attached>,
+    /// Links pinned in bpffs (`--keep-pinned`): they outlive the daemon. Held so that
+    /// the daemon could unpin them; dropping one leaves the pin in place.
+    #[allow(dead_code)]
+    pinned: Vec<PinnedLink>,
+}
+
+/// An attached program: its name in the object, kernel id, and link (taken from the
+/// program when pinned).
+struct Attached {
+    name: &'static str,
+    id: u32,
+    link: Option<LinkId>,
+}
+
+enum LinkId {
+    TracePoint(TracePointLinkId),
+    RawTracePoint(RawTracePointLinkId),
+    Lsm(LsmLinkId),
+    FEntry(FEntryLinkId),
 }
 
 /// One program's counters, as the kernel keeps them while `kernel.bpf_stats_enabled`
@@ -132,6 +163,10 @@ impl KernelPrograms {
             return Err(LoadError::NoTier(reasons));
         };
 
+        let pinned = match &options.pin_dir {
+            Some(dir) => pin_all(&mut ebpf, &mut programs, dir)?,
+            None => Vec::new(),
+        };
         let take = |ebpf: &mut Ebpf, map: &'static str| {
             ebpf.take_map(map).ok_or(LoadError::Map {
                 map,
@@ -163,6 +198,7 @@ impl KernelPrograms {
                 nodes,
                 policy,
                 programs,
+                pinned,
             },
             intake,
         ))
@@ -180,7 +216,7 @@ impl KernelPrograms {
     pub fn stats(&self) -> Vec<ProgramStats> {
         self.programs
             .iter()
-            .map(|&(name, id)| {
+            .map(|&Attached { name, id, .. }| {
                 let info = self.ebpf.program(name).and_then(|p| p.info().ok());
                 ProgramStats {
                     name: name.to_owned(),
@@ -224,8 +260,67 @@ impl KernelPrograms {
     }
 }
 
+/// Pins every link under `dir/links` and every map under `dir/maps` (a bpffs
+/// directory): the programs then stay attached, deciding from these maps, after the
+/// daemon exits, until the pins are removed (`genv-enforcer unpin`, or the next daemon
+/// taking over).
+fn pin_all(
+    ebpf: &mut Ebpf,
+    programs: &mut [Attached],
+    dir: &std::path::Path,
+) -> Result<Vec<PinnedLink>, LoadError> {
+    let (links, maps) = (dir.join("links"), dir.join("maps"));
+    for sub in [&links, &maps] {
+        std::fs::create_dir_all(sub).map_err(|e| LoadError::Pin {
+            path: sub.clone(),
+            message: e.to_string(),
+        })?;
+    }
+    let mut pinned = Vec::new();
+    for attached in programs.iter_mut() {
+        let path = links.join(attached.name);
+        let error = |message: String| LoadError::Pin {
+            path: path.clone(),
+            message,
+        };
+        let program = program_mut(ebpf, attached.name)?;
+        let Some(link) = attached.link.take() else {
+            continue; // pinned already
+        };
+        let fd_link: FdLink = match link {
+            LinkId::TracePoint(id) => {
+                let p: &mut TracePoint = program.try_into().map_err(|e| error(chain(&e)))?;
+                let link = p.take_link(id).map_err(|e| error(chain(&e)))?;
+                FdLink::try_from(link).map_err(|e| error(chain(&e)))?
+            }
+            LinkId::RawTracePoint(id) => {
+                let p: &mut RawTracePoint = program.try_into().map_err(|e| error(chain(&e)))?;
+                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
+            }
+            LinkId::Lsm(id) => {
+                let p: &mut Lsm = program.try_into().map_err(|e| error(chain(&e)))?;
+                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
+            }
+            LinkId::FEntry(id) => {
+                let p: &mut FEntry = program.try_into().map_err(|e| error(chain(&e)))?;
+                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
+            }
+        };
+        pinned.push(fd_link.pin(&path).map_err(|e| error(chain(&e)))?);
+    }
+    // The object's own sections (.rodata, .bss) are not the daemon's interface.
+    for (name, map) in ebpf.maps().filter(|(name, _)| !name.starts_with('.')) {
+        let path = maps.join(name);
+        map.pin(&path).map_err(|e| LoadError::Pin {
+            path: path.clone(),
+            message: chain(&e),
+        })?;
+    }
+    Ok(pinned)
+}
+
 /// exec, fork and exit: needed on every tier.
-fn attach_lifecycle(ebpf: &mut Ebpf, ids: &mut Vec<(&'static str, u32)>) -> Result<(), LoadError> {
+fn attach_lifecycle(ebpf: &mut Ebpf, ids: &mut Vec<Attached>) -> Result<(), LoadError> {
     for (program, category, name) in [
         ("proc_exec", "sched", "sched_process_exec"),
         ("proc_exit", "sched", "sched_process_exit"),
@@ -233,14 +328,22 @@ fn attach_lifecycle(ebpf: &mut Ebpf, ids: &mut Vec<(&'static str, u32)>) -> Resu
         let error = program_error(program);
         let tp: &mut TracePoint = program_mut(ebpf, program)?.try_into().map_err(&error)?;
         tp.load().map_err(&error)?;
-        tp.attach(category, name).map_err(&error)?;
-        ids.push((program, tp.info().map_err(&error)?.id()));
+        let link = LinkId::TracePoint(tp.attach(category, name).map_err(&error)?);
+        ids.push(Attached {
+            name: program,
+            id: tp.info().map_err(&error)?.id(),
+            link: Some(link),
+        });
     }
     let error = program_error("proc_fork");
     let raw: &mut RawTracePoint = program_mut(ebpf, "proc_fork")?.try_into().map_err(&error)?;
     raw.load().map_err(&error)?;
-    raw.attach("sched_process_fork").map_err(&error)?;
-    ids.push(("proc_fork", raw.info().map_err(&error)?.id()));
+    let link = LinkId::RawTracePoint(raw.attach("sched_process_fork").map_err(&error)?);
+    ids.push(Attached {
+        name: "proc_fork",
+        id: raw.info().map_err(&error)?.id(),
+        link: Some(link),
+    });
     Ok(())
 }
 
@@ -276,11 +379,7 @@ fn active_lsms() -> Option<String> {
 }
 
 /// Loads and attaches one open tier; the reason it was refused otherwise.
-fn attach_open_tier(
-    ebpf: &mut Ebpf,
-    tier: Tier,
-    ids: &mut Vec<(&'static str, u32)>,
-) -> Result<(), String> {
+fn attach_open_tier(ebpf: &mut Ebpf, tier: Tier, ids: &mut Vec<Attached>) -> Result<(), String> {
     let describe = |e: ProgramError| chain(&e);
     match tier {
         Tier::Lsm => {
@@ -299,8 +398,12 @@ fn attach_open_tier(
                 .try_into()
                 .map_err(describe)?;
             lsm.load("file_open", &btf).map_err(describe)?;
-            lsm.attach().map_err(describe)?;
-            ids.push(("open_lsm", lsm.info().map_err(describe)?.id()));
+            let link = LinkId::Lsm(lsm.attach().map_err(describe)?);
+            ids.push(Attached {
+                name: "open_lsm",
+                id: lsm.info().map_err(describe)?.id(),
+                link: Some(link),
+            });
         }
         Tier::Fentry => {
             let btf = aya::Btf::from_sys_fs().map_err(|e| chain(&e))?;
@@ -309,8 +412,12 @@ fn attach_open_tier(
                 .try_into()
                 .map_err(describe)?;
             fentry.load("security_file_open", &btf).map_err(describe)?;
-            fentry.attach().map_err(describe)?;
-            ids.push(("open_fentry", fentry.info().map_err(describe)?.id()));
+            let link = LinkId::FEntry(fentry.attach().map_err(describe)?);
+            ids.push(Attached {
+                name: "open_fentry",
+                id: fentry.info().map_err(describe)?.id(),
+                link: Some(link),
+            });
         }
         Tier::Tracepoint => {
             let mut attached = 0;
@@ -326,9 +433,13 @@ fn attach_open_tier(
                     .map_err(describe)?;
                 tp.load().map_err(describe)?;
                 match tp.attach("syscalls", name) {
-                    Ok(_) => {
+                    Ok(link) => {
                         attached += 1;
-                        ids.push((program, tp.info().map_err(describe)?.id()));
+                        ids.push(Attached {
+                            name: program,
+                            id: tp.info().map_err(describe)?.id(),
+                            link: Some(LinkId::TracePoint(link)),
+                        });
                     }
                     // Some architectures have no open(2); openat is what matters.
                     Err(e) if name != "sys_exit_openat" => {

@@ -10,6 +10,7 @@ pub mod loader;
 pub mod mirror;
 mod object;
 pub mod offsets;
+pub mod pins;
 pub mod policy_maps;
 pub mod tier;
 pub mod tracefs;

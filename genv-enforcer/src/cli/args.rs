@@ -35,6 +35,13 @@ pub enum Command {
         #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_RUN_DIR", default_value = DEFAULT_RUN_DIR)]
         run_dir: PathBuf,
     },
+    /// Remove the programs and maps an enforcer left pinned (--keep-pinned): the kernel
+    /// stops deciding about GPU opens until an enforcer runs again.
+    Unpin {
+        /// Where they are pinned.
+        #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::bpf::pins::DEFAULT_ROOT)]
+        pin_dir: PathBuf,
+    },
 }
 
 /// Where the event-driven daemon keeps its instance lock and status file.
@@ -162,6 +169,18 @@ pub struct EventArgs {
     /// nvidia-persistenced, nv-hostengine, dcgmi and dcgm-exporter where they exist.
     #[arg(long, value_name = "PATH", action = clap::ArgAction::Append, requires = "event_driven")]
     pub allow_exe: Vec<PathBuf>,
+
+    /// Pin the kernel programs and maps in bpffs, so that they keep deciding (with the
+    /// last environments mirrored) while the daemon is stopped, restarts or is
+    /// upgraded: fail-closed. Without it, stopping the daemon detaches them: fail-open.
+    /// `genv-enforcer unpin` removes them.
+    #[arg(long, requires = "event_driven")]
+    pub keep_pinned: bool,
+
+    /// Where --keep-pinned pins (a directory in bpffs), and where a starting daemon
+    /// looks for a previous run's pins to take over from.
+    #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::bpf::pins::DEFAULT_ROOT)]
+    pub pin_dir: PathBuf,
 
     /// Ring buffer size in bytes (a power of two, at least 4096).
     #[arg(long, value_name = "BYTES", value_parser = ring_bytes, hide = true, requires = "event_driven")]

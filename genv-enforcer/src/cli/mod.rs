@@ -35,6 +35,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Enforce(args) => enforce(args),
         Command::Status { run_dir } => daemon::status::show(&run_dir),
+        Command::Unpin { pin_dir } => unpin(&pin_dir),
         Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
             let mut builder = builder(&sources, EnvPolicy::default());
             let lock = builder
@@ -138,8 +139,13 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
     if !args.events.event_driven {
         return runtime.block_on(daemon::polling::run(enforcer, interval));
     }
-    if args.events.deny && args.events.bpf_tier == crate::bpf::TierChoice::None {
-        bail!("--deny is decided by the kernel programs, and --bpf-tier none loads none");
+    if args.events.bpf_tier == crate::bpf::TierChoice::None {
+        if args.events.deny {
+            bail!("--deny is decided by the kernel programs, and --bpf-tier none loads none");
+        }
+        if args.events.keep_pinned {
+            bail!("--keep-pinned pins the kernel programs, and --bpf-tier none loads none");
+        }
     }
     let settings = Settings {
         interval,
@@ -151,8 +157,26 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
         verbose: args.events.verbose,
         deny: args.events.deny,
         allow_exes: args.events.allow_exe,
+        keep_pinned: args.events.keep_pinned,
+        pin_dir: args.events.pin_dir,
     };
     runtime.block_on(daemon::event_driven::run(enforcer, settings))
+}
+
+fn unpin(root: &std::path::Path) -> Result<ExitCode> {
+    let removed = crate::bpf::pins::unpin_all(root)
+        .with_context(|| format!("removing the pins under {}", root.display()))?;
+    if removed.links == 0 && removed.maps == 0 {
+        println!("Nothing pinned under {}", root.display());
+    } else {
+        println!(
+            "Removed {} pinned programs and {} maps under {}: the kernel no longer decides about GPU opens until an enforcer runs",
+            removed.links,
+            removed.maps,
+            root.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The process table keeps one `/proc/<pid>/stat` descriptor per GPU process; the

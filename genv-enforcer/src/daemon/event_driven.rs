@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet};
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 
 use super::StopSignals;
 use super::instance::Instance;
@@ -23,7 +23,7 @@ use super::status::Status;
 use super::watchlist::Watchlist;
 use crate::backends::devmap::{DeviceMap, NodeOverride};
 use crate::backends::procfs;
-use crate::bpf::{KernelPrograms, LoadOptions, TierChoice};
+use crate::bpf::{KernelPrograms, LoadOptions, TierChoice, pins};
 use crate::cycle::{CycleSummary, Enforcer, Scope};
 use crate::intake::{EventIntake, KernelEvent, UnknownEvent, Verdict};
 
@@ -39,6 +39,10 @@ pub struct Settings {
     pub deny: bool,
     /// `--allow-exe`, beyond the defaults.
     pub allow_exes: Vec<std::path::PathBuf>,
+    /// `--keep-pinned`: pin under a generation of `pin_dir`.
+    pub keep_pinned: bool,
+    /// Where pins go, and where an earlier run's are looked for.
+    pub pin_dir: std::path::PathBuf,
 }
 
 /// How long a process terminated by a narrow check is left out of the next ones.
@@ -59,7 +63,15 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
         ..Status::default()
     };
 
-    let (mut kernel, mut intake) = load(&settings, &mut status)?;
+    let pin_generation = match settings.keep_pinned {
+        true => Some(
+            pins::prepare_generation(&settings.pin_dir).with_context(|| {
+                format!("--keep-pinned: preparing {}", settings.pin_dir.display())
+            })?,
+        ),
+        false => None,
+    };
+    let (mut kernel, mut intake) = load(&settings, pin_generation.clone(), &mut status)?;
     if let Some(kernel) = kernel.as_mut() {
         let allowed = prevention::install_allow_list(kernel.policy_mut(), &settings.allow_exes)?;
         let seeded = prevention::seed_identities(kernel.policy_mut());
@@ -77,6 +89,7 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
         settled: HashMap::new(),
         device_map: None,
         armed: false,
+        pin_generation,
     };
     let mut state_watch = None;
     let mut next_full = Instant::now();
@@ -195,6 +208,7 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
 /// an error; under `auto`, no tier at all leaves the full cycle alone, said loudly.
 fn load(
     settings: &Settings,
+    pin_dir: Option<std::path::PathBuf>,
     status: &mut Status,
 ) -> Result<(Option<KernelPrograms>, Option<EventIntake>)> {
     let every = settings.interval.as_secs_f64();
@@ -209,6 +223,7 @@ fn load(
     let options = LoadOptions {
         choice: settings.tier,
         ring_bytes: settings.ring_bytes,
+        pin_dir,
     };
     match KernelPrograms::load(&options) {
         Ok((kernel, intake)) => {
@@ -257,6 +272,8 @@ struct Daemon {
     /// The environments were mirrored into the kernel once and the policy (`--deny` or
     /// not) put in force and announced.
     armed: bool,
+    /// This run's pin directory (`--keep-pinned`).
+    pin_generation: Option<std::path::PathBuf>,
 }
 
 impl Daemon {
@@ -323,6 +340,30 @@ impl Daemon {
         eprintln!("[INFO] GPU opens outside any environment are {guarantee}");
         self.status.guarantee = guarantee;
         self.armed = true;
+        self.take_over_pins();
+    }
+
+    /// Our programs decide now: an earlier run's pinned programs can go. With
+    /// `--keep-pinned`, ours stay after we exit.
+    fn take_over_pins(&mut self) {
+        let own = self.pin_generation.as_deref();
+        for old in pins::other_generations(&self.settings.pin_dir, own) {
+            match pins::remove_generation(&old) {
+                Ok(removed) => eprintln!(
+                    "[INFO] Took over from an earlier run's pinned programs: removed {} links and {} maps under {}",
+                    removed.links,
+                    removed.maps,
+                    old.display()
+                ),
+                Err(e) => eprintln!("[WARNING] Cannot remove {}: {e}", old.display()),
+            }
+        }
+        if let Some(own) = own {
+            eprintln!(
+                "[INFO] Programs and maps pinned under {}: they keep deciding after this daemon exits (genv-enforcer unpin removes them)",
+                own.display()
+            );
+        }
     }
 
     fn full_cycle(&mut self, kernel: Option<&mut KernelPrograms>) {

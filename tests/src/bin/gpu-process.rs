@@ -13,6 +13,10 @@
 //!   `--open-uring PATH` (an io_uring `IORING_OP_OPENAT`).
 //! - `--fork`: the opens happen in a child forked without exec; the parent waits for
 //!   it and prints `child exited N` or `child killed by signal N`;
+//! - `--attempts N PATH`: fork N children one after the other, each opening PATH once
+//!   and exiting; print `attempts N returned R succeeded S killed K` (how many opens
+//!   returned to the child at all, how many returned a descriptor, how many children
+//!   died of SIGKILL) and exit;
 //! - `--reexec-env VALUE`: first exec itself again with `GENV_ENVIRONMENT_ID` set to
 //!   VALUE (`-`: removed), same pid, the other arguments kept.
 //!
@@ -172,6 +176,46 @@ fn reexec(value: &str, args: &[String]) -> ! {
     panic!("exec: {}", command.exec());
 }
 
+/// `--attempts`: outside processes trying to open a GPU node, many times over. Each
+/// child reports through a pipe the moment its open returns: one byte, `o` for a
+/// descriptor, `f` for a failure. A child killed inside the open writes nothing.
+fn attempt_loop(count: u32, path: &str) -> ! {
+    let name = cstr(path);
+    let mut pipe = [0; 2];
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+    let (mut returned, mut succeeded, mut killed) = (0u32, 0u32, 0u32);
+    for _ in 0..count {
+        // SAFETY: the child makes raw syscalls only, then _exits.
+        match unsafe { libc::fork() } {
+            -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+            0 => unsafe {
+                let fd = libc::open(name.as_ptr(), libc::O_RDONLY);
+                let byte: u8 = if fd >= 0 { b'o' } else { b'f' };
+                libc::write(pipe[1], (&byte as *const u8).cast(), 1);
+                libc::_exit(0);
+            },
+            child => {
+                let mut status = 0;
+                unsafe { libc::waitpid(child, &mut status, 0) };
+                if libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL {
+                    killed += 1;
+                }
+            }
+        }
+        // Drain what the children wrote so far (the pipe is never full: one byte each).
+        let mut available = 0i32;
+        unsafe { libc::ioctl(pipe[0], libc::FIONREAD, &mut available) };
+        for _ in 0..available {
+            let mut byte = 0u8;
+            unsafe { libc::read(pipe[0], (&mut byte as *mut u8).cast(), 1) };
+            returned += 1;
+            succeeded += u32::from(byte == b'o');
+        }
+    }
+    println!("attempts {count} returned {returned} succeeded {succeeded} killed {killed}");
+    std::process::exit(0)
+}
+
 /// Runs the opens in a child forked without exec; reports how it ended.
 fn open_in_forked_child(opens: &[Open]) {
     // SAFETY: the child only opens files, prints and exits.
@@ -241,6 +285,10 @@ fn main() {
             "--open-in-thread" => opens.push(Open::Thread(value(&mut args, "--open-in-thread"))),
             "--open-uring" => opens.push(Open::Uring(value(&mut args, "--open-uring"))),
             "--fork" => in_child = true,
+            "--attempts" => {
+                let count = value(&mut args, "--attempts").parse().expect("a count");
+                attempt_loop(count, &value(&mut args, "--attempts"));
+            }
             "--reexec-env" => {
                 value(&mut args, "--reexec-env"); // done above
             }

@@ -1,0 +1,96 @@
+//! Pinned programs and maps in bpffs (`--keep-pinned`), so that the kernel keeps
+//! deciding while the daemon restarts or is upgraded.
+//!
+//! Each run pins under its own generation, `<root>/<pid>/{links,maps}`. A daemon that
+//! starts while an older generation is pinned loads and arms its own programs first and
+//! only then removes the older pins: for a moment both decide (the same policy), and
+//! there is no gap. `genv-enforcer unpin` removes everything under the root.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// Where pins go by default.
+pub const DEFAULT_ROOT: &str = "/sys/fs/bpf/genv-enforcer";
+const BPFFS: &str = "/sys/fs/bpf";
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Makes sure bpffs is mounted where `root` lives, and returns this run's generation
+/// directory under it (emptied if a previous owner of this pid left one).
+pub fn prepare_generation(root: &Path) -> io::Result<PathBuf> {
+    ensure_bpffs()?;
+    let generation = root.join(std::process::id().to_string());
+    if generation.exists() {
+        std::fs::remove_dir_all(&generation)?;
+    }
+    std::fs::create_dir_all(&generation)?;
+    Ok(generation)
+}
+
+fn ensure_bpffs() -> io::Result<()> {
+    let is_bpffs = |path: &str| {
+        rustix::fs::statfs(path).is_ok_and(|fs| {
+            // f_type's width differs between platforms.
+            #[allow(clippy::unnecessary_cast)]
+            let magic = fs.f_type as i64;
+            magic == BPF_FS_MAGIC
+        })
+    };
+    if is_bpffs(BPFFS) {
+        return Ok(());
+    }
+    std::fs::create_dir_all(BPFFS)?;
+    rustix::mount::mount(
+        "bpf",
+        BPFFS,
+        "bpf",
+        rustix::mount::MountFlags::empty(),
+        None,
+    )
+    .map_err(io::Error::from)
+}
+
+/// Generations under `root` other than `own`.
+pub fn other_generations(root: &Path, own: Option<&Path>) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.is_dir() && Some(p.as_path()) != own)
+        .collect()
+}
+
+/// What a removal took away.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Removed {
+    pub links: usize,
+    pub maps: usize,
+}
+
+/// Removes a generation's pins: its links detach as their last reference goes.
+pub fn remove_generation(generation: &Path) -> io::Result<Removed> {
+    let count =
+        |sub: &str| std::fs::read_dir(generation.join(sub)).map_or(0, |entries| entries.count());
+    let removed = Removed {
+        links: count("links"),
+        maps: count("maps"),
+    };
+    std::fs::remove_dir_all(generation)?;
+    Ok(removed)
+}
+
+/// `genv-enforcer unpin`: every generation under `root`, and `root` itself.
+pub fn unpin_all(root: &Path) -> io::Result<Removed> {
+    let mut total = Removed::default();
+    for generation in other_generations(root, None) {
+        let removed = remove_generation(&generation)?;
+        total.links += removed.links;
+        total.maps += removed.maps;
+    }
+    match std::fs::remove_dir(root) {
+        Ok(()) => Ok(total),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(total),
+        Err(e) => Err(e),
+    }
+}
