@@ -466,3 +466,55 @@ fn ten_thousand_attempts_from_outside_never_get_the_gpu() {
         assert_eq!((returned, killed), (0, 10_000), "{said}");
     }
 }
+
+#[test]
+fn the_kernel_reads_the_environment_block_as_genv_does() {
+    let _serial = serial();
+    let (mut node, [gpu, _]) = node();
+    let Some(daemon) = deny(&node, &[]) else {
+        return;
+    };
+    let open = |envp: &str| {
+        [
+            "--reexec-envp".to_owned(),
+            envp.to_owned(),
+            "--open".into(),
+            path(&gpu).into(),
+        ]
+    };
+    let run = |node: &mut Node, envp: &str| {
+        let args = open(envp);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        attempt(node, None, Some(ALICE), &args)
+    };
+    // The variable alone, at the very start of the block.
+    let (pid, lines) = run(&mut node, "GENV_ENVIRONMENT_ID=alice-env");
+    assert_untouched(&mut node, pid, &lines, 1, "the only entry");
+    // The last assignment wins (genv builds a dict from the block).
+    let (pid, lines) = run(
+        &mut node,
+        "GENV_ENVIRONMENT_ID=no-such|A=1|GENV_ENVIRONMENT_ID=alice-env",
+    );
+    assert_untouched(&mut node, pid, &lines, 1, "alice-env assigned last");
+    let (pid, lines) = run(
+        &mut node,
+        "GENV_ENVIRONMENT_ID=alice-env|GENV_ENVIRONMENT_ID=no-such",
+    );
+    assert_prevented(&mut node, &daemon, pid, &lines, "alice-env overridden");
+    // Look-alikes are not the variable.
+    let (pid, lines) = run(
+        &mut node,
+        "XGENV_ENVIRONMENT_ID=alice-env|GENV_ENVIRONMENT_IDX=alice-env",
+    );
+    assert_prevented(&mut node, &daemon, pid, &lines, "look-alike names");
+    // A block larger than the kernel reads: the daemon reads it from /proc at the exec.
+    let large = format!("PAD={}|GENV_ENVIRONMENT_ID=alice-env", "x".repeat(20_000));
+    let args = open(&large);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut all = vec!["--wait-stdin"];
+    all.extend_from_slice(&args);
+    let pid = node.spawn_with(None, &[], &all, Some(ALICE));
+    daemon.expect(&format!("Process {pid}'s environment block is too large"));
+    let lines = node.attempt(pid);
+    assert_untouched(&mut node, pid, &lines, 1, "a 20 KB environment block");
+}

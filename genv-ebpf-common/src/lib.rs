@@ -64,8 +64,9 @@ pub mod kind {
 pub mod identity {
     /// No `GENV_ENVIRONMENT_ID` in its environment block (or one too long to be real).
     pub const NO_ENV: u64 = 0;
-    /// The block was too large to read within the program's bounds; the daemon reads
-    /// `/proc/<pid>/environ` and writes the answer. Counts as outside until then.
+    /// The block was too large to read within the program's bounds (over 4 KiB); the
+    /// daemon reads `/proc/<pid>/environ` and writes the answer. Counts as outside until
+    /// then.
     pub const UNRESOLVED: u64 = u64::MAX;
 }
 

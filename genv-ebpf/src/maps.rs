@@ -43,12 +43,32 @@ pub static POLICY: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 pub static DECISIONS: PerCpuArray<u64> = PerCpuArray::with_max_entries(decision::SLOTS, 0);
 
-/// Room to read one environment entry (the prefix and an id of up to `MAX_ENV_ID`).
-pub const SCRATCH_BYTES: usize = MAX_ENV_ID + 1 + 20;
+/// The environment blocks the exec hook reads itself: up to 4 KiB, which keeps the
+/// verifier within its budget (8 KiB did not); larger ones are left to the daemon.
+pub const ENV_SCAN_WORDS: usize = 512;
+pub const ENV_SCAN_BYTES: usize = ENV_SCAN_WORDS * 8;
+/// Zeroed words after the block: room for a prefix compare at the last position and
+/// the longest id, without reading outside the buffer.
+pub const ENV_SCAN_PAD_WORDS: usize = (20 + MAX_ENV_ID + 1).div_ceil(8) + 1;
 
-/// Per-CPU scratch for the exec hook (too large for the 512-byte BPF stack).
+/// Per-CPU scratch for the exec hook: the environment block, word by word (too large
+/// for the 512-byte BPF stack).
+#[repr(C)]
+pub struct EnvScratch {
+    pub words: [u64; ENV_SCAN_WORDS + ENV_SCAN_PAD_WORDS],
+    /// Byte positions of the last `ENV_CANDIDATES` entries that start with `G`, as a
+    /// ring; `candidates` counts all of them. Kept in map memory, which the verifier does
+    /// not track, so that the scan's branches converge.
+    pub positions: [u32; ENV_CANDIDATES],
+    pub candidates: u32,
+}
+
+/// Entries starting with `G` after the last `GENV_ENVIRONMENT_ID` the exec hook can
+/// pass over (GTK_*, GIT_*, GPG_*, ...); with more, the block goes to the daemon.
+pub const ENV_CANDIDATES: usize = 32;
+
 #[map]
-pub static SCRATCH: PerCpuArray<[u8; SCRATCH_BYTES]> = PerCpuArray::with_max_entries(1, 0);
+pub static SCRATCH: PerCpuArray<EnvScratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// Adds one to this CPU's count in `DECISIONS`.
 #[inline(always)]

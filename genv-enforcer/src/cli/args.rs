@@ -305,6 +305,28 @@ mod tests {
         assert!(err.contains("--memory-interval"), "{err}");
         let err = enforce(&["--bpf-tier", "lsm"]).unwrap_err().to_string();
         assert!(err.contains("--event-driven"), "{err}");
+        // --deny is the non-env rule, enforced in the kernel: it needs both.
+        let err = enforce(&["--event-driven", "--deny"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--non-env-processes"), "{err}");
+        let err = enforce(&["--non-env-processes", "--deny"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--event-driven"), "{err}");
+        let err = enforce(&["--allow-exe", "/bin/true"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--event-driven"), "{err}");
+        assert!(
+            enforce(&[
+                "--event-driven",
+                "--non-env-processes",
+                "--deny",
+                "--keep-pinned"
+            ])
+            .is_ok()
+        );
         let err = enforce(&["--max-devices-per-user", "-1"])
             .unwrap_err()
             .to_string();

@@ -284,7 +284,7 @@ impl Daemon {
                 counts.exec_events += 1;
                 self.enforcer.builder.forget(pid);
                 if let (true, Some(kernel)) = (unresolved, kernel) {
-                    prevention::resolve_identity(kernel.policy_mut(), pid);
+                    prevention::resolve_identity(kernel.policy_mut(), pid, self.settings.verbose);
                 }
             }
             KernelEvent::Fork { .. } => counts.fork_events += 1,

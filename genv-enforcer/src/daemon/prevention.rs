@@ -38,8 +38,13 @@ pub fn seed_identities(maps: &mut PolicyMaps) -> usize {
 
 /// The identity of a process whose environment block the exec hook could not read in
 /// full, from `/proc/<pid>/environ`.
-pub fn resolve_identity(maps: &mut PolicyMaps, pid: u32) {
+pub fn resolve_identity(maps: &mut PolicyMaps, pid: u32, verbose: bool) {
     if let Ok(id) = procfs::environment_id(pid) {
+        if verbose {
+            eprintln!(
+                "[EVENT] Process {pid}'s environment block is too large for the kernel to read; its environment was read from /proc"
+            );
+        }
         if let Err(e) = maps.set_identity(pid, mirror::identity_of(id.as_deref())) {
             eprintln!("[WARNING] Cannot record process {pid}'s environment in the kernel: {e}");
         }

@@ -17,6 +17,8 @@
 //!   and exiting; print `attempts N returned R succeeded S killed K` (how many opens
 //!   returned to the child at all, how many returned a descriptor, how many children
 //!   died of SIGKILL) and exit;
+//! - `--reexec-envp LIST`: first exec itself again with exactly the environment entries
+//!   of LIST (separated by `|`; duplicates kept, order kept), same pid;
 //! - `--reexec-env VALUE`: first exec itself again with `GENV_ENVIRONMENT_ID` set to
 //!   VALUE (`-`: removed), same pid, the other arguments kept.
 //!
@@ -163,6 +165,32 @@ fn open_with_io_uring(path: &str) -> Option<OwnedFd> {
     check(result as i64, &what)
 }
 
+/// Re-executes this program with exactly `entries` as its environment block.
+fn reexec_raw(entries: &str, args: &[String]) -> ! {
+    let exe = cstr("/proc/self/exe");
+    let argv: Vec<CString> = std::iter::once("gpu-process".to_owned())
+        .chain(args.iter().cloned())
+        .map(|a| CString::new(a).unwrap())
+        .collect();
+    let envp: Vec<CString> = entries
+        .split('|')
+        .chain(["GPU_PROCESS_REEXECUTED=1"])
+        .map(|e| CString::new(e).unwrap())
+        .collect();
+    let argv_ptrs: Vec<*const libc::c_char> = argv
+        .iter()
+        .map(|a| a.as_ptr())
+        .chain([std::ptr::null()])
+        .collect();
+    let envp_ptrs: Vec<*const libc::c_char> = envp
+        .iter()
+        .map(|e| e.as_ptr())
+        .chain([std::ptr::null()])
+        .collect();
+    unsafe { libc::execve(exe.as_ptr(), argv_ptrs.as_ptr(), envp_ptrs.as_ptr()) };
+    panic!("execve: {}", std::io::Error::last_os_error());
+}
+
 /// Re-executes this program with `GENV_ENVIRONMENT_ID` changed, keeping `args`.
 fn reexec(value: &str, args: &[String]) -> ! {
     use std::os::unix::process::CommandExt;
@@ -247,6 +275,15 @@ fn main() {
     let mut in_child = false;
     let all: Vec<String> = std::env::args().skip(1).collect();
     if std::env::var_os("GPU_PROCESS_REEXECUTED").is_none() {
+        if let Some(at) = all.iter().position(|a| a == "--reexec-envp") {
+            let entries = all
+                .get(at + 1)
+                .expect("--reexec-envp needs a value")
+                .clone();
+            let mut rest = all.clone();
+            rest.drain(at..at + 2);
+            reexec_raw(&entries, &rest);
+        }
         if let Some(at) = all.iter().position(|a| a == "--reexec-env") {
             let value = all.get(at + 1).expect("--reexec-env needs a value").clone();
             let mut rest = all.clone();
@@ -289,7 +326,7 @@ fn main() {
                 let count = value(&mut args, "--attempts").parse().expect("a count");
                 attempt_loop(count, &value(&mut args, "--attempts"));
             }
-            "--reexec-env" => {
+            "--reexec-env" | "--reexec-envp" => {
                 value(&mut args, "--reexec-env"); // done above
             }
             other => panic!("unknown argument {other}"),
