@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use genv_enforcer_tests::events::{
-    EventDaemon, make_gpu_node, program_loaded, requested_tier, tier_sees_failed_opens,
+    EventDaemon, make_gpu_node, program_loaded, requested_tier, tier_sees_failed_opens, ways_in,
 };
 use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
 use serde_json::json;
@@ -186,33 +186,12 @@ fn an_environment_over_its_memory_is_brought_under_it_by_the_memory_poll() {
 #[test]
 fn opens_are_seen_whatever_the_way_in() {
     let (mut node, gpu) = node();
-    let dir = node.dir.clone();
-    let symlink = dir.join("symlink");
-    std::os::unix::fs::symlink(&gpu, &symlink).unwrap();
-    let hard_link = dir.join("hard-link");
-    std::fs::hard_link(&gpu, &hard_link).unwrap();
-    let private = dir.join("private");
-    std::fs::create_dir(&private).unwrap();
-    std::fs::set_permissions(
-        &private,
-        std::os::unix::fs::PermissionsExt::from_mode(0o700),
-    )
-    .unwrap();
-    let private_node = make_gpu_node(&private.join("my-gpu"));
-    let ways: [(&str, Vec<&str>); 8] = [
-        ("symlink", vec!["--open", path(&symlink)]),
-        ("hard link", vec!["--open", path(&hard_link)]),
-        ("private mknod", vec!["--open", path(&private_node)]),
-        ("/proc/self/fd re-open", vec!["--reopen", path(&gpu)]),
-        ("openat(dirfd)", vec!["--open-at", path(&dir), "nvidia0"]),
-        ("open(2)", vec!["--open-syscall", path(&gpu)]),
-        ("openat2(2)", vec!["--open2", path(&gpu)]),
-        ("second thread", vec!["--open-in-thread", path(&gpu)]),
-    ];
+    let ways = ways_in(&node.dir.clone(), &gpu);
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
     };
     for (way, args) in ways {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let rogue = node.spawn_with(None, &[(0, 100)], &args, None);
         daemon.expect(&format!("[EVENT] Process {rogue} "));
         assert_eq!(

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use genv_enforcer_tests::events::{EventDaemon, make_gpu_node, make_gpu_node_for};
+use genv_enforcer_tests::events::{EventDaemon, make_gpu_node, make_gpu_node_for, ways_in};
 use genv_enforcer_tests::{Node, device_record, env_record};
 use serde_json::json;
 
@@ -216,29 +216,12 @@ fn an_exec_with_a_changed_environment_is_read_again() {
 fn every_way_to_the_node_is_prevented() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
-    let dir = node.dir.clone();
-    let symlink = dir.join("symlink");
-    std::os::unix::fs::symlink(&gpu, &symlink).unwrap();
-    let hard_link = dir.join("hard-link");
-    std::fs::hard_link(&gpu, &hard_link).unwrap();
-    let private = dir.join("private");
-    std::fs::create_dir(&private).unwrap();
-    let private_node = make_gpu_node(&private.join("my-gpu"));
-    set_mode(&private, 0o700);
+    let ways = ways_in(&node.dir.clone(), &gpu);
     let Some(daemon) = deny(&node, &[]) else {
         return;
     };
-    let ways: [(&str, Vec<&str>); 8] = [
-        ("symlink", vec!["--open", path(&symlink)]),
-        ("hard link", vec!["--open", path(&hard_link)]),
-        ("private mknod", vec!["--open", path(&private_node)]),
-        ("/proc/self/fd re-open", vec!["--reopen", path(&gpu)]),
-        ("openat(dirfd)", vec!["--open-at", path(&dir), "nvidia0"]),
-        ("open(2)", vec!["--open-syscall", path(&gpu)]),
-        ("openat2(2)", vec!["--open2", path(&gpu)]),
-        ("a second thread", vec!["--open-in-thread", path(&gpu)]),
-    ];
     for (way, args) in ways {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let (rogue, lines) = attempt(&mut node, None, None, &args);
         assert_prevented(&mut node, &daemon, rogue, &lines, way);
     }

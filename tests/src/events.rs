@@ -72,6 +72,37 @@ pub fn make_gpu_node_for(path: &Path, gpu: usize) -> PathBuf {
     path.to_owned()
 }
 
+/// Eight ways in to GPU node `gpu` (in `dir`), as gpu-process arguments: a symlink, a
+/// hard link, a private `mknod` in a 0700 directory, a `/proc/self/fd` re-open,
+/// `openat(dirfd)`, `open(2)`, `openat2(2)` and a second thread. Makes what they need.
+pub fn ways_in(dir: &Path, gpu: &Path) -> Vec<(&'static str, Vec<String>)> {
+    let symlink = dir.join("symlink");
+    std::os::unix::fs::symlink(gpu, &symlink).unwrap();
+    let hard_link = dir.join("hard-link");
+    std::fs::hard_link(gpu, &hard_link).unwrap();
+    let private = dir.join("private");
+    std::fs::create_dir(&private).unwrap();
+    let private_node = make_gpu_node(&private.join("my-gpu"));
+    std::fs::set_permissions(
+        &private,
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
+    let name = gpu.file_name().unwrap().to_str().unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    let args = |list: &[&str]| list.iter().map(|a| (*a).to_owned()).collect::<Vec<_>>();
+    vec![
+        ("symlink", args(&["--open", &s(&symlink)])),
+        ("hard link", args(&["--open", &s(&hard_link)])),
+        ("private mknod", args(&["--open", &s(&private_node)])),
+        ("/proc/self/fd re-open", args(&["--reopen", &s(gpu)])),
+        ("openat(dirfd)", args(&["--open-at", &s(dir), name])),
+        ("open(2)", args(&["--open-syscall", &s(gpu)])),
+        ("openat2(2)", args(&["--open2", &s(gpu)])),
+        ("a second thread", args(&["--open-in-thread", &s(gpu)])),
+    ]
+}
+
 pub fn bpf_required() -> bool {
     std::env::var("GENV_REQUIRE_BPF").is_ok_and(|v| v == "1")
 }

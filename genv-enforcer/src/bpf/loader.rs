@@ -242,21 +242,8 @@ impl KernelPrograms {
             map: GPU_NODES_MAP,
             message: chain(&e),
         };
-        let wanted: std::collections::HashMap<u32, u32> =
-            map.kernel_entries().take(MAX_GPU_NODES as usize).collect();
-        let stale: Vec<u32> = self
-            .nodes
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|dev| !wanted.contains_key(dev))
-            .collect();
-        for dev in stale {
-            self.nodes.remove(&dev).map_err(error)?;
-        }
-        for (dev, index) in wanted {
-            self.nodes.insert(dev, index, 0).map_err(error)?;
-        }
-        Ok(())
+        let wanted = map.kernel_entries().take(MAX_GPU_NODES as usize).collect();
+        super::policy_maps::sync_map(&mut self.nodes, wanted).map_err(error)
     }
 }
 

@@ -39,6 +39,30 @@ fn map_error(map: &'static str) -> impl Fn(MapError) -> LoadError {
     }
 }
 
+/// Makes a kernel hash map hold exactly `wanted`: stale keys removed, the rest
+/// written (the programs may read it meanwhile; every entry is valid at all times).
+pub(super) fn sync_map<K, V>(
+    map: &mut BpfHashMap<MapData, K, V>,
+    wanted: HashMap<K, V>,
+) -> Result<(), MapError>
+where
+    K: aya::Pod + Eq + std::hash::Hash,
+    V: aya::Pod,
+{
+    let stale: Vec<K> = map
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|key| !wanted.contains_key(key))
+        .collect();
+    for key in stale {
+        map.remove(&key)?;
+    }
+    for (key, value) in wanted {
+        map.insert(key, value, 0)?;
+    }
+    Ok(())
+}
+
 impl PolicyMaps {
     pub(super) fn take(ebpf: &mut Ebpf) -> Result<Self, LoadError> {
         let mut take = |map: &'static str| {
@@ -78,38 +102,17 @@ impl PolicyMaps {
 
     /// Makes the kernel's active environments exactly `wanted`.
     pub fn sync_envs(&mut self, wanted: &HashMap<u64, EnvEntry>) -> Result<(), LoadError> {
-        let error = map_error(ENVS_MAP);
-        let stale: Vec<u64> = self
-            .envs
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|id| !wanted.contains_key(id))
-            .collect();
-        for id in stale {
-            self.envs.remove(&id).map_err(&error)?;
-        }
-        for (id, entry) in wanted.iter().take(MAX_ENVS as usize) {
-            self.envs.insert(id, entry, 0).map_err(&error)?;
-        }
-        Ok(())
+        let wanted = wanted.iter().take(MAX_ENVS as usize).map(|(k, v)| (*k, *v));
+        sync_map(&mut self.envs, wanted.collect()).map_err(map_error(ENVS_MAP))
     }
 
     /// Makes the allow-list exactly `wanted`.
     pub fn allow_exes(&mut self, wanted: &HashSet<ExeKey>) -> Result<(), LoadError> {
-        let error = map_error(ALLOWED_EXES_MAP);
-        let stale: Vec<ExeKey> = self
-            .allowed
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|key| !wanted.contains(key))
-            .collect();
-        for key in stale {
-            self.allowed.remove(&key).map_err(&error)?;
-        }
-        for key in wanted.iter().take(MAX_ALLOWED_EXES as usize) {
-            self.allowed.insert(key, 1, 0).map_err(&error)?;
-        }
-        Ok(())
+        let wanted = wanted
+            .iter()
+            .take(MAX_ALLOWED_EXES as usize)
+            .map(|k| (*k, 1));
+        sync_map(&mut self.allowed, wanted.collect()).map_err(map_error(ALLOWED_EXES_MAP))
     }
 
     /// Turns in-kernel denial on or off.
