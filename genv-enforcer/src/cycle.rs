@@ -8,6 +8,7 @@ use crate::actions::Executor;
 use crate::report::Report;
 use crate::rules::{self, Finding, Rules, Survey};
 use crate::snapshot::{Snapshot, SnapshotBuilder};
+use crate::state::{Device, Env};
 
 pub struct Enforcer {
     pub builder: SnapshotBuilder,
@@ -28,12 +29,15 @@ pub enum Scope<'a> {
 }
 
 /// What a check saw and did, for callers that count (tests, benchmarks, status).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct CycleSummary {
     pub processes: usize,
     pub findings: usize,
     pub terminated: Vec<u32>,
     pub detached: usize,
+    /// genv's environments and devices as this check read them, under the lock; `None`
+    /// when either file could not be read (the daemon mirrors them into the kernel).
+    pub state: Option<(Vec<Env>, Vec<Device>)>,
 }
 
 impl Enforcer {
@@ -77,15 +81,17 @@ impl Enforcer {
             println!("{}", finding.line(&[None]));
         }
         let report = Report::build(&surveys, &findings).remove(0);
-        let summary = CycleSummary {
+        let mut summary = CycleSummary {
             processes: snapshot.processes.len(),
             findings: findings.len(),
             terminated: report.terminate.iter().map(|p| p.pid).collect(),
             detached: report.detach.iter().map(|d| d.envs.len()).sum(),
+            state: None,
         };
         if !report.is_empty() {
             self.execute(&report);
         }
+        summary.state = snapshot.envs.zip(snapshot.devices);
         summary
     }
 

@@ -26,6 +26,7 @@ use crate::backends::procfs;
 use crate::bpf::{KernelPrograms, LoadOptions, TierChoice, pins};
 use crate::cycle::{CycleSummary, Enforcer, Scope};
 use crate::intake::{EventIntake, KernelEvent, UnknownEvent, Verdict};
+use crate::state::{Device, Env};
 
 pub struct Settings {
     pub interval: Duration,
@@ -108,9 +109,6 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
                 state_watch = watch_state(&daemon.enforcer);
             }
             daemon.full_cycle(kernel.as_mut());
-            if let Some(kernel) = kernel.as_mut() {
-                daemon.mirror_state(kernel);
-            }
             now = Instant::now();
             next_full = now + daemon.settings.interval;
             next_memory = now + daemon.settings.memory_interval;
@@ -324,9 +322,12 @@ impl Daemon {
 
     /// Mirrors genv's environments into the kernel, and arms `--deny` the first time
     /// that succeeds: before it, every environment's processes would count as outside.
-    fn mirror_state(&mut self, kernel: &mut KernelPrograms) {
-        let current =
-            prevention::sync_environments(kernel.policy_mut(), self.enforcer.builder.state());
+    fn mirror_state(
+        &mut self,
+        kernel: &mut KernelPrograms,
+        state: Option<(Vec<Env>, Vec<Device>)>,
+    ) {
+        let current = prevention::sync_environments(kernel.policy_mut(), state);
         if !current || self.armed {
             return;
         }
@@ -367,11 +368,12 @@ impl Daemon {
     }
 
     fn full_cycle(&mut self, kernel: Option<&mut KernelPrograms>) {
-        let summary = self.enforcer.cycle();
+        let mut summary = self.enforcer.cycle();
         self.status.counts.full_cycles += 1;
         self.count(&summary);
         if let Some(kernel) = kernel {
             self.refresh_device_map(kernel);
+            self.mirror_state(kernel, summary.state.take());
         }
     }
 

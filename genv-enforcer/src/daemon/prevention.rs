@@ -8,7 +8,7 @@ use crate::backends::procfs;
 use crate::bpf::policy_maps::PolicyMaps;
 use crate::bpf::{Tier, allowlist, mirror};
 use crate::intake::{GpuOpen, Verdict};
-use crate::state::StateDir;
+use crate::state::{Device, Env};
 
 /// Records, for every process that exists now, the identity its environment block
 /// gives; the exec and fork hooks keep it current from here on (they were attached
@@ -51,24 +51,14 @@ pub fn resolve_identity(maps: &mut PolicyMaps, pid: u32, verbose: bool) {
     }
 }
 
-/// Mirrors the active environments into the kernel. On a state file that cannot be
-/// read, the kernel keeps what it had: a malformed file never turns environments'
-/// processes into outsiders. `true` if the mirror is current.
-pub fn sync_environments(maps: &mut PolicyMaps, state: &StateDir) -> bool {
-    let loaded = state
-        .lock()
-        .map_err(|e| format!("taking genv's lock: {e}"))
-        .and_then(|_lock| {
-            let envs = state.load_envs().map_err(|e| e.to_string())?;
-            let devices = state.load_devices(&envs).map_err(|e| e.to_string())?;
-            Ok((envs, devices.unwrap_or_default()))
-        });
-    let (envs, devices) = match loaded {
-        Ok(loaded) => loaded,
-        Err(e) => {
-            eprintln!("[WARNING] The kernel keeps its previous list of environments: {e}");
-            return false;
-        }
+/// Mirrors the active environments, as the full cycle just read them, into the kernel.
+/// When a state file could not be read (`None`; the cycle said why), the kernel keeps
+/// what it had: a malformed file never turns environments' processes into outsiders.
+/// `true` if the mirror is current.
+pub fn sync_environments(maps: &mut PolicyMaps, state: Option<(Vec<Env>, Vec<Device>)>) -> bool {
+    let Some((envs, devices)) = state else {
+        eprintln!("[WARNING] The kernel keeps its previous list of environments");
+        return false;
     };
     let (entries, skipped) = mirror::env_entries(&envs, &devices);
     for eid in skipped {
