@@ -29,8 +29,6 @@ pub const POLICY_MAP: &str = "POLICY";
 /// Per-CPU counts of in-kernel decisions, by [`decision`] slot: exact even when the
 /// ring buffer had no room for the event.
 pub const DECISIONS_MAP: &str = "DECISIONS";
-/// Per-CPU scratch space for reading a process's environment block.
-pub const SCRATCH_MAP: &str = "SCRATCH";
 
 /// Capacity of [`PROC_ENV_MAP`]: live processes the kernel side can place.
 pub const MAX_PROCESSES: u32 = 1 << 17;
@@ -76,13 +74,27 @@ pub mod identity {
 /// a user claim one of their own environments (the owner's uid is checked too), which
 /// setting the variable does anyway.
 pub const fn env_id_hash(id: &[u8]) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut hash = FNV_OFFSET;
     let mut i = 0;
     while i < id.len() {
-        hash ^= id[i] as u64;
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        hash = fnv_step(hash, id[i]);
         i += 1;
     }
+    avoid_sentinels(hash)
+}
+
+/// FNV-1a's starting value; the programs fold bytes in with [`fnv_step`] in a loop the
+/// verifier can bound, and finish with [`avoid_sentinels`].
+pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+#[inline(always)]
+pub const fn fnv_step(hash: u64, byte: u8) -> u64 {
+    (hash ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3)
+}
+
+/// Moves a hash off the two values that mean "no environment" and "unresolved".
+#[inline(always)]
+pub const fn avoid_sentinels(hash: u64) -> u64 {
     match hash {
         identity::NO_ENV => 1,
         identity::UNRESOLVED => u64::MAX - 1,

@@ -6,7 +6,8 @@ use aya_ebpf::helpers::generated as raw;
 use aya_ebpf::macros::{raw_tracepoint, tracepoint};
 use aya_ebpf::programs::{RawTracePointContext, TracePointContext};
 use genv_ebpf_common::{
-    ENV_VAR_PREFIX, EXEC_UNRESOLVED, MAX_ENV_ID, Offsets, RawEvent, env_id_hash, identity, kind,
+    ENV_VAR_PREFIX, EXEC_UNRESOLVED, FNV_OFFSET, MAX_ENV_ID, Offsets, RawEvent, avoid_sentinels,
+    fnv_step, identity, kind,
 };
 
 use crate::kernel::{current, read};
@@ -187,33 +188,19 @@ fn has_prefix(s: &EnvScratch, at: usize) -> bool {
 }
 
 /// `env_id_hash` of the NUL-terminated value at `at`, in a loop the verifier can
-/// bound; a value longer than `MAX_ENV_ID` is no environment's.
+/// bound (the same steps); a value longer than `MAX_ENV_ID` is no environment's.
 #[inline(always)]
 fn hash_value(s: &EnvScratch, at: usize) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut ended = false;
+    let mut hash = FNV_OFFSET;
     for j in 0..=MAX_ENV_ID {
         let b = byte(s, at + j);
         if b == 0 {
-            ended = true;
-            break;
+            return avoid_sentinels(hash);
         }
-        hash ^= b as u64;
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        hash = fnv_step(hash, b);
     }
-    if !ended {
-        return identity::NO_ENV;
-    }
-    // The sentinels, mapped away exactly as `env_id_hash` does.
-    match hash {
-        identity::NO_ENV => 1,
-        identity::UNRESOLVED => u64::MAX - 1,
-        hash => hash,
-    }
+    identity::NO_ENV
 }
-
-/// Keeps the hash above in step with the daemon's.
-const _: () = assert!(env_id_hash(b"") == 0xcbf2_9ce4_8422_2325);
 
 /// Raw tracepoint `sched_process_fork(parent, child)`: the raw form gives the child's
 /// task, so that new threads (pid ≠ tgid) can be told from new processes.

@@ -1,7 +1,7 @@
 //! Helpers for the event-driven suites.
 //!
 //! Which device number stands for GPU 0 depends on the tier under test
-//! ([`test_node`]):
+//! ([`test_nodes`]):
 //! - the tracepoint tier sees only opens that succeed, and no NVIDIA node opens without
 //!   the driver, so the daemon is told (`--gpu-node 1:7=0`) that `/dev/full`'s number is
 //!   GPU 0;
@@ -32,11 +32,6 @@ pub fn test_nodes() -> [(u32, u32); 2] {
         "lsm" | "fentry" => [(195, 0), (195, 1)],
         _ => [(1, 7), (10, 234)],
     }
-}
-
-/// The device number of GPU 0.
-pub fn test_node() -> (u32, u32) {
-    test_nodes()[0]
 }
 
 /// `--gpu-node` values mapping [`test_nodes`] to GPUs 0 and 1.

@@ -57,36 +57,14 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
     };
     write_nvml(json!([]))?;
     let run_dir = dir.join("run");
-    let mut daemon = Command::new(target.join("genv-enforcer"))
-        .args([
-            "enforce",
-            "--event-driven",
-            "--non-env-processes",
-            "--verbose",
-        ])
-        .args(["--interval", "3600", "--gpu-node", "1:7=0", "--run-dir"])
-        .arg(&run_dir)
-        .env("GENV_TMPDIR", dir.join("genv"))
-        .env("GENV_FAKE_NVML_CONFIG", &nvml)
-        .env(
-            "GENV_ENFORCER_NVML_LIB",
-            target.join("libnvidia_ml_fake.so"),
-        )
-        .env_remove("GENV_TERMINATE_PROCESSES")
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()?;
-    let lines = sim::stream(&mut daemon, None);
-    let tier = wait_line(&lines, "Event-driven on the ")?;
-    wait_line(&lines, "Watching GPU nodes")?;
-    let tier = tier
-        .split("Event-driven on the ")
-        .nth(1)
-        .unwrap_or("")
-        .split(' ')
-        .next()
-        .unwrap_or("")
-        .to_owned();
+    let (mut daemon, lines, tier) = start_daemon(
+        target,
+        dir,
+        &nvml,
+        "run",
+        &["--verbose"],
+        "Watching GPU nodes",
+    )?;
 
     let mut reacted_ms = Vec::new();
     let mut gone_ms = Vec::new();
@@ -202,18 +180,29 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
     Ok(table)
 }
 
-/// The attempt loop against a `--deny` daemon on this host; its table row.
-fn attempt_loop(target: &Path, dir: &Path, gpu: &Path, nvml: &Path) -> Result<String> {
+/// A release daemon on the simulated node (`--event-driven --non-env-processes`, the
+/// test node as GPU 0, full cycle hourly) with `extra` flags; its stderr lines and tier,
+/// once it printed `ready`.
+fn start_daemon(
+    target: &Path,
+    dir: &Path,
+    nvml: &Path,
+    run_dir: &str,
+    extra: &[&str],
+    ready: &str,
+) -> Result<(std::process::Child, mpsc::Receiver<String>, String)> {
     let mut daemon = Command::new(target.join("genv-enforcer"))
-        .args(["enforce", "--event-driven", "--non-env-processes", "--deny"])
+        .args(["enforce", "--event-driven", "--non-env-processes"])
+        .args(extra)
         .args(["--interval", "3600", "--gpu-node", "1:7=0", "--run-dir"])
-        .arg(dir.join("run-deny"))
+        .arg(dir.join(run_dir))
         .env("GENV_TMPDIR", dir.join("genv"))
         .env("GENV_FAKE_NVML_CONFIG", nvml)
         .env(
             "GENV_ENFORCER_NVML_LIB",
             target.join("libnvidia_ml_fake.so"),
         )
+        .env_remove("GENV_TERMINATE_PROCESSES")
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()?;
@@ -221,7 +210,20 @@ fn attempt_loop(target: &Path, dir: &Path, gpu: &Path, nvml: &Path) -> Result<St
     let tier = wait_line(&lines, "Event-driven on the ")?;
     let tier = tier.split("Event-driven on the ").nth(1).unwrap_or("");
     let tier = tier.split(' ').next().unwrap_or("").to_owned();
-    wait_line(&lines, "GPU opens outside any environment are ")?;
+    wait_line(&lines, ready)?;
+    Ok((daemon, lines, tier))
+}
+
+/// The attempt loop against a `--deny` daemon on this host; its table row.
+fn attempt_loop(target: &Path, dir: &Path, gpu: &Path, nvml: &Path) -> Result<String> {
+    let (mut daemon, _lines, tier) = start_daemon(
+        target,
+        dir,
+        nvml,
+        "run-deny",
+        &["--deny"],
+        "GPU opens outside any environment are ",
+    )?;
     let output = Command::new(target.join("gpu-process"))
         .args(["--attempts", &ATTEMPTS.to_string()])
         .arg(gpu)

@@ -6,7 +6,7 @@ use std::error::Error;
 
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::fentry::FEntryLinkId;
-use aya::programs::links::{FdLink, PinnedLink};
+use aya::programs::links::FdLink;
 use aya::programs::lsm::LsmLinkId;
 use aya::programs::raw_trace_point::RawTracePointLinkId;
 use aya::programs::trace_point::TracePointLinkId;
@@ -93,10 +93,6 @@ pub struct KernelPrograms {
     policy: PolicyMaps,
     /// Loaded and attached programs.
     programs: Vec<Attached>,
-    /// Links pinned in bpffs (`--keep-pinned`): they outlive the daemon. Held so that
-    /// the daemon could unpin them; dropping one leaves the pin in place.
-    #[allow(dead_code)]
-    pinned: Vec<PinnedLink>,
 }
 
 /// An attached program: its name in the object, kernel id, and link (taken from the
@@ -163,10 +159,9 @@ impl KernelPrograms {
             return Err(LoadError::NoTier(reasons));
         };
 
-        let pinned = match &options.pin_dir {
-            Some(dir) => pin_all(&mut ebpf, &mut programs, dir)?,
-            None => Vec::new(),
-        };
+        if let Some(dir) = &options.pin_dir {
+            pin_all(&mut ebpf, &mut programs, dir)?;
+        }
         let take = |ebpf: &mut Ebpf, map: &'static str| {
             ebpf.take_map(map).ok_or(LoadError::Map {
                 map,
@@ -198,7 +193,6 @@ impl KernelPrograms {
                 nodes,
                 policy,
                 programs,
-                pinned,
             },
             intake,
         ))
@@ -250,12 +244,13 @@ impl KernelPrograms {
 /// Pins every link under `dir/links` and every map under `dir/maps` (a bpffs
 /// directory): the programs then stay attached, deciding from these maps, after the
 /// daemon exits, until the pins are removed (`genv-enforcer unpin`, or the next daemon
-/// taking over).
+/// taking over). A pinned link is not held: dropping it closes our descriptor, and the
+/// pin keeps the link.
 fn pin_all(
     ebpf: &mut Ebpf,
     programs: &mut [Attached],
     dir: &std::path::Path,
-) -> Result<Vec<PinnedLink>, LoadError> {
+) -> Result<(), LoadError> {
     let (links, maps) = (dir.join("links"), dir.join("maps"));
     for sub in [&links, &maps] {
         std::fs::create_dir_all(sub).map_err(|e| LoadError::Pin {
@@ -263,7 +258,6 @@ fn pin_all(
             message: e.to_string(),
         })?;
     }
-    let mut pinned = Vec::new();
     for attached in programs.iter_mut() {
         let path = links.join(attached.name);
         let error = |message: String| LoadError::Pin {
@@ -293,7 +287,7 @@ fn pin_all(
                 p.take_link(id).map_err(|e| error(chain(&e)))?.into()
             }
         };
-        pinned.push(fd_link.pin(&path).map_err(|e| error(chain(&e)))?);
+        fd_link.pin(&path).map_err(|e| error(chain(&e)))?;
     }
     // The object's own sections (.rodata, .bss) are not the daemon's interface.
     for (name, map) in ebpf.maps().filter(|(name, _)| !name.starts_with('.')) {
@@ -303,7 +297,7 @@ fn pin_all(
             message: chain(&e),
         })?;
     }
-    Ok(pinned)
+    Ok(())
 }
 
 /// exec, fork and exit: needed on every tier.

@@ -80,11 +80,6 @@ impl Verdict {
             Verdict::Killed => "outside any environment, killed",
         }
     }
-
-    /// Whether the kernel already ended the matter (the process got no GPU).
-    pub fn prevented(self) -> bool {
-        matches!(self, Verdict::Refused | Verdict::Killed)
-    }
 }
 
 #[derive(Clone, Copy, Debug, thiserror::Error, PartialEq, Eq)]
@@ -161,7 +156,6 @@ mod tests {
         assert_eq!((open.major, open.minor, open.index), (195, 3, 1));
         assert_eq!((open.pid, open.tid, open.tier), (10, 11, Tier::Tracepoint));
         assert_eq!((open.uid, open.verdict), (1000, Verdict::Killed));
-        assert!(open.verdict.prevented());
     }
 
     #[test]
