@@ -501,3 +501,35 @@ fn the_kernel_reads_the_environment_block_as_genv_does() {
     let lines = node.attempt(pid);
     assert_untouched(&mut node, pid, &lines, 1, "a 20 KB environment block");
 }
+
+#[test]
+fn a_malformed_state_file_never_turns_environments_into_outsiders() {
+    let _serial = serial();
+    let (mut node, [gpu, _]) = node();
+    let Some(daemon) = deny(&node, &[]) else {
+        return;
+    };
+    let good = node.read_file("envs.json");
+    node.write_file("envs.json", "{\"envs\": [ truncated");
+    daemon.expect("The kernel keeps its previous list of environments");
+    let open = ["--open", path(&gpu)];
+    let (worker, lines) = attempt(&mut node, Some("alice-env"), Some(ALICE), &open);
+    assert_untouched(
+        &mut node,
+        worker,
+        &lines,
+        1,
+        "alice-env with envs.json malformed",
+    );
+    let (rogue, lines) = attempt(&mut node, None, None, &open);
+    assert_prevented(
+        &mut node,
+        &daemon,
+        rogue,
+        &lines,
+        "outside, envs.json malformed",
+    );
+    // The file is left as it was found: the daemon never rewrites what it cannot read.
+    assert_eq!(node.read_file("envs.json"), "{\"envs\": [ truncated");
+    node.write_file("envs.json", &good);
+}
