@@ -65,86 +65,26 @@ impl Btf {
     }
 
     pub fn parse(bytes: &[u8]) -> Result<Self, BtfError> {
-        let u16_at = |at: usize| {
-            bytes
-                .get(at..at + 2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]))
-        };
-        let u32_at = |at: usize| {
-            bytes
-                .get(at..at + 4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        };
-        if u16_at(0) != Some(MAGIC) {
-            return Err(BtfError::Format(
-                "bad magic (only little-endian BTF is read)",
-            ));
-        }
-        let header = |at| {
-            u32_at(at)
-                .ok_or(BtfError::Format("truncated header"))
-                .map(|v| v as usize)
-        };
-        let (hdr_len, type_off, type_len, str_off, str_len) = (
-            header(4)?,
-            header(8)?,
-            header(12)?,
-            header(16)?,
-            header(20)?,
-        );
-        let types = hdr_len + type_off..hdr_len + type_off + type_len;
-        let strings = hdr_len + str_off..hdr_len + str_off + str_len;
-        if bytes.len() < types.end || bytes.len() < strings.end {
-            return Err(BtfError::Format("sections run past the end"));
-        }
-        let string = |offset: u32| -> String {
-            let start = strings.start + offset as usize;
-            let tail = &bytes[start.min(strings.end)..strings.end];
-            let end = tail.iter().position(|b| *b == 0).unwrap_or(tail.len());
-            String::from_utf8_lossy(&tail[..end]).into_owned()
-        };
-
+        let raw = Raw::new(bytes)?;
         let mut btf = Btf::default();
-        let mut at = types.start;
+        let mut at = raw.types.start;
         let mut id = 1u32;
-        while at < types.end {
-            let (name_off, info, size_or_type) = match (u32_at(at), u32_at(at + 4), u32_at(at + 8))
-            {
-                (Some(a), Some(b), Some(c)) => (a, b, c),
-                _ => return Err(BtfError::Format("truncated type")),
-            };
+        while at < raw.types.end {
+            let (name_off, info, size_or_type) =
+                match (raw.u32_at(at), raw.u32_at(at + 4), raw.u32_at(at + 8)) {
+                    (Some(a), Some(b), Some(c)) => (a, b, c),
+                    _ => return Err(BtfError::Format("truncated type")),
+                };
             at += 12;
             let vlen = (info & 0xffff) as usize;
             let kind = (info >> 24) & 0x1f;
-            let kind_flag = info >> 31 == 1;
             match kind {
                 KIND_STRUCT | KIND_UNION => {
-                    let mut members = Vec::with_capacity(vlen);
-                    for i in 0..vlen {
-                        let m = at + i * 12;
-                        let (Some(name), Some(type_id), Some(offset)) =
-                            (u32_at(m), u32_at(m + 4), u32_at(m + 8))
-                        else {
-                            return Err(BtfError::Format("truncated member"));
-                        };
-                        // With kind_flag, the low 24 bits are the offset and the high 8
-                        // the bitfield size.
-                        let (bit_offset, bitfield) = if kind_flag {
-                            (offset & 0x00ff_ffff, offset >> 24 != 0)
-                        } else {
-                            (offset, false)
-                        };
-                        members.push(Member {
-                            name: string(name),
-                            type_id,
-                            bit_offset,
-                            bitfield,
-                        });
-                    }
+                    let kind_flag = info >> 31 == 1;
+                    btf.composites.insert(id, raw.members(at, vlen, kind_flag)?);
                     if kind == KIND_STRUCT && name_off != 0 {
-                        btf.structs.entry(string(name_off)).or_insert(id);
+                        btf.structs.entry(raw.string(name_off)).or_insert(id);
                     }
-                    btf.composites.insert(id, members);
                     at += vlen * 12;
                 }
                 // typedef, volatile, const, restrict, type_tag: see through them.
@@ -206,6 +146,86 @@ impl Btf {
             }
         }
         id
+    }
+}
+
+/// The raw BTF blob: its type and string sections, bounds-checked.
+struct Raw<'a> {
+    bytes: &'a [u8],
+    types: std::ops::Range<usize>,
+    strings: std::ops::Range<usize>,
+}
+
+impl<'a> Raw<'a> {
+    fn new(bytes: &'a [u8]) -> Result<Self, BtfError> {
+        let at = |at: usize| bytes.get(at..at + 4);
+        if bytes.get(0..2).map(|b| u16::from_le_bytes([b[0], b[1]])) != Some(MAGIC) {
+            return Err(BtfError::Format(
+                "bad magic (only little-endian BTF is read)",
+            ));
+        }
+        let header = |offset| {
+            at(offset)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+                .ok_or(BtfError::Format("truncated header"))
+        };
+        let (hdr_len, type_off, type_len, str_off, str_len) = (
+            header(4)?,
+            header(8)?,
+            header(12)?,
+            header(16)?,
+            header(20)?,
+        );
+        let types = hdr_len + type_off..hdr_len + type_off + type_len;
+        let strings = hdr_len + str_off..hdr_len + str_off + str_len;
+        if bytes.len() < types.end || bytes.len() < strings.end {
+            return Err(BtfError::Format("sections run past the end"));
+        }
+        Ok(Self {
+            bytes,
+            types,
+            strings,
+        })
+    }
+
+    fn u32_at(&self, at: usize) -> Option<u32> {
+        self.bytes
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn string(&self, offset: u32) -> String {
+        let start = self.strings.start + offset as usize;
+        let tail = &self.bytes[start.min(self.strings.end)..self.strings.end];
+        let end = tail.iter().position(|b| *b == 0).unwrap_or(tail.len());
+        String::from_utf8_lossy(&tail[..end]).into_owned()
+    }
+
+    /// The `vlen` members of a struct or union, starting at `at`.
+    fn members(&self, at: usize, vlen: usize, kind_flag: bool) -> Result<Vec<Member>, BtfError> {
+        (0..vlen)
+            .map(|i| {
+                let m = at + i * 12;
+                let (Some(name), Some(type_id), Some(offset)) =
+                    (self.u32_at(m), self.u32_at(m + 4), self.u32_at(m + 8))
+                else {
+                    return Err(BtfError::Format("truncated member"));
+                };
+                // With kind_flag, the low 24 bits are the offset and the high 8 the
+                // bitfield size.
+                let (bit_offset, bitfield) = if kind_flag {
+                    (offset & 0x00ff_ffff, offset >> 24 != 0)
+                } else {
+                    (offset, false)
+                };
+                Ok(Member {
+                    name: self.string(name),
+                    type_id,
+                    bit_offset,
+                    bitfield,
+                })
+            })
+            .collect()
     }
 }
 

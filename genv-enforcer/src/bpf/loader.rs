@@ -1,8 +1,7 @@
 //! Loading the kernel programs: offsets into the object, lifecycle tracepoints attached,
 //! then the best open tier the kernel accepts (or the one forced). Dropping
-//! [`KernelPrograms`] detaches and unloads everything: nothing outlives the daemon.
-
-use std::error::Error;
+//! [`KernelPrograms`] detaches and unloads everything: nothing outlives the daemon
+//! (unless pinned). The event maps are handed out raw: reading them is the intake's job.
 
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::fentry::FEntryLinkId;
@@ -15,62 +14,13 @@ use aya::{Ebpf, EbpfLoader};
 use genv_ebpf_common::{EVENTS_MAP, GPU_NODES_MAP, LOST_MAP, MAX_GPU_NODES, OFFSETS_GLOBAL};
 
 use super::btf::Btf;
+use super::error::{LoadError, chain, map_error, program_error, take_map};
 use super::object::OBJECT;
 use super::offsets::{self, OffsetsError};
 use super::policy_maps::PolicyMaps;
 use super::tier::{Tier, TierChoice};
-use super::tracefs::{self, TracefsError};
+use super::tracefs;
 use crate::backends::devmap::DeviceMap;
-use crate::intake::EventIntake;
-
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    #[error(transparent)]
-    Tracefs(#[from] TracefsError),
-    #[error("reading struct offsets: {0}")]
-    Offsets(#[from] OffsetsError),
-    #[error("loading the kernel object: {0}")]
-    Object(String),
-    #[error("program {program}: {message}")]
-    Program {
-        program: &'static str,
-        message: String,
-    },
-    #[error("map {map}: {message}")]
-    Map { map: &'static str, message: String },
-    #[error("no open tier could be loaded: {0}")]
-    NoTier(String),
-    #[error("pinning {path}: {message}")]
-    Pin {
-        path: std::path::PathBuf,
-        message: String,
-    },
-}
-
-/// An error with its causes, as one line: aya's outer errors rarely say the errno.
-pub(super) fn chain(error: &dyn Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    // aya appends the verifier's log, empty when the kernel refused before verifying.
-    let trimmed = text.trim_end();
-    let trimmed = trimmed.strip_suffix("Verifier output:").unwrap_or(trimmed);
-    trimmed.trim_end().trim_end_matches('.').to_owned()
-}
-
-fn program_error(program: &'static str) -> impl Fn(ProgramError) -> LoadError {
-    move |e| LoadError::Program {
-        program,
-        message: chain(&e),
-    }
-}
 
 pub struct LoadOptions {
     pub choice: TierChoice,
@@ -79,6 +29,13 @@ pub struct LoadOptions {
     pub ring_bytes: Option<u32>,
     /// Pin links and maps here (`--keep-pinned`).
     pub pin_dir: Option<std::path::PathBuf>,
+}
+
+/// Where the programs' events come out: the ring buffer, and the per-CPU count of
+/// events it had no room for.
+pub struct EventMaps {
+    pub ring: RingBuf<MapData>,
+    pub lost: PerCpuArray<MapData, u64>,
 }
 
 /// The loaded programs; the open tier in use; the map of watched nodes.
@@ -122,7 +79,7 @@ pub struct ProgramStats {
 
 impl KernelPrograms {
     /// Loads everything; `options.choice` must not be `None`.
-    pub fn load(options: &LoadOptions) -> Result<(Self, EventIntake), LoadError> {
+    pub fn load(options: &LoadOptions) -> Result<(Self, EventMaps), LoadError> {
         let tracefs_root = tracefs::ensure_mounted()?;
         let btf = Btf::from_sys_fs().map_err(OffsetsError::from)?;
         let offsets = offsets::for_running_kernel(&btf, &tracefs_root)?;
@@ -162,40 +119,21 @@ impl KernelPrograms {
         if let Some(dir) = &options.pin_dir {
             pin_all(&mut ebpf, &mut programs, dir)?;
         }
-        let take = |ebpf: &mut Ebpf, map: &'static str| {
-            ebpf.take_map(map).ok_or(LoadError::Map {
-                map,
-                message: "not in the object".into(),
-            })
+        let events = EventMaps {
+            ring: take_map(&mut ebpf, EVENTS_MAP)?,
+            lost: take_map(&mut ebpf, LOST_MAP)?,
         };
-        let map_error = |map: &'static str| {
-            move |e: aya::maps::MapError| LoadError::Map {
-                map,
-                message: chain(&e),
-            }
-        };
-        let ring =
-            RingBuf::try_from(take(&mut ebpf, EVENTS_MAP)?).map_err(map_error(EVENTS_MAP))?;
-        let lost =
-            PerCpuArray::try_from(take(&mut ebpf, LOST_MAP)?).map_err(map_error(LOST_MAP))?;
-        let nodes = BpfHashMap::try_from(take(&mut ebpf, GPU_NODES_MAP)?)
-            .map_err(map_error(GPU_NODES_MAP))?;
+        let nodes = take_map(&mut ebpf, GPU_NODES_MAP)?;
         let policy = PolicyMaps::take(&mut ebpf)?;
-        let intake = EventIntake::new(ring, lost).map_err(|e| LoadError::Map {
-            map: EVENTS_MAP,
-            message: format!("cannot register with the runtime: {e}"),
-        })?;
-        Ok((
-            Self {
-                ebpf,
-                tier,
-                refused,
-                nodes,
-                policy,
-                programs,
-            },
-            intake,
-        ))
+        let kernel = Self {
+            ebpf,
+            tier,
+            refused,
+            nodes,
+            policy,
+            programs,
+        };
+        Ok((kernel, events))
     }
 
     pub fn tier(&self) -> Tier {
@@ -232,12 +170,8 @@ impl KernelPrograms {
 
     /// Makes the kernel watch exactly the nodes of `map`.
     pub fn watch_nodes(&mut self, map: &DeviceMap) -> Result<(), LoadError> {
-        let error = |e: aya::maps::MapError| LoadError::Map {
-            map: GPU_NODES_MAP,
-            message: chain(&e),
-        };
         let wanted = map.kernel_entries().take(MAX_GPU_NODES as usize).collect();
-        super::policy_maps::sync_map(&mut self.nodes, wanted).map_err(error)
+        super::policy_maps::sync_map(&mut self.nodes, wanted).map_err(map_error(GPU_NODES_MAP))
     }
 }
 

@@ -1,13 +1,13 @@
 //! The kernel side's userspace half: the embedded programs ([`object`]), the struct and
 //! tracepoint offsets they need from the running kernel ([`btf`], [`tracefs`],
-//! [`offsets`]), the tiers ([`tier`]) and the loader that picks one ([`loader`]); the
-//! maps the programs decide from ([`policy_maps`]), what they should hold ([`mirror`],
-//! [`allowlist`]). Events come out through [`crate::intake`].
+//! [`offsets`]), the tiers ([`tier`]), the loader that picks one ([`loader`]), the
+//! handles of the maps the programs decide from ([`policy_maps`]) and the pins that keep
+//! them ([`pins`]). What those maps should hold is [`crate::prevention`]'s business; the
+//! events the programs emit are read by [`crate::intake`].
 
-pub mod allowlist;
 pub mod btf;
+pub mod error;
 pub mod loader;
-pub mod mirror;
 mod object;
 pub mod offsets;
 pub mod pins;
@@ -15,5 +15,6 @@ pub mod policy_maps;
 pub mod tier;
 pub mod tracefs;
 
-pub use loader::{KernelPrograms, LoadError, LoadOptions, ProgramStats};
+pub use error::LoadError;
+pub use loader::{EventMaps, KernelPrograms, LoadOptions, ProgramStats};
 pub use tier::{Tier, TierChoice};

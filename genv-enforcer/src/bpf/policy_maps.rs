@@ -12,7 +12,7 @@ use genv_ebpf_common::{
     POLICY_MAP, PROC_ENV_MAP, decision, policy,
 };
 
-use super::loader::{LoadError, chain};
+use super::error::{LoadError, map_error, take_map};
 
 /// `BPF_NOEXIST`: insert only if absent.
 const NOEXIST: u64 = 1;
@@ -30,13 +30,6 @@ pub struct PolicyMaps {
 pub struct Decisions {
     pub refused: u64,
     pub killed: u64,
-}
-
-fn map_error(map: &'static str) -> impl Fn(MapError) -> LoadError {
-    move |e| LoadError::Map {
-        map,
-        message: chain(&e),
-    }
 }
 
 /// Makes a kernel hash map hold exactly `wanted`: stale keys removed, the rest
@@ -65,20 +58,12 @@ where
 
 impl PolicyMaps {
     pub(super) fn take(ebpf: &mut Ebpf) -> Result<Self, LoadError> {
-        let mut take = |map: &'static str| {
-            ebpf.take_map(map).ok_or(LoadError::Map {
-                map,
-                message: "not in the object".into(),
-            })
-        };
         Ok(Self {
-            proc_env: BpfHashMap::try_from(take(PROC_ENV_MAP)?).map_err(map_error(PROC_ENV_MAP))?,
-            envs: BpfHashMap::try_from(take(ENVS_MAP)?).map_err(map_error(ENVS_MAP))?,
-            allowed: BpfHashMap::try_from(take(ALLOWED_EXES_MAP)?)
-                .map_err(map_error(ALLOWED_EXES_MAP))?,
-            policy: Array::try_from(take(POLICY_MAP)?).map_err(map_error(POLICY_MAP))?,
-            decisions: PerCpuArray::try_from(take(DECISIONS_MAP)?)
-                .map_err(map_error(DECISIONS_MAP))?,
+            proc_env: take_map(ebpf, PROC_ENV_MAP)?,
+            envs: take_map(ebpf, ENVS_MAP)?,
+            allowed: take_map(ebpf, ALLOWED_EXES_MAP)?,
+            policy: take_map(ebpf, POLICY_MAP)?,
+            decisions: take_map(ebpf, DECISIONS_MAP)?,
         })
     }
 

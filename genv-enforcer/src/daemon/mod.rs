@@ -5,8 +5,9 @@
 
 pub mod event_driven;
 mod instance;
+mod kernel_side;
 pub mod polling;
-mod prevention;
+mod schedule;
 mod state_watch;
 pub mod status;
 mod watchlist;

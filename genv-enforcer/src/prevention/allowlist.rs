@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 
 use genv_ebpf_common::{ExeKey, kernel_dev};
 
+use crate::bpf::policy_maps::PolicyMaps;
+
 /// Allowed by default, where they exist.
 pub const DEFAULT_PATHS: [&str; 6] = [
     "/usr/bin/nvidia-smi",
@@ -87,6 +89,16 @@ impl AllowList {
         }
         Ok(())
     }
+}
+
+/// Loads the allow-list into the kernel; what is allowed, for the start-up line.
+pub fn install(maps: &mut PolicyMaps, given: &[PathBuf]) -> anyhow::Result<String> {
+    let list = build(given).map_err(anyhow::Error::msg)?;
+    for warning in &list.warnings {
+        eprintln!("[WARNING] {warning}");
+    }
+    maps.allow_exes(&list.keys)?;
+    Ok(list.described.join(", "))
 }
 
 #[cfg(test)]

@@ -1,21 +1,12 @@
-//! What the kernel's decision maps should hold, computed from genv's state and from
-//! `/proc`: pure functions, so that the mirror can be tested without a kernel.
+//! genv's active environments mirrored into the kernel: what the `ENVS` map should hold
+//! ([`env_entries`], pure, tested without a kernel) and the sync that puts it there.
 
 use std::collections::HashMap;
 
-use genv_ebpf_common::{EnvEntry, MAX_ENV_ID, env_id_hash, identity};
+use genv_ebpf_common::{EnvEntry, MAX_ENV_ID, env_id_hash};
 
+use crate::bpf::policy_maps::PolicyMaps;
 use crate::state::model::{Device, Env};
-
-/// The identity the kernel gives a process whose `GENV_ENVIRONMENT_ID` is `id`.
-pub fn identity_of(id: Option<&str>) -> u64 {
-    match id {
-        // The programs read at most MAX_ENV_ID bytes of a value; a longer one is no
-        // environment's (see `env_entries`).
-        Some(id) if id.len() <= MAX_ENV_ID => env_id_hash(id.as_bytes()),
-        _ => identity::NO_ENV,
-    }
-}
 
 /// Every active environment, keyed as the programs look it up: its owner's uid and the
 /// GPUs attached to it. An eid longer than the programs read is left out (its processes
@@ -42,6 +33,32 @@ pub fn env_entries(envs: &[Env], devices: &[Device]) -> (HashMap<u64, EnvEntry>,
         );
     }
     (entries, skipped)
+}
+
+/// Mirrors the active environments, as the full cycle just read them, into the kernel.
+/// When a state file could not be read (`None`; the cycle said why), the kernel keeps
+/// what it had: a malformed file never turns environments' processes into outsiders.
+/// `true` if the mirror is current.
+pub fn sync_environments(maps: &mut PolicyMaps, state: Option<(Vec<Env>, Vec<Device>)>) -> bool {
+    let Some((envs, devices)) = state else {
+        eprintln!("[WARNING] The kernel keeps its previous list of environments");
+        return false;
+    };
+    let (entries, skipped) = env_entries(&envs, &devices);
+    for eid in skipped {
+        eprintln!(
+            "[WARNING] Environment id {eid:?} is longer than {} bytes: the kernel cannot \
+             match it, and its processes count as outside any environment",
+            genv_ebpf_common::MAX_ENV_ID
+        );
+    }
+    match maps.sync_envs(&entries) {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("[ERROR] Cannot update the kernel's environments: {e}");
+            false
+        }
+    }
 }
 
 #[cfg(test)]
@@ -87,13 +104,5 @@ mod tests {
         assert!(entries.is_empty());
         assert_eq!(skipped.len(), 1);
         assert_eq!(skipped[0], long);
-        assert_eq!(identity_of(Some(&long)), identity::NO_ENV);
-    }
-
-    #[test]
-    fn a_process_identity_is_the_hash_of_its_id_or_none() {
-        assert_eq!(identity_of(Some("21210")), env_id_hash(b"21210"));
-        assert_eq!(identity_of(None), identity::NO_ENV);
-        assert_ne!(identity_of(Some("")), identity::NO_ENV);
     }
 }

@@ -1,0 +1,212 @@
+//! The daemon's hold on the kernel programs: loading them as `--bpf-tier` asks, then
+//! keeping what they decide from (watched nodes, genv's environments, the allow-list,
+//! `--deny`) in step with each full cycle, and taking over from an earlier run's pins.
+
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+
+use super::event_driven::Settings;
+use super::status::Status;
+use crate::backends::devmap::DeviceMap;
+use crate::backends::nvml::GpuInfo;
+use crate::backends::procfs;
+use crate::bpf::{KernelPrograms, LoadOptions, TierChoice, pins};
+use crate::intake::EventIntake;
+use crate::prevention;
+use crate::state::{Device, Env};
+
+pub(super) struct KernelSide {
+    programs: KernelPrograms,
+    device_map: Option<DeviceMap>,
+    /// The environments were mirrored into the kernel once and the policy (`--deny` or
+    /// not) put in force and announced.
+    armed: bool,
+    /// This run's pin directory (`--keep-pinned`).
+    pin_generation: Option<PathBuf>,
+}
+
+/// What starting gives: the kernel side and its events, or neither (full cycle alone).
+pub(super) type Started = Option<(KernelSide, EventIntake)>;
+
+impl KernelSide {
+    /// Loads the programs: a forced tier the kernel refuses is an error; under `auto`,
+    /// no tier at all leaves the full cycle alone, said loudly. Then installs the
+    /// allow-list and seeds the identities of the processes already running.
+    pub(super) fn start(settings: &Settings, status: &mut Status) -> Result<Started> {
+        let every = settings.interval.as_secs_f64();
+        if settings.tier == TierChoice::None {
+            status.sees = format!("no BPF (--bpf-tier none): the full cycle alone, every {every}s");
+            status.guarantee = prevention::guarantee(None, false);
+            eprintln!(
+                "[INFO] --bpf-tier none: no kernel programs; enforcing with the full cycle alone every {every}s"
+            );
+            return Ok(None);
+        }
+        let pin_generation = match settings.keep_pinned {
+            true => Some(pins::prepare_generation(&settings.pin_dir).map_err(|e| {
+                anyhow::anyhow!(
+                    "--keep-pinned: preparing {}: {e}",
+                    settings.pin_dir.display()
+                )
+            })?),
+            false => None,
+        };
+        let options = LoadOptions {
+            choice: settings.tier,
+            ring_bytes: settings.ring_bytes,
+            pin_dir: pin_generation.clone(),
+        };
+        let (mut programs, events) = match KernelPrograms::load(&options) {
+            Ok(loaded) => loaded,
+            Err(e) if settings.tier != TierChoice::Auto => {
+                bail!("--bpf-tier {}: {e}", settings.tier.name())
+            }
+            Err(e) => {
+                eprintln!(
+                    "[WARNING] No BPF tier could be loaded ({e}); enforcing with the full cycle alone every {every}s, as genv does"
+                );
+                status.sees = format!("no BPF ({e}): the full cycle alone, every {every}s");
+                status.guarantee = prevention::guarantee(None, settings.deny);
+                if settings.deny {
+                    eprintln!(
+                        "[WARNING] --deny cannot be kept without kernel programs: GPU opens outside any environment are {}",
+                        status.guarantee
+                    );
+                }
+                return Ok(None);
+            }
+        };
+        describe_tier(&programs, status);
+        let intake = EventIntake::new(events.ring, events.lost)
+            .map_err(|e| anyhow::anyhow!("reading the kernel's events: {e}"))?;
+        let allowed = prevention::allowlist::install(programs.policy_mut(), &settings.allow_exes)?;
+        let seeded = prevention::seed_identities(programs.policy_mut());
+        eprintln!(
+            "[INFO] Environment identities of {seeded} running processes recorded in the kernel; allowed outside environments: {allowed}"
+        );
+        let side = Self {
+            programs,
+            device_map: None,
+            armed: false,
+            pin_generation,
+        };
+        Ok(Some((side, intake)))
+    }
+
+    /// After a full cycle: the watched nodes follow NVML's device list, and the kernel's
+    /// environments follow the state the cycle read (`None`: unreadable, keep the last).
+    pub(super) fn follow_cycle(
+        &mut self,
+        settings: &Settings,
+        status: &mut Status,
+        devices: &[GpuInfo],
+        state: Option<(Vec<Env>, Vec<Device>)>,
+    ) {
+        self.refresh_device_map(settings, status, devices);
+        self.mirror_state(settings, status, state);
+    }
+
+    /// A process whose environment block the exec hook could not read in full.
+    pub(super) fn resolve_identity(&mut self, pid: u32, verbose: bool) {
+        prevention::resolve_identity(self.programs.policy_mut(), pid, verbose);
+    }
+
+    /// The programs' run statistics and the kernel's own decision counts.
+    pub(super) fn report(&self, status: &mut Status) {
+        status.programs = self.programs.stats();
+        let decided = self.programs.policy().decisions();
+        status.counts.refused_in_kernel = decided.refused;
+        status.counts.killed_in_kernel = decided.killed;
+    }
+
+    fn refresh_device_map(
+        &mut self,
+        settings: &Settings,
+        status: &mut Status,
+        devices: &[GpuInfo],
+    ) {
+        let proc_devices = std::fs::read_to_string("/proc/devices").ok();
+        let map = DeviceMap::build(
+            devices,
+            procfs::driver_minors_in_pci_order(),
+            proc_devices.as_deref(),
+            &settings.gpu_nodes,
+        );
+        if self.device_map.as_ref() == Some(&map) {
+            return;
+        }
+        match self.programs.watch_nodes(&map) {
+            Ok(()) => {
+                eprintln!("[INFO] Watching GPU nodes: {map}");
+                status.gpu_nodes = map.to_string();
+                self.device_map = Some(map);
+            }
+            Err(e) => eprintln!("[ERROR] Cannot update the watched GPU nodes: {e}"),
+        }
+    }
+
+    /// Mirrors genv's environments into the kernel, and arms `--deny` the first time
+    /// that succeeds: before it, every environment's processes would count as outside.
+    fn mirror_state(
+        &mut self,
+        settings: &Settings,
+        status: &mut Status,
+        state: Option<(Vec<Env>, Vec<Device>)>,
+    ) {
+        let current = prevention::sync_environments(self.programs.policy_mut(), state);
+        if !current || self.armed {
+            return;
+        }
+        if settings.deny {
+            if let Err(e) = self.programs.policy_mut().set_deny(true) {
+                eprintln!("[ERROR] Cannot turn on --deny in the kernel: {e}");
+                return;
+            }
+        }
+        let guarantee = prevention::guarantee(Some(self.programs.tier()), settings.deny);
+        eprintln!("[INFO] GPU opens outside any environment are {guarantee}");
+        status.guarantee = guarantee;
+        self.armed = true;
+        self.take_over_pins(settings);
+    }
+
+    /// Our programs decide now: an earlier run's pinned programs can go. With
+    /// `--keep-pinned`, ours stay after we exit.
+    fn take_over_pins(&mut self, settings: &Settings) {
+        let own = self.pin_generation.as_deref();
+        for old in pins::other_generations(&settings.pin_dir, own) {
+            match pins::remove_generation(&old) {
+                Ok(removed) => eprintln!(
+                    "[INFO] Took over from an earlier run's pinned programs: removed {} links and {} maps under {}",
+                    removed.links,
+                    removed.maps,
+                    old.display()
+                ),
+                Err(e) => eprintln!("[WARNING] Cannot remove {}: {e}", old.display()),
+            }
+        }
+        if let Some(own) = own {
+            eprintln!(
+                "[INFO] Programs and maps pinned under {}: they keep deciding after this daemon exits (genv-enforcer unpin removes them)",
+                own.display()
+            );
+        }
+    }
+}
+
+/// Says which tier runs, and why better ones did not.
+fn describe_tier(programs: &KernelPrograms, status: &mut Status) {
+    for (tier, why) in programs.refused() {
+        eprintln!("[INFO] The kernel refused the {tier} tier: {why}");
+        status.refused.push(format!("{tier}: {why}"));
+    }
+    let tier = programs.tier();
+    eprintln!(
+        "[INFO] Event-driven on the {tier} tier: it sees {}",
+        tier.sees()
+    );
+    status.tier = Some(tier.to_string());
+    status.sees = tier.sees().to_owned();
+    status.programs = programs.stats();
+}

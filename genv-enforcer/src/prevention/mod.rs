@@ -1,0 +1,15 @@
+//! Prevention (`--deny`): the kernel decides at the open whether a process may have a
+//! GPU node. This stage keeps what it decides from true: each process's environment
+//! identity ([`identity`]), genv's active environments ([`mirror`]) and the executables
+//! allowed outside environments ([`allowlist`]), all written into the maps that
+//! [`crate::bpf::policy_maps`] holds; and it reports what the kernel decided
+//! ([`decisions`]).
+
+pub mod allowlist;
+pub mod decisions;
+pub mod identity;
+pub mod mirror;
+
+pub use decisions::{decision_line, guarantee};
+pub use identity::{identity_of, resolve_identity, seed_identities};
+pub use mirror::sync_environments;

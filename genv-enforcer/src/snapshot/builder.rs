@@ -1,0 +1,229 @@
+//! Taking a snapshot: GPU contexts from NVML (or, without NVML, GPU nodes held open in
+//! `/proc`), each process's environment (see [`super::process_table`]), and genv's state.
+//!
+//! Called with genv's global lock held, as genv takes its snapshot.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+
+use super::inspect::{ProcessInspector, Procfs};
+use super::process_table::{EnvPolicy, ProcessTable, assemble_processes};
+use super::{Snapshot, Warning};
+use crate::backends::nvml::{ComputeContext, GpuBackend, GpuInfo, NvmlBackend};
+use crate::backends::procfs;
+use crate::state::{Device, StateDir, memory::format_mebibytes};
+
+/// Where GPU facts come from right now.
+enum Gpus {
+    Nvml(Box<dyn GpuBackend>),
+    /// NVML could not be loaded; it is tried again every cycle.
+    Unloaded,
+}
+
+pub struct SnapshotBuilder {
+    state: StateDir,
+    nvml_library: OsString,
+    gpus: Gpus,
+    inspector: Box<dyn ProcessInspector + Send>,
+    policy: EnvPolicy,
+    /// minor → index, from the last NVML device list, for `/proc` scans.
+    minor_to_index: Option<HashMap<u32, u32>>,
+    last_devices: Vec<GpuInfo>,
+    table: ProcessTable,
+    said_nvml_missing: bool,
+    said_minor_guess: bool,
+}
+
+impl SnapshotBuilder {
+    pub fn new(state: StateDir, nvml_library: OsString, policy: EnvPolicy) -> Self {
+        Self {
+            state,
+            nvml_library,
+            gpus: Gpus::Unloaded,
+            inspector: Box::new(Procfs::default()),
+            policy,
+            minor_to_index: None,
+            last_devices: Vec::new(),
+            table: ProcessTable::default(),
+            said_nvml_missing: false,
+            said_minor_guess: false,
+        }
+    }
+
+    /// Replaces the GPU backend (tests, benchmarks).
+    pub fn with_gpu_backend(mut self, backend: Box<dyn GpuBackend>) -> Self {
+        self.gpus = Gpus::Nvml(backend);
+        self
+    }
+
+    pub fn with_inspector(mut self, inspector: Box<dyn ProcessInspector + Send>) -> Self {
+        self.inspector = inspector;
+        self
+    }
+
+    pub fn state(&self) -> &StateDir {
+        &self.state
+    }
+
+    /// The devices NVML listed at the last snapshot (empty before one, or without NVML).
+    pub fn devices(&self) -> &[GpuInfo] {
+        &self.last_devices
+    }
+
+    /// The kernel reported that `pid` exec'd or exited: what was read of it no longer
+    /// holds. (Each snapshot also re-validates by start time and exec fingerprint; the
+    /// events make that a formality.)
+    pub fn forget(&mut self, pid: u32) {
+        self.table.forget(pid);
+    }
+
+    /// Loads NVML if it is not loaded; says once that it is missing, and once that it is
+    /// back.
+    fn ensure_nvml(&mut self, warnings: &mut Vec<Warning>) {
+        if matches!(self.gpus, Gpus::Nvml(_)) {
+            return;
+        }
+        match NvmlBackend::load(&self.nvml_library) {
+            Ok(nvml) => {
+                if self.said_nvml_missing {
+                    warnings.push(warning!(
+                        "NVML loaded from {}: the memory rule is enforced again",
+                        self.nvml_library.to_string_lossy()
+                    ));
+                    self.said_nvml_missing = false;
+                }
+                self.gpus = Gpus::Nvml(Box::new(nvml));
+            }
+            Err(e) if !self.said_nvml_missing => {
+                self.said_nvml_missing = true;
+                warnings.push(warning!(
+                    "cannot load NVML from {} ({e}); enforcing the device rules from GPU device nodes held open in /proc, and skipping the memory rule until it loads",
+                    self.nvml_library.to_string_lossy()
+                ));
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// GPU contexts, from NVML or else from `/proc`, and whether memory figures are known.
+    fn gpu_contexts(&mut self, warnings: &mut Vec<Warning>) -> (Vec<ComputeContext>, bool) {
+        self.ensure_nvml(warnings);
+        if let Gpus::Nvml(nvml) = &self.gpus {
+            match nvml.query() {
+                Ok(view) => {
+                    self.minor_to_index = Some(
+                        view.devices
+                            .iter()
+                            .filter_map(|d| Some((d.minor?, d.index)))
+                            .collect(),
+                    );
+                    self.last_devices = view.devices;
+                    return (view.contexts, true);
+                }
+                Err(e) => warnings.push(warning!(
+                    "{e}; this cycle enforces the device rules from /proc and skips the memory rule"
+                )),
+            }
+        }
+        (self.scan_proc(warnings), false)
+    }
+
+    fn scan_proc(&mut self, warnings: &mut Vec<Warning>) -> Vec<ComputeContext> {
+        let holders = match self.inspector.gpu_node_holders() {
+            Ok(holders) => holders,
+            Err(e) => {
+                warnings.push(warning!("cannot scan /proc for GPU device nodes: {e}"));
+                return Vec::new();
+            }
+        };
+        let map = self.minor_map(warnings);
+        let mut contexts: Vec<ComputeContext> = holders
+            .into_iter()
+            .flat_map(|(pid, minors)| {
+                let map = &map;
+                minors.into_iter().map(move |minor| ComputeContext {
+                    pid,
+                    index: map.get(&minor).copied().unwrap_or(minor),
+                    used_memory: None,
+                })
+            })
+            .collect();
+        // NVML lists contexts device by device.
+        contexts.sort_by_key(|c| (c.index, c.pid));
+        contexts
+    }
+
+    /// minor → NVML index: from NVML when it was last seen, else from the driver's
+    /// `/proc/driver/nvidia/gpus` (PCI order is NVML's order), else minor = index.
+    fn minor_map(&mut self, warnings: &mut Vec<Warning>) -> HashMap<u32, u32> {
+        if let Some(map) = &self.minor_to_index {
+            return map.clone();
+        }
+        if let Some(minors) = procfs::driver_minors_in_pci_order() {
+            return minors.into_iter().zip(0..).collect();
+        }
+        if !self.said_minor_guess {
+            self.said_minor_guess = true;
+            warnings.push(warning!(
+                "no NVML and no /proc/driver/nvidia: assuming /dev/nvidiaN is GPU index N"
+            ));
+        }
+        HashMap::new()
+    }
+
+    /// Takes a snapshot. The caller holds genv's global lock.
+    pub fn take(&mut self) -> (Snapshot, Vec<Warning>) {
+        let mut warnings = Vec::new();
+        let (contexts, memory_known) = self.gpu_contexts(&mut warnings);
+
+        let envs = self
+            .state
+            .load_envs()
+            .map_err(|e| {
+                warnings.push(warning!(
+                    "{e}; rules that need environments are skipped this cycle"
+                ))
+            })
+            .ok();
+        let devices = envs.as_ref().and_then(|envs| {
+            match self.state.load_devices(envs) {
+                Ok(Some(devices)) => Some(devices),
+                // genv would create the file with nothing attached.
+                Ok(None) => Some(self.unattached_devices()),
+                Err(e) => {
+                    warnings.push(warning!(
+                        "{e}; rules that need devices are skipped this cycle"
+                    ));
+                    None
+                }
+            }
+        });
+
+        let processes = assemble_processes(
+            &contexts,
+            envs.as_deref(),
+            self.inspector.as_ref(),
+            self.policy,
+            &mut self.table,
+            &mut warnings,
+        );
+        let snapshot = Snapshot {
+            processes,
+            envs,
+            devices,
+            memory_known,
+        };
+        (snapshot, warnings)
+    }
+
+    fn unattached_devices(&self) -> Vec<Device> {
+        self.last_devices
+            .iter()
+            .map(|d| Device {
+                index: d.index,
+                total_memory: format_mebibytes(d.total_memory),
+                attachments: Vec::new(),
+            })
+            .collect()
+    }
+}

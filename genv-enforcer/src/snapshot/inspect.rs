@@ -1,0 +1,165 @@
+//! What a snapshot reads of processes from `/proc`: behind a trait, so that assembly can
+//! be tested on made-up processes, and with `stat` read through handles kept between
+//! cycles (in parallel on large nodes).
+
+use std::collections::HashMap;
+use std::io;
+use std::path::PathBuf;
+
+use crate::backends::procfs::{self, EnvironError, ProcStat, StatFile};
+
+/// What the snapshot reads of processes; a trait so assembly can be tested on made-up
+/// processes.
+pub trait ProcessInspector: Sync {
+    fn stat(&self, pid: u32) -> io::Result<ProcStat>;
+    /// `stat`, through a handle kept between cycles where the inspector has one.
+    fn stat_cached(&self, pid: u32, handle: &mut Option<StatFile>) -> io::Result<ProcStat> {
+        let _ = handle;
+        self.stat(pid)
+    }
+    fn environment_id(&self, pid: u32) -> Result<Option<String>, EnvironError>;
+    fn real_uid(&self, pid: u32) -> io::Result<u32>;
+    fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>>;
+}
+
+/// The real `/proc`.
+pub struct Procfs {
+    pub root: PathBuf,
+}
+
+impl Default for Procfs {
+    fn default() -> Self {
+        Self {
+            root: PathBuf::from("/proc"),
+        }
+    }
+}
+
+impl ProcessInspector for Procfs {
+    fn stat(&self, pid: u32) -> io::Result<ProcStat> {
+        procfs::stat(pid)
+    }
+    fn stat_cached(&self, pid: u32, handle: &mut Option<StatFile>) -> io::Result<ProcStat> {
+        if let Some(stat) = handle.as_ref().and_then(|h| h.read().ok()) {
+            return Ok(stat);
+        }
+        // First sight, or the process the handle named is gone (its pid may now name
+        // another): open afresh.
+        let file = StatFile::open(pid)?;
+        let stat = file.read();
+        *handle = Some(file);
+        stat
+    }
+    fn environment_id(&self, pid: u32) -> Result<Option<String>, EnvironError> {
+        procfs::environment_id(pid)
+    }
+    fn real_uid(&self, pid: u32) -> io::Result<u32> {
+        procfs::real_uid(pid)
+    }
+    fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>> {
+        procfs::gpu_node_holders(&self.root)
+    }
+}
+
+/// Below this many processes one thread reads every `stat`; above it the reads (each a
+/// few microseconds of kernel formatting) are spread over the machine's cores.
+const PARALLEL_STATS: usize = 256;
+
+/// How many `stat` handles the table may keep: half the soft descriptor limit, so that
+/// reading past the budget (by path, which opens and closes) always finds a descriptor.
+pub(super) fn handle_budget() -> usize {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    limit.current.map_or(usize::MAX, |n| (n / 2) as usize)
+}
+
+/// `/proc/<pid>/stat` of every pid, in order: through the handles kept between cycles,
+/// and new ones while `budget` allows; beyond it, by path.
+pub(super) fn read_stats(
+    pids: &[u32],
+    inspector: &dyn ProcessInspector,
+    files: &mut HashMap<u32, Option<StatFile>>,
+    budget: usize,
+) -> Vec<io::Result<ProcStat>> {
+    let mut spare = budget.saturating_sub(files.values().filter(|f| f.is_some()).count());
+    // (pid, its handle, whether it may keep one)
+    let mut work: Vec<(u32, Option<StatFile>, bool)> = pids
+        .iter()
+        .map(|pid| {
+            let handle = files.remove(pid).flatten();
+            let keep = handle.is_some() || spare > 0;
+            if handle.is_none() && keep {
+                spare -= 1;
+            }
+            (*pid, handle, keep)
+        })
+        .collect();
+    let read = |chunk: &mut [(u32, Option<StatFile>, bool)]| -> Vec<io::Result<ProcStat>> {
+        chunk
+            .iter_mut()
+            .map(|(pid, handle, keep)| match keep {
+                true => inspector.stat_cached(*pid, handle),
+                false => inspector.stat(*pid),
+            })
+            .collect()
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let stats = if pids.len() < PARALLEL_STATS || threads == 1 {
+        read(&mut work)
+    } else {
+        let chunk = work.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = work
+                .chunks_mut(chunk)
+                .map(|part| scope.spawn(move || read(part)))
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().expect("a stat reader panicked"))
+                .collect()
+        })
+    };
+    files.extend(work.into_iter().map(|(pid, handle, _)| (pid, handle)));
+    stats
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Real handles (on this test's own `stat`), to see how many the table keeps.
+    struct Handles;
+
+    impl ProcessInspector for Handles {
+        fn stat(&self, _: u32) -> io::Result<ProcStat> {
+            procfs::stat(std::process::id())
+        }
+        fn stat_cached(&self, _: u32, handle: &mut Option<StatFile>) -> io::Result<ProcStat> {
+            let file = StatFile::open(std::process::id())?;
+            let stat = file.read();
+            *handle = Some(file);
+            stat
+        }
+        fn environment_id(&self, _: u32) -> Result<Option<String>, EnvironError> {
+            Ok(None)
+        }
+        fn real_uid(&self, _: u32) -> io::Result<u32> {
+            Ok(0)
+        }
+        fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[test]
+    fn keeps_stat_handles_within_the_budget_and_reads_the_rest_by_path() {
+        let mut files = HashMap::new();
+        let pids: Vec<u32> = (100..110).collect();
+        let stats = read_stats(&pids, &Handles, &mut files, 4);
+        assert!(stats.iter().all(Result::is_ok), "every process is read");
+        assert_eq!(files.values().filter(|f| f.is_some()).count(), 4);
+        // Next cycle: the four handles stay, no new ones are opened.
+        let stats = read_stats(&pids, &Handles, &mut files, 4);
+        assert!(stats.iter().all(Result::is_ok));
+        assert_eq!(files.values().filter(|f| f.is_some()).count(), 4);
+    }
+}

@@ -1,0 +1,388 @@
+//! GPU processes, each with the environment it counts as being in: contexts grouped by
+//! process in genv's order, and each process's claim (`GENV_ENVIRONMENT_ID`) checked
+//! against the active environments and its real uid. What was read of a program image
+//! is kept across cycles until the process execs or exits.
+
+use std::collections::HashMap;
+use std::io;
+
+use super::inspect::{ProcessInspector, handle_budget, read_stats};
+use super::order::python_set_order;
+use super::{GpuProcess, Usage, Warning};
+use crate::backends::nvml::ComputeContext;
+use crate::backends::procfs::{EnvironError, StatFile};
+use crate::state::Env;
+
+/// How far a process's `GENV_ENVIRONMENT_ID` is believed. genv believes it always; by
+/// default the enforcer believes it only for an active environment of the process's own
+/// user (or for root), since anyone can set the variable.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EnvPolicy {
+    /// genv's behaviour: an id naming no active environment still counts as "in an
+    /// environment" (which no rule then looks at).
+    pub trust_unknown_env_ids: bool,
+    /// genv's behaviour: any user's process may claim any environment.
+    pub trust_foreign_env_ids: bool,
+}
+
+/// What was read of a process's program image: its claimed environment and real uid.
+/// Both change only through `execve` (a new environment block; a set-uid program), so
+/// they are read once per image, and the image is recognised by the start time and
+/// exec fingerprint of `/proc/<pid>/stat`, which every cycle still reads.
+struct Known {
+    start_time: u64,
+    exec_fingerprint: [u64; 3],
+    claimed: Option<String>,
+    uid: Option<u32>,
+}
+
+/// Known processes, kept across cycles; only GPU processes of the last cycle stay.
+#[derive(Default)]
+pub(crate) struct ProcessTable {
+    known: HashMap<u32, Known>,
+    stat_files: HashMap<u32, Option<StatFile>>,
+}
+
+impl ProcessTable {
+    /// What was read of `pid` no longer holds (it exec'd or exited).
+    pub(crate) fn forget(&mut self, pid: u32) {
+        self.known.remove(&pid);
+        self.stat_files.remove(&pid);
+    }
+}
+
+/// Groups contexts by process in genv's order, and decides each process's environment.
+/// Processes that are gone, kernel threads, and processes whose environment cannot be
+/// determined are left out: no rule may act on them.
+pub(crate) fn assemble_processes(
+    contexts: &[ComputeContext],
+    envs: Option<&[Env]>,
+    inspector: &dyn ProcessInspector,
+    policy: EnvPolicy,
+    table: &mut ProcessTable,
+    warnings: &mut Vec<Warning>,
+) -> Vec<GpuProcess> {
+    let mut usage: HashMap<u32, Vec<Usage>> = HashMap::new();
+    for c in contexts {
+        usage.entry(c.pid).or_default().push(Usage {
+            index: c.index,
+            bytes: c.used_memory,
+        });
+    }
+    let order = python_set_order(contexts.iter().map(|c| c.pid));
+    table.known.retain(|pid, _| usage.contains_key(pid));
+    table.stat_files.retain(|pid, _| usage.contains_key(pid));
+    let stats = read_stats(&order, inspector, &mut table.stat_files, handle_budget());
+    let mut processes = Vec::with_capacity(order.len());
+    for (pid, stat) in order.into_iter().zip(stats) {
+        let Ok(stat) = stat else {
+            table.forget(pid);
+            continue; // gone since NVML listed it
+        };
+        if stat.is_kernel_thread() {
+            continue;
+        }
+        let same_image = table.known.get(&pid).is_some_and(|k| {
+            k.start_time == stat.start_time && k.exec_fingerprint == stat.exec_fingerprint
+        });
+        if !same_image {
+            table.known.remove(&pid);
+            let claimed = match inspector.environment_id(pid) {
+                Ok(claimed) => claimed,
+                Err(EnvironError::Gone(_)) => continue,
+                Err(e) => {
+                    warnings.push(warning!(
+                        "{e}: cannot tell its environment, leaving process {pid} alone"
+                    ));
+                    continue;
+                }
+            };
+            table.known.insert(
+                pid,
+                Known {
+                    start_time: stat.start_time,
+                    exec_fingerprint: stat.exec_fingerprint,
+                    claimed,
+                    uid: None,
+                },
+            );
+        }
+        let known = table.known.get_mut(&pid).expect("just checked or inserted");
+        let mut uid = || match known.uid {
+            Some(uid) => Ok(uid),
+            None => inspector
+                .real_uid(pid)
+                .inspect(|uid| known.uid = Some(*uid)),
+        };
+        let claimed = known.claimed.clone();
+        let Some(eid) = resolve_env(pid, claimed, envs, &mut uid, policy, warnings) else {
+            continue;
+        };
+        processes.push(GpuProcess {
+            pid,
+            start_time: Some(stat.start_time),
+            used_gpu_memory: usage.remove(&pid).unwrap_or_default(),
+            eid,
+        });
+    }
+    processes
+}
+
+/// The environment a process counts as being in: `Some(None)` outside any,
+/// `Some(Some(eid))` in `eid`, `None` when it cannot be told.
+fn resolve_env(
+    pid: u32,
+    claimed: Option<String>,
+    envs: Option<&[Env]>,
+    uid: &mut dyn FnMut() -> io::Result<u32>,
+    policy: EnvPolicy,
+    warnings: &mut Vec<Warning>,
+) -> Option<Option<String>> {
+    let Some(eid) = claimed else {
+        return Some(None);
+    };
+    if policy.trust_unknown_env_ids && policy.trust_foreign_env_ids {
+        return Some(Some(eid));
+    }
+    let Some(envs) = envs else {
+        warnings.push(warning!(
+            "cannot check environment {eid} of process {pid} without envs.json: leaving it alone"
+        ));
+        return None;
+    };
+    let Some(env) = envs.iter().find(|e| e.eid == eid) else {
+        if policy.trust_unknown_env_ids {
+            return Some(Some(eid));
+        }
+        warnings.push(warning!(
+            "process {pid} claims environment {eid}, which is not active: it counts as outside any environment"
+        ));
+        return Some(None);
+    };
+    if policy.trust_foreign_env_ids {
+        return Some(Some(eid));
+    }
+    match uid() {
+        Ok(uid) if uid == env.uid || uid == 0 => Some(Some(eid)),
+        Ok(uid) => {
+            warnings.push(warning!(
+                "process {pid} of uid {uid} claims environment {eid} of uid {}: it counts as outside any environment",
+                env.uid
+            ));
+            Some(None)
+        }
+        Err(e) => {
+            warnings.push(warning!(
+                "cannot read the uid of process {pid} ({e}): leaving it alone"
+            ));
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backends::procfs::ProcStat;
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+
+    /// A made-up process: (uid, environ as read or `Err` if unreadable, kernel thread).
+    type FakeProc = (u32, Result<Option<String>, ()>, bool);
+
+    #[derive(Default)]
+    struct FakeProcs {
+        procs: HashMap<u32, FakeProc>,
+        uid_reads: AtomicU32,
+        environ_reads: AtomicU32,
+        /// Changes when a process "execs".
+        image: AtomicU64,
+    }
+
+    impl ProcessInspector for FakeProcs {
+        fn stat(&self, pid: u32) -> io::Result<ProcStat> {
+            let (_, _, kthread) = self.procs.get(&pid).ok_or(io::ErrorKind::NotFound)?;
+            Ok(ProcStat {
+                state: 'S',
+                ppid: 1,
+                flags: if *kthread { 0x0020_0000 } else { 0 },
+                start_time: pid as u64 * 10,
+                exec_fingerprint: [self.image.load(Relaxed), 0, 0],
+            })
+        }
+        fn environment_id(&self, pid: u32) -> Result<Option<String>, EnvironError> {
+            self.environ_reads.fetch_add(1, Relaxed);
+            match self.procs.get(&pid) {
+                None => Err(EnvironError::Gone(pid)),
+                Some((_, Err(()), _)) => Err(EnvironError::Unreadable(pid)),
+                Some((_, Ok(eid), _)) => Ok(eid.clone()),
+            }
+        }
+        fn real_uid(&self, pid: u32) -> io::Result<u32> {
+            self.uid_reads.fetch_add(1, Relaxed);
+            Ok(self.procs.get(&pid).ok_or(io::ErrorKind::NotFound)?.0)
+        }
+        fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>> {
+            Ok(Vec::new())
+        }
+    }
+
+    fn env(eid: &str, uid: u32) -> Env {
+        serde_json::from_value(serde_json::json!({"eid": eid, "uid": uid, "pids": [1]})).unwrap()
+    }
+
+    fn ctx(pid: u32, index: u32) -> ComputeContext {
+        ComputeContext {
+            pid,
+            index,
+            used_memory: Some(1 << 20),
+        }
+    }
+
+    fn fixture() -> (FakeProcs, Vec<ComputeContext>, Vec<Env>) {
+        let mut procs = FakeProcs::default();
+        procs
+            .procs
+            .insert(10, (1000, Ok(Some("mine".into())), false)); // member
+        procs
+            .procs
+            .insert(11, (1001, Ok(Some("mine".into())), false)); // forged, other user
+        procs.procs.insert(12, (0, Ok(Some("mine".into())), false)); // root in a user's env
+        procs
+            .procs
+            .insert(13, (1000, Ok(Some("ghost".into())), false)); // made-up id
+        procs.procs.insert(14, (1000, Err(()), false)); // unreadable environ
+        procs.procs.insert(15, (0, Ok(None), true)); // kernel thread
+        procs.procs.insert(16, (1000, Ok(None), false)); // outside
+        let contexts = [10, 11, 12, 13, 14, 15, 16, 17].map(|p| ctx(p, 0)).to_vec(); // 17 is gone
+        (procs, contexts, vec![env("mine", 1000)])
+    }
+
+    fn eids(processes: &[GpuProcess]) -> Vec<(u32, Option<&str>)> {
+        processes
+            .iter()
+            .map(|p| (p.pid, p.eid.as_deref()))
+            .collect()
+    }
+
+    #[test]
+    fn checks_identity_by_default() {
+        let (procs, contexts, envs) = fixture();
+        let mut warnings = Vec::new();
+        let processes = assemble_processes(
+            &contexts,
+            Some(&envs),
+            &procs,
+            EnvPolicy::default(),
+            &mut ProcessTable::default(),
+            &mut warnings,
+        );
+        assert_eq!(
+            eids(&processes),
+            [
+                (10, Some("mine")),
+                (11, None),
+                (12, Some("mine")),
+                (13, None),
+                (16, None)
+            ]
+        );
+        assert_eq!(warnings.len(), 3, "{warnings:?}"); // forged, ghost, unreadable
+    }
+
+    #[test]
+    fn genv_behaviour_believes_every_claim() {
+        let (procs, contexts, envs) = fixture();
+        let policy = EnvPolicy {
+            trust_unknown_env_ids: true,
+            trust_foreign_env_ids: true,
+        };
+        let processes = assemble_processes(
+            &contexts,
+            Some(&envs),
+            &procs,
+            policy,
+            &mut ProcessTable::default(),
+            &mut Vec::new(),
+        );
+        assert_eq!(
+            eids(&processes),
+            [
+                (10, Some("mine")),
+                (11, Some("mine")),
+                (12, Some("mine")),
+                (13, Some("ghost")),
+                (16, None)
+            ]
+        );
+        assert_eq!(procs.uid_reads.load(Relaxed), 0);
+    }
+
+    #[test]
+    fn without_envs_only_unclaimed_processes_are_judged() {
+        let (procs, contexts, _) = fixture();
+        let processes = assemble_processes(
+            &contexts,
+            None,
+            &procs,
+            EnvPolicy::default(),
+            &mut ProcessTable::default(),
+            &mut Vec::new(),
+        );
+        assert_eq!(eids(&processes), [(16, None)]);
+    }
+
+    #[test]
+    fn groups_usage_per_process_in_nvml_order() {
+        let mut procs = FakeProcs::default();
+        procs.procs.insert(20, (0, Ok(None), false));
+        let contexts = vec![ctx(20, 1), ctx(20, 0)];
+        let processes = assemble_processes(
+            &contexts,
+            Some(&[]),
+            &procs,
+            EnvPolicy::default(),
+            &mut ProcessTable::default(),
+            &mut Vec::new(),
+        );
+        assert_eq!(processes[0].indices().collect::<Vec<_>>(), [1, 0]);
+        assert_eq!(processes[0].start_time, Some(200));
+    }
+
+    #[test]
+    fn reads_a_process_image_once_and_again_after_exec() {
+        let mut procs = FakeProcs::default();
+        procs
+            .procs
+            .insert(30, (1000, Ok(Some("mine".into())), false));
+        let envs = vec![env("mine", 1000)];
+        let contexts = vec![ctx(30, 0)];
+        let mut table = ProcessTable::default();
+        let mut cycle = |procs: &FakeProcs| {
+            let processes = assemble_processes(
+                &contexts,
+                Some(&envs),
+                procs,
+                EnvPolicy::default(),
+                &mut table,
+                &mut Vec::new(),
+            );
+            processes[0].eid.clone()
+        };
+        assert_eq!(cycle(&procs).as_deref(), Some("mine"));
+        assert_eq!(cycle(&procs).as_deref(), Some("mine"));
+        assert_eq!(
+            (
+                procs.environ_reads.load(Relaxed),
+                procs.uid_reads.load(Relaxed)
+            ),
+            (1, 1)
+        );
+        // The process execs with a forged id: the new image is read.
+        procs
+            .procs
+            .insert(30, (1000, Ok(Some("forged".into())), false));
+        procs.image.fetch_add(1, Relaxed);
+        assert_eq!(cycle(&procs), None);
+        assert_eq!(procs.environ_reads.load(Relaxed), 2);
+    }
+}
