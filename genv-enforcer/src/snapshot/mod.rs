@@ -4,14 +4,36 @@
 //! The rules read nothing else. Parts that could not be read this cycle are `None`, and
 //! the rules that need them do nothing rather than act on a guess.
 
-mod assemble;
+use std::fmt;
+
+/// `Warning` from a format string.
+macro_rules! warning {
+    ($($arg:tt)*) => { $crate::snapshot::Warning(format!($($arg)*)) };
+}
+
+mod builder;
+mod inspect;
 pub mod order;
+mod process_table;
 mod wire;
 
-pub use assemble::{EnvPolicy, ProcessInspector, Procfs, SnapshotBuilder, Warning};
+pub use builder::SnapshotBuilder;
+pub use inspect::{ProcessInspector, Procfs};
+pub use process_table::EnvPolicy;
 pub use wire::{SnapshotJson, WireError, parse_wire_process, wire_process};
 
 use crate::state::{Device, Env};
+
+/// Something the operator should know about this cycle; printed on stderr as
+/// `[WARNING] ...`, as genv prints its warnings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Warning(pub String);
+
+impl fmt::Display for Warning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[WARNING] {}", self.0)
+    }
+}
 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Snapshot {
