@@ -1,5 +1,6 @@
 //! The command line, as clap parses it: `genv enforce`'s flags, one for one, plus the
-//! enforcer's own. Nothing here touches the system.
+//! enforcer's own. Each flag's own value is checked here; how flags combine is checked
+//! in one place, [`super::config`]. Nothing here touches the system.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -130,23 +131,18 @@ pub struct EventArgs {
     pub event_driven: bool,
 
     /// Which kernel tier watches GPU opens: the best the kernel accepts (auto), a forced
-    /// one (an error if the kernel refuses it), or none (the full cycle alone).
-    #[arg(
-        long,
-        value_enum,
-        value_name = "TIER",
-        default_value = "auto",
-        requires = "event_driven"
-    )]
-    pub bpf_tier: TierChoice,
+    /// one (an error if the kernel refuses it), or none (the full cycle alone)
+    /// [default: auto].
+    #[arg(long, value_enum, value_name = "TIER")]
+    pub bpf_tier: Option<TierChoice>,
 
-    /// Seconds between NVML memory polls (fractions allowed).
-    #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = positive_seconds, requires = "event_driven")]
-    pub memory_interval: f64,
+    /// Seconds between NVML memory polls (fractions allowed) [default: 1].
+    #[arg(long, value_name = "SECONDS", value_parser = positive_seconds)]
+    pub memory_interval: Option<f64>,
 
     /// Treat device node MAJOR:MINOR as GPU INDEX (repeatable), in addition to what
     /// /proc/devices and NVML's minor numbers say.
-    #[arg(long, value_name = "MAJOR:MINOR=INDEX", action = clap::ArgAction::Append, requires = "event_driven")]
+    #[arg(long, value_name = "MAJOR:MINOR=INDEX", action = clap::ArgAction::Append)]
     pub gpu_node: Vec<NodeOverride>,
 
     /// Runtime directory: the single-instance lock and the status file.
@@ -154,27 +150,27 @@ pub struct EventArgs {
     pub run_dir: PathBuf,
 
     /// Print each GPU open the kernel reports, and how long each reaction took.
-    #[arg(long, short, requires = "event_driven")]
+    #[arg(long, short)]
     pub verbose: bool,
 
     /// Decide in the kernel, at the open: a GPU node opened by a process outside any
     /// environment is refused with EPERM (lsm tier) or the process is killed before the
     /// open returns (fentry and tracepoint tiers). It is --non-env-processes, enforced
     /// before the process gets the GPU; processes inside environments are never refused.
-    #[arg(long, requires_all = ["event_driven", "non_env_processes"])]
+    #[arg(long)]
     pub deny: bool,
 
     /// An executable that may open GPU nodes outside any environment (repeatable), by
     /// device and inode; beyond the enforcer itself and nvidia-smi,
     /// nvidia-persistenced, nv-hostengine, dcgmi and dcgm-exporter where they exist.
-    #[arg(long, value_name = "PATH", action = clap::ArgAction::Append, requires = "event_driven")]
+    #[arg(long, value_name = "PATH", action = clap::ArgAction::Append)]
     pub allow_exe: Vec<PathBuf>,
 
     /// Pin the kernel programs and maps in bpffs, so that they keep deciding (with the
     /// last environments mirrored) while the daemon is stopped, restarts or is
     /// upgraded: fail-closed. Without it, stopping the daemon detaches them: fail-open.
     /// `genv-enforcer unpin` removes them.
-    #[arg(long, requires = "event_driven")]
+    #[arg(long)]
     pub keep_pinned: bool,
 
     /// Where --keep-pinned pins (a directory in bpffs), and where a starting daemon
@@ -183,7 +179,7 @@ pub struct EventArgs {
     pub pin_dir: PathBuf,
 
     /// Ring buffer size in bytes (a power of two, at least 4096).
-    #[arg(long, value_name = "BYTES", value_parser = ring_bytes, hide = true, requires = "event_driven")]
+    #[arg(long, value_name = "BYTES", value_parser = ring_bytes, hide = true)]
     pub ring_buffer_bytes: Option<u32>,
 }
 
@@ -303,30 +299,6 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("--memory-interval"), "{err}");
-        let err = enforce(&["--bpf-tier", "lsm"]).unwrap_err().to_string();
-        assert!(err.contains("--event-driven"), "{err}");
-        // --deny is the non-env rule, enforced in the kernel: it needs both.
-        let err = enforce(&["--event-driven", "--deny"])
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--non-env-processes"), "{err}");
-        let err = enforce(&["--non-env-processes", "--deny"])
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--event-driven"), "{err}");
-        let err = enforce(&["--allow-exe", "/bin/true"])
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--event-driven"), "{err}");
-        assert!(
-            enforce(&[
-                "--event-driven",
-                "--non-env-processes",
-                "--deny",
-                "--keep-pinned"
-            ])
-            .is_ok()
-        );
         let err = enforce(&["--max-devices-per-user", "-1"])
             .unwrap_err()
             .to_string();

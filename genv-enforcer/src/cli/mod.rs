@@ -1,24 +1,23 @@
-//! From the command line to a running enforcer: parsed flags ([`args`]) become
-//! validated settings, then the objects that do the work.
+//! From the command line to a running enforcer: parsed flags ([`args`]) become one
+//! validated configuration ([`config`]), then the objects that do the work.
 
 pub mod args;
+pub mod config;
 
 use std::io::Read;
 use std::process::ExitCode;
-use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Parser;
 
-use crate::actions::{Executor, ExecutorConfig};
+use crate::actions::Executor;
 use crate::cycle::Enforcer;
 use crate::daemon;
-use crate::daemon::event_driven::Settings;
 use crate::report::Report;
-use crate::rules::{DeviceLimit, Rules};
 use crate::snapshot::{EnvPolicy, SnapshotBuilder};
 use crate::state::StateDir;
-use args::{Cli, Command, EnforceArgs, ExecutionArgs, SourceArgs, UsageCommand};
+use args::{Cli, Command, EnforceArgs, UsageCommand};
+use config::{EnforceConfig, Mode, executor_config};
 
 /// Parses the command line and runs it; the only place exit codes are decided.
 pub fn main() -> ExitCode {
@@ -37,7 +36,11 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Command::Status { run_dir } => daemon::status::show(&run_dir),
         Command::Unpin { pin_dir } => unpin(&pin_dir),
         Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
-            let mut builder = builder(&sources, EnvPolicy::default());
+            let mut builder = SnapshotBuilder::new(
+                StateDir::new(&sources.genv_tmpdir),
+                sources.nvml_lib.clone(),
+                EnvPolicy::default(),
+            );
             let lock = builder
                 .state()
                 .lock()
@@ -73,94 +76,39 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
-fn builder(sources: &SourceArgs, policy: EnvPolicy) -> SnapshotBuilder {
-    SnapshotBuilder::new(
-        StateDir::new(&sources.genv_tmpdir),
-        sources.nvml_lib.clone(),
-        policy,
-    )
-}
-
-fn executor_config(args: &ExecutionArgs) -> ExecutorConfig {
-    ExecutorConfig {
-        dry_run: args.dry_run,
-        // genv: `int(os.environ.get("GENV_TERMINATE_PROCESSES", "1")) == 0` disables it.
-        signals: std::env::var("GENV_TERMINATE_PROCESSES")
-            .map_or(true, |v| v.trim().parse::<i64>() != Ok(0)),
-        kill_after: (args.kill_after > 0.0).then(|| Duration::from_secs_f64(args.kill_after)),
-    }
-}
-
-/// The rules `genv enforce` would run with these flags.
-pub fn rules(args: &EnforceArgs) -> Rules {
-    if args.max_devices_per_user.is_none() && !args.max_devices_for_user.is_empty() {
-        eprintln!(
-            "[WARNING] --max-devices-for-user has no effect without --max-devices-per-user (as in genv)"
-        );
-    }
-    Rules {
-        non_env_processes: args.non_env_processes && !args.no_non_env_processes,
-        env_devices: !args.no_env_devices,
-        env_memory: !args.no_env_memory,
-        max_devices_per_user: args.max_devices_per_user.map(|default| DeviceLimit {
-            default,
-            per_user: args.max_devices_for_user.iter().cloned().collect(),
-        }),
-    }
-}
-
 fn enforce(args: EnforceArgs) -> Result<ExitCode> {
+    let config = EnforceConfig::from_args(args)?;
+    for warning in &config.warnings {
+        eprintln!("[WARNING] {warning}");
+    }
     raise_open_file_limit();
-    let policy = EnvPolicy {
-        trust_unknown_env_ids: args.allow_unknown_env,
-        trust_foreign_env_ids: args.allow_foreign_env,
-    };
     let mut enforcer = Enforcer {
-        builder: builder(&args.sources, policy),
-        rules: rules(&args),
-        executor: Executor::new(executor_config(&args.execution)),
+        builder: SnapshotBuilder::new(
+            StateDir::new(&config.state_dir),
+            config.nvml_lib,
+            config.policy,
+        ),
+        rules: config.rules,
+        executor: Executor::new(config.execution),
     };
-    if args.interval == 0.0 && args.events.event_driven {
-        bail!(
-            "--event-driven needs a daemon: give --interval a value above 0 (the full cycle's period)"
-        );
-    }
-    if args.interval == 0.0 {
-        enforcer.cycle();
-        enforcer.executor.finish();
-        return Ok(ExitCode::SUCCESS);
-    }
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .enable_io()
-        .build()
-        .context("starting the runtime")?;
-    let interval = Duration::from_secs_f64(args.interval);
-    if !args.events.event_driven {
-        return runtime.block_on(daemon::polling::run(enforcer, interval));
-    }
-    if args.events.bpf_tier == crate::bpf::TierChoice::None {
-        if args.events.deny {
-            bail!("--deny is decided by the kernel programs, and --bpf-tier none loads none");
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .enable_io()
+            .build()
+            .context("starting the runtime")
+    };
+    match config.mode {
+        Mode::Once => {
+            enforcer.cycle();
+            enforcer.executor.finish();
+            Ok(ExitCode::SUCCESS)
         }
-        if args.events.keep_pinned {
-            bail!("--keep-pinned pins the kernel programs, and --bpf-tier none loads none");
+        Mode::Polling(interval) => runtime()?.block_on(daemon::polling::run(enforcer, interval)),
+        Mode::EventDriven(settings) => {
+            runtime()?.block_on(daemon::event_driven::run(enforcer, settings))
         }
     }
-    let settings = Settings {
-        interval,
-        memory_interval: Duration::from_secs_f64(args.events.memory_interval),
-        tier: args.events.bpf_tier,
-        ring_bytes: args.events.ring_buffer_bytes,
-        gpu_nodes: args.events.gpu_node,
-        run_dir: args.events.run_dir,
-        verbose: args.events.verbose,
-        deny: args.events.deny,
-        allow_exes: args.events.allow_exe,
-        keep_pinned: args.events.keep_pinned,
-        pin_dir: args.events.pin_dir,
-    };
-    runtime.block_on(daemon::event_driven::run(enforcer, settings))
 }
 
 fn unpin(root: &std::path::Path) -> Result<ExitCode> {
