@@ -1,7 +1,8 @@
 //! genv-enforcer's kernel programs.
 //!
 //! - [`lifecycle`]: exec, fork (processes, not threads) and exit (the whole thread
-//!   group), so that the daemon's process table follows the system without `/proc` scans;
+//!   group), so that the daemon's process table follows the system without `/proc` scans,
+//!   and each process's environment identity, read at exec by [`env_block`];
 //! - [`open`]: opens of watched GPU device nodes, recognised by the inode's device
 //!   number, never by path, in three tiers: BPF LSM `file_open`, fentry on
 //!   `security_file_open`, and the `open*` syscall exit tracepoints;
@@ -13,6 +14,8 @@
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
+#[cfg(target_arch = "bpf")]
+mod env_block;
 #[cfg(target_arch = "bpf")]
 mod kernel;
 #[cfg(target_arch = "bpf")]

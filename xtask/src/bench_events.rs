@@ -50,12 +50,7 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
     let gpu = dir.join("nvidia0");
     sim::make_test_node(&gpu)?;
     let nvml = dir.join("nvml.json");
-    let write_nvml = |processes: Value| {
-        let config = json!({"devices": [{"uuid": "GPU-bench-0", "minor": 0, "total_memory": 16u64 << 30}],
-                            "processes": processes});
-        sim::write_nvml(&nvml, &config)
-    };
-    write_nvml(json!([]))?;
+    write_bench_nvml(&nvml, json!([]))?;
     let run_dir = dir.join("run");
     let (mut daemon, lines, tier) = start_daemon(
         target,
@@ -65,58 +60,10 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
         &["--verbose"],
         "Watching GPU nodes",
     )?;
-
-    let mut reacted_ms = Vec::new();
-    let mut gone_ms = Vec::new();
-    for _ in 0..INTRUDERS {
-        let mut intruder = Command::new(target.join("gpu-process"))
-            .args(["--wait-stdin", "--open", gpu.to_str().unwrap()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .env_remove("GENV_ENVIRONMENT_ID")
-            .spawn()?;
-        let mut out = BufReader::new(intruder.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line)?;
-        write_nvml(json!([{"pid": intruder.id(), "gpu": 0, "used_memory": 1u64 << 30}]))?;
-        let start = Instant::now();
-        intruder.stdin.as_mut().unwrap().write_all(b"go\n")?;
-        sim::wait_exit(&mut intruder, Duration::from_secs(30))?;
-        gone_ms.push(start.elapsed().as_secs_f64() * 1e3);
-        let acted = wait_line(&lines, &format!("Acted on process {} ", intruder.id()))?;
-        let ms: f64 = acted
-            .split(" ms after")
-            .next()
-            .and_then(|head| head.rsplit(' ').next())
-            .and_then(|n| n.parse().ok())
-            .context("parsing the daemon's reaction time")?;
-        reacted_ms.push(ms);
-    }
-    write_nvml(json!([]))?;
-
-    let started = Instant::now();
-    for _ in 0..BACKGROUND_OPENS {
-        drop(std::fs::File::open("/dev/null")?);
-    }
-    let open_close_ns = started.elapsed().as_nanos() as f64 / BACKGROUND_OPENS as f64;
-    let environment: Vec<(String, String)> = std::env::vars()
-        .filter(|(k, _)| k != "GENV_ENVIRONMENT_ID")
-        .chain([("GENV_ENVIRONMENT_ID".to_owned(), "bench-env".to_owned())])
-        .collect();
-    let env_bytes: usize = environment.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
-    let env_vars = environment.len();
-    for _ in 0..EXECS {
-        let status = Command::new("/bin/true")
-            .env_clear()
-            .envs(environment.iter().cloned())
-            .status()?;
-        if !status.success() {
-            bail!("/bin/true failed");
-        }
-    }
-    std::thread::sleep(Duration::from_millis(1500)); // the status file's next rewrite
-    let status: Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("status.json"))?)?;
+    let (mut reacted_ms, mut gone_ms) = reactions(target, &gpu, &nvml, &lines)?;
+    write_bench_nvml(&nvml, json!([]))?;
+    let load = BackgroundLoad::run()?;
+    let status = fresh_status(&run_dir)?;
     unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
     daemon.wait()?;
     let host_loop = attempt_loop(target, dir, &gpu, &nvml)?;
@@ -146,7 +93,129 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
             samples[samples.len() - 1]
         );
     }
+    table += &programs_table(&load, &status)?;
     table += &format!(
+        "\n## `--deny`: {ATTEMPTS} open attempts by a process outside any environment\n\n\
+         One process forks {ATTEMPTS} children one after the other; each opens the test GPU node once and, if the \
+         open returns to it, says so through a pipe. The LSM and fentry rows come from the VM \
+         (`cargo xtask vm-test`, TCG: counts, not times).\n\n\
+         | tier | attempts | open returned | open succeeded | killed in the open |\n|---|---|---|---|---|\n"
+    );
+    table += &host_loop;
+    table += &vm_attempt_loops()?;
+    Ok(table)
+}
+
+fn write_bench_nvml(nvml: &Path, processes: Value) -> Result<()> {
+    let config = json!({"devices": [{"uuid": "GPU-bench-0", "minor": 0, "total_memory": 16u64 << 30}],
+                        "processes": processes});
+    sim::write_nvml(nvml, &config)
+}
+
+/// {INTRUDERS} intruders, one at a time, each listed in the fake NVML and then opening
+/// the node: the daemon's reaction time (open → SIGTERM, as it reports it) and the
+/// wall time until each is reaped.
+fn reactions(
+    target: &Path,
+    gpu: &Path,
+    nvml: &Path,
+    lines: &mpsc::Receiver<String>,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let mut reacted_ms = Vec::new();
+    let mut gone_ms = Vec::new();
+    for _ in 0..INTRUDERS {
+        let mut intruder = Command::new(target.join("gpu-process"))
+            .args(["--wait-stdin", "--open", gpu.to_str().unwrap()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .env_remove("GENV_ENVIRONMENT_ID")
+            .spawn()?;
+        let mut out = BufReader::new(intruder.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line)?;
+        write_bench_nvml(
+            nvml,
+            json!([{"pid": intruder.id(), "gpu": 0, "used_memory": 1u64 << 30}]),
+        )?;
+        let start = Instant::now();
+        intruder.stdin.as_mut().unwrap().write_all(b"go\n")?;
+        sim::wait_exit(&mut intruder, Duration::from_secs(30))?;
+        gone_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        let acted = wait_line(lines, &format!("Acted on process {} ", intruder.id()))?;
+        let ms: f64 = acted
+            .split(" ms after")
+            .next()
+            .and_then(|head| head.rsplit(' ').next())
+            .and_then(|n| n.parse().ok())
+            .context("parsing the daemon's reaction time")?;
+        reacted_ms.push(ms);
+    }
+    Ok((reacted_ms, gone_ms))
+}
+
+/// Opens of `/dev/null` and execs with a realistic environment, for the programs'
+/// per-run costs.
+struct BackgroundLoad {
+    open_close_ns: f64,
+    env_vars: usize,
+    env_bytes: usize,
+}
+
+impl BackgroundLoad {
+    fn run() -> Result<Self> {
+        let started = Instant::now();
+        for _ in 0..BACKGROUND_OPENS {
+            drop(std::fs::File::open("/dev/null")?);
+        }
+        let open_close_ns = started.elapsed().as_nanos() as f64 / BACKGROUND_OPENS as f64;
+        let environment: Vec<(String, String)> = std::env::vars()
+            .filter(|(k, _)| k != "GENV_ENVIRONMENT_ID")
+            .chain([("GENV_ENVIRONMENT_ID".to_owned(), "bench-env".to_owned())])
+            .collect();
+        for _ in 0..EXECS {
+            let status = Command::new("/bin/true")
+                .env_clear()
+                .envs(environment.iter().cloned())
+                .status()?;
+            if !status.success() {
+                bail!("/bin/true failed");
+            }
+        }
+        Ok(Self {
+            open_close_ns,
+            env_vars: environment.len(),
+            env_bytes: environment.iter().map(|(k, v)| k.len() + v.len() + 2).sum(),
+        })
+    }
+}
+
+/// The daemon's status file, once it has been rewritten after now (it says the second
+/// it was written, and is rewritten about once a second).
+fn fresh_status(run_dir: &Path) -> Result<Value> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status: Value =
+            serde_json::from_str(&std::fs::read_to_string(run_dir.join("status.json"))?)?;
+        if status["updated"].as_u64().unwrap_or(0) > now {
+            return Ok(status);
+        }
+        if Instant::now() > deadline {
+            bail!("the daemon's status file was not rewritten within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn programs_table(load: &BackgroundLoad, status: &Value) -> Result<String> {
+    let BackgroundLoad {
+        open_close_ns,
+        env_vars,
+        env_bytes,
+    } = load;
+    let mut table = format!(
         "\n## Kernel programs\n\nThe kernel's own statistics (`kernel.bpf_stats_enabled=1`) after the runs above and \
          {BACKGROUND_OPENS} opens of `/dev/null` (open+close took {open_close_ns:.0} ns each with the programs \
          attached) and {EXECS} execs of `/bin/true` with {env_vars} environment variables ({env_bytes} bytes, \
@@ -168,15 +237,6 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
             }
         );
     }
-    table += &format!(
-        "\n## `--deny`: {ATTEMPTS} open attempts by a process outside any environment\n\n\
-         One process forks {ATTEMPTS} children one after the other; each opens the test GPU node once and, if the \
-         open returns to it, says so through a pipe. The LSM and fentry rows come from the VM \
-         (`cargo xtask vm-test`, TCG: counts, not times).\n\n\
-         | tier | attempts | open returned | open succeeded | killed in the open |\n|---|---|---|---|---|\n"
-    );
-    table += &host_loop;
-    table += &vm_attempt_loops()?;
     Ok(table)
 }
 

@@ -259,6 +259,96 @@ fn guest_script(root: &Path, suites: &[PathBuf], options: &Options) -> String {
 }
 
 fn boot(root: &Path, kernel: &kernel::Kernel, initramfs: &Path, lsm: &str) -> Result<Outcome> {
+    let started = Instant::now();
+    let mut child = qemu_command(root, kernel, initramfs, lsm)
+        .spawn()
+        .context("starting qemu-system-x86_64")?;
+    let stdout = child.stdout.take().unwrap();
+    let (lines, receive) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut console = Console::default();
+    loop {
+        let left = DEADLINE.saturating_sub(started.elapsed());
+        match receive.recv_timeout(left) {
+            Ok(line) => console.take(line.trim_end_matches('\r'), started),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let _ = child.kill();
+                bail!("the VM ran past {DEADLINE:?}; killed");
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    let exit = child.wait()?;
+    let total = started.elapsed();
+    match console.booted {
+        Some(boot) => eprintln!(
+            "vm-test: boot {boot:.1?}, suites {:.1?} ({}), total {total:.1?}",
+            total - boot,
+            console.timings.join("; ")
+        ),
+        None => eprintln!("vm-test: the guest never reached its script ({total:.1?})"),
+    }
+    let Some(status) = console.status else {
+        bail!("the VM stopped (qemu: {exit}) without reporting a result; its console is above");
+    };
+    Ok(Outcome {
+        passed: status == 0,
+        console: console.lines,
+    })
+}
+
+/// The guest's console as it streams: printed, kept, and read for the init's markers
+/// (booted, each tier's start and end, the exit status).
+struct Console {
+    lines: Vec<String>,
+    status: Option<i32>,
+    booted: Option<Duration>,
+    tier_started: Instant,
+    timings: Vec<String>,
+}
+
+impl Default for Console {
+    fn default() -> Self {
+        Self {
+            lines: Vec::new(),
+            status: None,
+            booted: None,
+            tier_started: Instant::now(),
+            timings: Vec::new(),
+        }
+    }
+}
+
+impl Console {
+    fn take(&mut self, line: &str, started: Instant) {
+        println!("{line}");
+        if line.starts_with("genv-vm: booted") {
+            self.booted = Some(started.elapsed());
+        }
+        if let Some(rest) = line.strip_prefix("genv-vm: tier ") {
+            if rest.ends_with(": start") {
+                self.tier_started = Instant::now();
+            } else {
+                let took = self.tier_started.elapsed();
+                self.timings.push(format!("{rest} in {took:.0?}"));
+            }
+        }
+        if let Some(code) = line.strip_prefix(initramfs::EXIT_MARKER) {
+            self.status = code.trim().parse::<i32>().ok();
+        }
+        self.lines.push(line.to_owned());
+    }
+}
+
+/// QEMU under TCG, booting `kernel` with the initramfs, the host's root shared
+/// read-only and the work tree read-write over virtio-9p, the console on stdio.
+fn qemu_command(root: &Path, kernel: &kernel::Kernel, initramfs: &Path, lsm: &str) -> Command {
     let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
     let share = |id: &str, path: &Path, extra: &str| {
         [
@@ -312,64 +402,5 @@ fn boot(root: &Path, kernel: &kernel::Kernel, initramfs: &Path, lsm: &str) -> Re
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
     .stderr(Stdio::inherit());
-    let started = Instant::now();
-    let mut child = qemu.spawn().context("starting qemu-system-x86_64")?;
-    let stdout = child.stdout.take().unwrap();
-    let (lines, receive) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if lines.send(line).is_err() {
-                break;
-            }
-        }
-    });
-
-    let mut console = Vec::new();
-    let mut status = None;
-    let mut booted = None;
-    let mut tier_started = Instant::now();
-    let mut timings = Vec::new();
-    loop {
-        let left = DEADLINE.saturating_sub(started.elapsed());
-        let line = match receive.recv_timeout(left) {
-            Ok(line) => line.trim_end_matches('\r').to_owned(),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                let _ = child.kill();
-                bail!("the VM ran past {DEADLINE:?}; killed");
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
-        };
-        println!("{line}");
-        if line.starts_with("genv-vm: booted") {
-            booted = Some(started.elapsed());
-        }
-        if let Some(rest) = line.strip_prefix("genv-vm: tier ") {
-            if rest.ends_with(": start") {
-                tier_started = Instant::now();
-            } else {
-                timings.push(format!("{rest} in {:.0?}", tier_started.elapsed()));
-            }
-        }
-        if let Some(code) = line.strip_prefix(initramfs::EXIT_MARKER) {
-            status = code.trim().parse::<i32>().ok();
-        }
-        console.push(line);
-    }
-    let exit = child.wait()?;
-    let total = started.elapsed();
-    match booted {
-        Some(boot) => eprintln!(
-            "vm-test: boot {boot:.1?}, suites {:.1?} ({}), total {total:.1?}",
-            total - boot,
-            timings.join("; ")
-        ),
-        None => eprintln!("vm-test: the guest never reached its script ({total:.1?})"),
-    }
-    let Some(status) = status else {
-        bail!("the VM stopped (qemu: {exit}) without reporting a result; its console is above");
-    };
-    Ok(Outcome {
-        passed: status == 0,
-        console,
-    })
+    qemu
 }
