@@ -111,9 +111,9 @@ fn a_process_on_its_attached_device_survives() {
     };
     let worker = node.spawn_with(Some("E"), &[(0, 100)], &["--open", path(&gpu)], None);
     daemon.expect(&format!("[EVENT] Process {worker} "));
-    // Let the quick checks after the open run with the context listed.
-    std::thread::sleep(Duration::from_secs(2));
-    daemon.wait_count("open_checks");
+    // Marker: several quick checks after the open ran, each with the context listed.
+    let checks = daemon.count("open_checks");
+    daemon.wait_count_above("open_checks", checks + 3);
     assert!(
         node.alive(worker),
         "a process on its own device was terminated"
@@ -176,8 +176,10 @@ fn an_environment_over_its_memory_is_brought_under_it_by_the_memory_poll() {
         .find(|pid| line.contains(&format!("process {pid} ")))
         .expect("the victim is one of E's processes");
     assert_eq!(node.wait_exit(victim, DEATH), Some(SIGTERM));
-    // One process covers the 200 MiB excess: the greedy rule stops there.
-    std::thread::sleep(Duration::from_secs(1));
+    // One process covers the 200 MiB excess: the greedy rule stops there. Marker: two
+    // more memory polls ran after the victim was gone.
+    let polls = daemon.count("memory_checks");
+    daemon.wait_count_above("memory_checks", polls + 2);
     for pid in [a, b, c].into_iter().filter(|p| *p != victim) {
         assert!(node.alive(pid), "greedy rule killed more than needed");
     }
@@ -234,20 +236,25 @@ fn a_storm_of_execs_loses_nothing_without_a_resync() {
     ));
     assert_eq!(node.wait_exit(rogue, DEATH), Some(SIGTERM));
 
-    // With the daemon running, a storm is either all delivered or resynchronised.
-    std::thread::sleep(Duration::from_millis(1500));
-    let before = daemon.status()["counts"].clone();
+    // With the daemon running, a storm is either all delivered or resynchronised. The
+    // baseline is a status published after the first storm was dealt with (its file
+    // says the second it was written), and the daemon is then given as long as it
+    // needs to count the second storm: a lost event that is never announced fails.
+    let published_after = unix_now() + 1;
+    let before = daemon.wait_status("a status newer than the first storm", |status| {
+        (status["updated"].as_u64().unwrap() > published_after).then(|| status["counts"].clone())
+    });
     storm(2000);
-    std::thread::sleep(Duration::from_millis(2500));
-    let after = daemon.status()["counts"].clone();
     let count = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
-    let execs = count(&after, "exec_events") - count(&before, "exec_events");
-    let lost = count(&after, "lost_events") - count(&before, "lost_events");
-    let cycles = count(&after, "full_cycles") - count(&before, "full_cycles");
-    assert!(
-        execs >= 2000 || (lost > 0 && cycles > 0),
-        "{execs} execs seen, {lost} lost, {cycles} resyncs: events vanished unnoticed"
-    );
+    let what = format!("every exec of the storm, or a loss and a resync, since {before}");
+    let (execs, lost, cycles) = daemon.wait_status(&what, |status| {
+        let after = &status["counts"];
+        let execs = count(after, "exec_events") - count(&before, "exec_events");
+        let lost = count(after, "lost_events") - count(&before, "lost_events");
+        let cycles = count(after, "full_cycles") - count(&before, "full_cycles");
+        (execs >= 2000 || (lost > 0 && cycles > 0)).then_some((execs, lost, cycles))
+    });
+    eprintln!("storm: {execs} execs seen, {lost} lost, {cycles} resyncs");
 }
 
 #[test]
@@ -342,4 +349,11 @@ fn without_bpf_the_full_cycle_enforces_alone() {
         DEATH,
     );
     assert_eq!(node.wait_exit(rogue, DEATH), Some(SIGTERM));
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
 }

@@ -284,7 +284,10 @@ fn an_environments_process_opens_every_gpu_node_as_cuda_does() {
     // Root may claim any environment (genv's own rule for who may act on one).
     let (root, lines) = attempt(&mut node, Some("bob-env"), None, &args);
     assert_untouched(&mut node, root, &lines, 2, "root in bob-env");
-    std::thread::sleep(Duration::from_millis(500));
+    // Marker: the daemon saw root's opens and ran its quick checks on them since.
+    daemon.expect(&format!("[EVENT] Process {root} (thread {root}) "));
+    let checks = daemon.count("open_checks");
+    daemon.wait_count_above("open_checks", checks + 2);
     assert!(node.alive(worker) && node.alive(root));
     assert!(
         !daemon

@@ -180,8 +180,22 @@ fn daemon_acts_on_a_detach_at_the_next_cycle_and_stops_on_sigterm() {
         json!([device_record(0, &["e"]), device_record(1, &["e"])]),
     );
     let on1 = node.spawn(Some("e"), &[(1, 10)]);
+    // Marker: a process of an environment attached to nothing, on GPU 0, is terminated
+    // by the same cycle that sees on1 on its attached GPU and leaves it alone.
+    let canary_shell = node.shell();
+    node.write_state(
+        json!([
+            env_record("e", 0, "root", None, shell),
+            env_record("c", 0, "root", None, canary_shell)
+        ]),
+        json!([device_record(0, &["e"]), device_record(1, &["e"])]),
+    );
+    let canary = node.spawn(Some("c"), &[(0, 10)]);
     let mut daemon = Daemon::start(&node, &["--interval", "0.2"]);
-    std::thread::sleep(Duration::from_millis(600));
+    daemon.expect_line(
+        &format!("Process {canary} from environment c is using non-attached GPU(s) 0"),
+        Duration::from_secs(20),
+    );
     assert!(node.alive(on1), "attached: left alone");
     // genv (or an admin) detaches device 1: the process there is terminated.
     node.write_state(

@@ -219,13 +219,36 @@ impl EventDaemon {
     /// Waits (generously) until the status file's counter `name` is above 0; the daemon
     /// rewrites the file about once a second.
     pub fn wait_count(&self, name: &str) -> u64 {
+        self.wait_count_above(name, 0)
+    }
+
+    /// Waits (generously) until the status file's counter `name` is above `floor`: a
+    /// marker that the daemon did that much more work since the caller read `floor`.
+    pub fn wait_count_above(&self, name: &str, floor: u64) -> u64 {
+        self.wait_status(&format!("counter {name} above {floor}"), |status| {
+            let count = status["counts"][name].as_u64().unwrap();
+            (count > floor).then_some(count)
+        })
+    }
+
+    /// The status file's counter `name` now.
+    pub fn count(&self, name: &str) -> u64 {
+        self.status()["counts"][name].as_u64().unwrap()
+    }
+
+    /// Waits (generously) until `check` finds what it wants in the status file.
+    pub fn wait_status<T>(&self, what: &str, check: impl Fn(&Value) -> Option<T>) -> T {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let count = self.status()["counts"][name].as_u64().unwrap();
-            if count > 0 {
-                return count;
+            let status = self.status();
+            if let Some(found) = check(&status) {
+                return found;
             }
-            assert!(Instant::now() < deadline, "counter {name} stayed at 0");
+            let counts = &status["counts"];
+            assert!(
+                Instant::now() < deadline,
+                "waited 30 s for {what}; now {counts}"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
