@@ -1,19 +1,27 @@
 //! The state directory: reading genv's files as genv reads them, and writing the one
 //! change the enforcer makes (a detach) as genv writes it.
 
-use std::fs::OpenOptions;
 use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::lock::{GlobalLock, make_shared};
+use super::lock::{GlobalLock, LockError};
 use super::model::{self, Device, Env, ShapeError};
+use super::safe_open::{self, Dir, OpenError};
 use super::{StateError, StateErrorKind};
 use crate::backends::procfs;
 
 pub const DEFAULT_DIR: &str = "/var/tmp/genv";
+
+const ENVS_FILE: &str = "envs.json";
+const DEVICES_FILE: &str = "devices.json";
+
+/// The most of a state file that is read. genv writes a few hundred bytes per
+/// environment and per device, so thousands of environments stay well under 1 MiB;
+/// 16 MiB leaves room for anything genv makes while bounding what a planted file (or
+/// `/dev/zero` behind a link) could make a root process allocate.
+pub const MAX_STATE_FILE: u64 = 16 * 1024 * 1024;
 
 /// `$GENV_TMPDIR`, default `/var/tmp/genv`.
 #[derive(Clone, Debug)]
@@ -36,15 +44,21 @@ impl StateDir {
     }
 
     pub fn envs_path(&self) -> PathBuf {
-        self.root.join("envs.json")
+        self.root.join(ENVS_FILE)
     }
 
     pub fn devices_path(&self) -> PathBuf {
-        self.root.join("devices.json")
+        self.root.join(DEVICES_FILE)
     }
 
-    pub fn lock(&self) -> io::Result<GlobalLock> {
+    pub fn lock(&self) -> Result<GlobalLock, LockError> {
         GlobalLock::acquire(&self.root)
+    }
+
+    /// Opens the directory for one operation; `None` if it does not exist yet, which
+    /// means no state files either.
+    fn open(&self) -> Result<Option<Dir>, StateError> {
+        Dir::open(&self.root).map_err(|e| opening(&self.root, e, Purpose::Read))
     }
 
     /// Active environments, cleaned as genv cleans them on load: an environment whose
@@ -52,45 +66,32 @@ impl StateDir {
     /// Jupyter; an environment with kernel ids is kept.) A missing file means no
     /// environments, as genv would create it empty.
     pub fn load_envs(&self) -> Result<Vec<Env>, StateError> {
-        let path = self.envs_path();
-        let Some(document) = read_document(&path)? else {
-            return Ok(Vec::new());
-        };
-        let mut envs = model::parse_envs(&document).map_err(|e| shape(&path, e))?;
-        model::check_unique(envs.iter().map(|e| e.eid.clone()), "envs")
-            .map_err(|e| shape(&path, e))?;
-        for env in &mut envs {
-            env.pids.retain(|pid| procfs::pid_exists(*pid));
+        match self.open()? {
+            Some(dir) => load_envs(&dir),
+            None => Ok(Vec::new()),
         }
-        envs.retain(|env| !env.pids.is_empty() || !env.kernel_ids.is_empty());
-        Ok(envs)
     }
 
     /// Devices as recorded, with attachments of environments that are not active dropped
     /// (genv's cleanup). `None` when the file does not exist yet.
     pub fn load_devices(&self, envs: &[Env]) -> Result<Option<Vec<Device>>, StateError> {
-        let path = self.devices_path();
-        let Some(document) = read_document(&path)? else {
-            return Ok(None);
-        };
-        let mut devices = model::parse_devices(&document).map_err(|e| shape(&path, e))?;
-        model::check_unique(devices.iter().map(|d| d.index.to_string()), "devices")
-            .map_err(|e| shape(&path, e))?;
-        for device in &mut devices {
-            device
-                .attachments
-                .retain(|a| envs.iter().any(|e| e.eid == a.eid));
+        match self.open()? {
+            Some(dir) => load_devices(&dir, envs),
+            None => Ok(None),
         }
-        Ok(Some(devices))
     }
 
     /// Removes `eid`'s attachment to device `index`, as `genv.core.devices.detach` does:
     /// load (with cleanup), change, and rewrite in place, 2-space JSON, mode 0666.
-    /// The caller holds the global lock. A file that does not parse is never rewritten.
+    /// The caller holds the global lock. A file that does not parse is never rewritten,
+    /// nor one that is not a plain single-link regular file (see `safe_open`).
     pub fn detach(&self, eid: &str, index: u32) -> Result<(), StateError> {
-        let envs = self.load_envs()?;
-        let path = self.devices_path();
-        let Some(mut devices) = self.load_devices(&envs)? else {
+        let Some(dir) = self.open()? else {
+            return Ok(());
+        };
+        let envs = load_envs(&dir)?;
+        let path = dir.join(DEVICES_FILE);
+        let Some(mut devices) = load_devices(&dir, &envs)? else {
             return Ok(());
         };
         for device in devices.iter_mut().filter(|d| d.index == index) {
@@ -98,40 +99,97 @@ impl StateDir {
         }
         let text = super::json::to_python_json(&serde_json::json!({ "devices": devices }))
             .map_err(|e| StateError::new(&path, StateErrorKind::Write(io::Error::other(e))))?;
-        write_in_place(&path, text.as_bytes())
-            .map_err(|e| StateError::new(&path, StateErrorKind::Write(e)))
+        write_in_place(&dir, DEVICES_FILE, text.as_bytes())
     }
+}
+
+/// `envs.json`, cleaned as genv cleans it on load.
+fn load_envs(dir: &Dir) -> Result<Vec<Env>, StateError> {
+    let path = dir.join(ENVS_FILE);
+    let Some(document) = read_document(dir, ENVS_FILE)? else {
+        return Ok(Vec::new());
+    };
+    let mut envs = model::parse_envs(&document).map_err(|e| shape(&path, e))?;
+    model::check_unique(envs.iter().map(|e| e.eid.clone()), "envs").map_err(|e| shape(&path, e))?;
+    for env in &mut envs {
+        env.pids.retain(|pid| procfs::pid_exists(*pid));
+    }
+    envs.retain(|env| !env.pids.is_empty() || !env.kernel_ids.is_empty());
+    Ok(envs)
+}
+
+/// `devices.json`, with attachments of inactive environments dropped.
+fn load_devices(dir: &Dir, envs: &[Env]) -> Result<Option<Vec<Device>>, StateError> {
+    let path = dir.join(DEVICES_FILE);
+    let Some(document) = read_document(dir, DEVICES_FILE)? else {
+        return Ok(None);
+    };
+    let mut devices = model::parse_devices(&document).map_err(|e| shape(&path, e))?;
+    model::check_unique(devices.iter().map(|d| d.index.to_string()), "devices")
+        .map_err(|e| shape(&path, e))?;
+    for device in &mut devices {
+        device
+            .attachments
+            .retain(|a| envs.iter().any(|e| e.eid == a.eid));
+    }
+    Ok(Some(devices))
 }
 
 fn shape(path: &Path, error: ShapeError) -> StateError {
     StateError::new(path, StateErrorKind::Shape(error))
 }
 
-/// Reads and parses a state file; `None` if it does not exist.
-fn read_document(path: &Path) -> Result<Option<Value>, StateError> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(StateError::new(path, StateErrorKind::Read(e))),
+/// Whether a failed open was for reading or for rewriting: the error says which.
+#[derive(Clone, Copy)]
+enum Purpose {
+    Read,
+    Write,
+}
+
+/// A failed safe open as a state error, keeping the refusal's reason or the I/O error.
+fn opening(path: &Path, error: OpenError, purpose: Purpose) -> StateError {
+    let kind = match (error, purpose) {
+        (OpenError::Refused(refusal), Purpose::Read) => StateErrorKind::ReadRefused(refusal),
+        (OpenError::Refused(refusal), Purpose::Write) => StateErrorKind::WriteRefused(refusal),
+        (OpenError::Io(error), Purpose::Read) => StateErrorKind::Read(error),
+        (OpenError::Io(error), Purpose::Write) => StateErrorKind::Write(error),
     };
+    StateError::new(path, kind)
+}
+
+/// Reads and parses a state file; `None` if it does not exist. Only a regular file is
+/// read, never through a link, and never more than [`MAX_STATE_FILE`] bytes.
+fn read_document(dir: &Dir, name: &str) -> Result<Option<Value>, StateError> {
+    let path = dir.join(name);
+    let failed = |e| opening(&path, e, Purpose::Read);
+    let Some(file) = dir.open_read(name).map_err(failed)? else {
+        return Ok(None);
+    };
+    let bytes = safe_open::read_capped(&file, MAX_STATE_FILE).map_err(failed)?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        let error = io::Error::new(io::ErrorKind::InvalidData, e);
+        StateError::new(&path, StateErrorKind::Read(error))
+    })?;
     if text.trim().is_empty() {
-        return Err(StateError::new(path, StateErrorKind::Empty));
+        return Err(StateError::new(&path, StateErrorKind::Empty));
     }
     serde_json::from_str(&text)
         .map(Some)
-        .map_err(|e| StateError::new(path, StateErrorKind::Syntax(e)))
+        .map_err(|e| StateError::new(&path, StateErrorKind::Syntax(e)))
 }
 
 /// genv truncates and rewrites its files in place (`open(path, "w")`, mode 0666 under
 /// umask 0); doing the same keeps the inode, owner and mode that genv users rely on.
-fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o666)
-        .open(path)?;
-    make_shared(&file, 0o666)?;
-    file.write_all(bytes)?;
-    file.flush()
+/// The truncation comes only after the open file has been checked (regular, one link),
+/// so it can only ever empty the state file itself.
+fn write_in_place(dir: &Dir, name: &str, bytes: &[u8]) -> Result<(), StateError> {
+    let path = dir.join(name);
+    let mut file = dir
+        .open_for_rewrite(name)
+        .map_err(|e| opening(&path, e, Purpose::Write))?;
+    let written = file
+        .set_len(0)
+        .and_then(|()| file.write_all(bytes))
+        .and_then(|()| file.flush());
+    written.map_err(|e| StateError::new(&path, StateErrorKind::Write(e)))
 }

@@ -9,15 +9,20 @@ mod json;
 mod lock;
 pub mod memory;
 pub mod model;
+mod safe_open;
+
+#[cfg(test)]
+mod hostile_tests;
 
 use std::io;
 use std::path::{Path, PathBuf};
 
-pub use dir::{DEFAULT_DIR, StateDir};
+pub use dir::{DEFAULT_DIR, MAX_STATE_FILE, StateDir};
 pub use json::to_python_json;
-pub use lock::GlobalLock;
+pub use lock::{GlobalLock, LockError, LockErrorKind};
 pub use memory::MemorySpec;
 pub use model::{Attachment, Device, Env, EnvConfig};
+pub use safe_open::{FileKind, Refusal};
 
 #[derive(Debug, thiserror::Error)]
 #[error("{}: {kind}", path.display())]
@@ -31,6 +36,11 @@ pub enum StateErrorKind {
     /// The file exists but could not be read (permissions, I/O).
     #[error("cannot read: {0}")]
     Read(#[source] io::Error),
+    /// Not something genv would have put there (a symbolic link, a FIFO or other
+    /// non-regular file, a file over the size cap), so not read: never followed, waited
+    /// on or partly parsed, since the directory is writable by every user.
+    #[error("cannot read: {0}")]
+    ReadRefused(Refusal),
     /// The file is empty (genv never writes an empty state file).
     #[error("file is empty")]
     Empty,
@@ -43,6 +53,9 @@ pub enum StateErrorKind {
     /// Writing the file back failed.
     #[error("cannot write: {0}")]
     Write(#[source] io::Error),
+    /// Not rewritten: it is not (or no longer) a single-link regular file.
+    #[error("cannot write: {0}")]
+    WriteRefused(Refusal),
 }
 
 impl StateError {

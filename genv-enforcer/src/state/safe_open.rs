@@ -1,0 +1,311 @@
+//! Opening names in a directory that every user can write.
+//!
+//! genv makes `$GENV_TMPDIR` 0777 without the sticky bit, and genv users rely on that, so
+//! any user can put anything under any name there at any moment: a symbolic link to
+//! `/etc/ld.so.preload`, a FIFO that blocks its reader forever, a hard link to another
+//! file, a file of many gigabytes. A root process that opens, truncates or chmods those
+//! names by path does it to whatever they point at.
+//!
+//! So the directory is opened once per operation (never through a final symlink), each
+//! file is opened relative to that descriptor with `O_NOFOLLOW` and `O_NONBLOCK`, and
+//! what was opened is checked through the descriptor (`fstat`), never by name again.
+//! Nothing is ever opened with `O_TRUNC`, and a mode is only set on a file this very
+//! call created (`O_CREAT|O_EXCL`). The directory's parents are the administrator's
+//! (`/var/tmp` is root's and sticky); only the last component is another user's to
+//! replace.
+
+use std::fmt;
+use std::fs::{DirBuilder, File};
+use std::io::{self, Read};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, Stat};
+use rustix::io::Errno;
+
+/// genv's modes (it runs under umask 0): every user's genv must be able to take the
+/// lock and rewrite the state files, whoever created them.
+const SHARED_DIR_MODE: u32 = 0o777;
+const SHARED_FILE_MODE: u32 = 0o666;
+
+/// How often to retry when a name disappears between `O_CREAT|O_EXCL` and a plain open
+/// (someone deleting it in a loop); more means someone is playing games.
+const OPEN_ATTEMPTS: usize = 3;
+
+/// What kind of thing a refused name turned out to be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileKind(pub(super) FileType);
+
+impl FileKind {
+    pub fn file_type(self) -> FileType {
+        self.0
+    }
+}
+
+impl fmt::Display for FileKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.0 {
+            FileType::RegularFile => "a regular file",
+            FileType::Directory => "a directory",
+            FileType::Symlink => "a symbolic link",
+            FileType::Fifo => "a FIFO",
+            FileType::Socket => "a socket",
+            FileType::CharacterDevice => "a character device",
+            FileType::BlockDevice => "a block device",
+            FileType::Unknown => "a file of unknown type",
+        })
+    }
+}
+
+/// Why a name in the state directory was not used. Each is something genv itself never
+/// makes there, so it is refused rather than worked around.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("is a symbolic link; state files are never followed through links")]
+    Symlink,
+    #[error("is {0}, not a regular file")]
+    NotRegular(FileKind),
+    #[error("is {0}, not a directory")]
+    NotDirectory(FileKind),
+    #[error("has {0} hard links; refusing to rewrite a file that is also another name")]
+    HardLinked(u64),
+    #[error("is larger than {cap} bytes, the most a state file is read up to")]
+    TooLarge { cap: u64 },
+}
+
+/// A refusal, or the system saying no.
+#[derive(Debug)]
+pub(super) enum OpenError {
+    Refused(Refusal),
+    Io(io::Error),
+}
+
+impl From<Refusal> for OpenError {
+    fn from(refusal: Refusal) -> Self {
+        Self::Refused(refusal)
+    }
+}
+
+impl From<Errno> for OpenError {
+    fn from(errno: Errno) -> Self {
+        Self::Io(errno.into())
+    }
+}
+
+impl From<io::Error> for OpenError {
+    fn from(error: io::Error) -> Self {
+        Self::Io(error)
+    }
+}
+
+/// How a state file is opened for use.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Access {
+    /// The lock: `flock` works on any open mode, and genv opens it read-write.
+    ReadWrite,
+    /// A state file about to be rewritten.
+    WriteOnly,
+}
+
+impl Access {
+    fn flags(self) -> OFlags {
+        match self {
+            Access::ReadWrite => OFlags::RDWR,
+            Access::WriteOnly => OFlags::WRONLY,
+        }
+    }
+}
+
+/// Every open here: no controlling terminal, not inherited by what we exec.
+fn base_flags() -> OFlags {
+    OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY
+}
+
+/// The state directory, opened once for one operation.
+#[derive(Debug)]
+pub(super) struct Dir {
+    fd: OwnedFd,
+    path: PathBuf,
+}
+
+impl Dir {
+    /// Opens an existing state directory; `None` if it does not exist (no state yet).
+    pub fn open(path: &Path) -> Result<Option<Self>, OpenError> {
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | base_flags();
+        match rfs::open(path, flags, Mode::empty()) {
+            Ok(fd) => Ok(Some(Self {
+                fd,
+                path: path.to_owned(),
+            })),
+            Err(Errno::NOENT) => Ok(None),
+            // A final symlink fails with ELOOP, or with ENOTDIR under O_DIRECTORY.
+            Err(errno @ (Errno::LOOP | Errno::NOTDIR)) => {
+                Err(describe_dir(path).unwrap_or(OpenError::from(errno)))
+            }
+            Err(errno) => Err(errno.into()),
+        }
+    }
+
+    /// Opens the state directory, creating it first as genv does when it is missing:
+    /// parents as needed, the directory itself mode 0777 whatever our umask. (`mkdir`
+    /// never follows a final symlink, so a planted link fails the open below.)
+    pub fn create(path: &Path) -> Result<Self, OpenError> {
+        if let Some(dir) = Self::open(path)? {
+            return Ok(dir);
+        }
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            DirBuilder::new()
+                .recursive(true)
+                .mode(SHARED_DIR_MODE)
+                .create(parent)?;
+        }
+        let created = match rfs::mkdir(path, Mode::from_raw_mode(SHARED_DIR_MODE)) {
+            Ok(()) => true,
+            Err(Errno::EXIST) => false,
+            Err(errno) => return Err(errno.into()),
+        };
+        let dir = Self::open(path)?.ok_or_else(|| OpenError::from(Errno::NOENT))?;
+        if created {
+            dir.share_if_ours(SHARED_DIR_MODE)?;
+        }
+        Ok(dir)
+    }
+
+    /// The path of `name` inside this directory, for messages.
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.path.join(name)
+    }
+
+    /// Compensates our umask on a directory we just made. Should another user have
+    /// swapped it for their own in between (only possible where they can write the
+    /// parent), theirs is left as it is.
+    fn share_if_ours(&self, mode: u32) -> Result<(), OpenError> {
+        if rfs::fstat(&self.fd)?.st_uid == rustix::process::geteuid().as_raw() {
+            rfs::fchmod(&self.fd, Mode::from_raw_mode(mode))?;
+        }
+        Ok(())
+    }
+
+    /// Opens `name` for reading: a regular file reached without following a link.
+    /// `None` if it does not exist. `O_NONBLOCK` makes a FIFO open return at once, to
+    /// be refused by the type check instead of waiting for a writer.
+    pub fn open_read(&self, name: &str) -> Result<Option<File>, OpenError> {
+        let flags = OFlags::RDONLY | OFlags::NONBLOCK | base_flags();
+        match rfs::openat(&self.fd, name, flags, Mode::empty()) {
+            Ok(fd) => {
+                regular(&fd)?;
+                Ok(Some(fd.into()))
+            }
+            Err(Errno::NOENT) => Ok(None),
+            Err(errno) => Err(self.describe(name, errno)),
+        }
+    }
+
+    /// Opens `name`, creating it with genv's mode 0666 if it does not exist. Returns the
+    /// file and whether this call created it. Creation is `O_CREAT|O_EXCL` (which never
+    /// follows a link), and only a file created here gets its mode set; an existing one
+    /// is opened without `O_CREAT` and must be a regular file. Never truncates.
+    pub fn open_or_create(&self, name: &str, access: Access) -> Result<(File, bool), OpenError> {
+        for _ in 0..OPEN_ATTEMPTS {
+            if let Some(file) = self.create_new(name, access)? {
+                return Ok((file, true));
+            }
+            let flags = access.flags() | OFlags::NONBLOCK | base_flags();
+            match rfs::openat(&self.fd, name, flags, Mode::empty()) {
+                Ok(fd) => {
+                    regular(&fd)?;
+                    return Ok((fd.into(), false));
+                }
+                // Deleted between the two opens: try creating it again.
+                Err(Errno::NOENT) => continue,
+                Err(errno) => return Err(self.describe(name, errno)),
+            }
+        }
+        Err(OpenError::Io(io::Error::other(format!(
+            "{name} kept disappearing while being opened"
+        ))))
+    }
+
+    /// Opens `name` to be rewritten in place: like [`Dir::open_or_create`], and an
+    /// existing file must have exactly one link. genv's files always have one; a second
+    /// name means the inode is also some other file, which a rewrite would clobber.
+    pub fn open_for_rewrite(&self, name: &str) -> Result<File, OpenError> {
+        let (file, created) = self.open_or_create(name, Access::WriteOnly)?;
+        if !created {
+            // `st_nlink` is u64 on x86_64, narrower on some other architectures.
+            #[allow(clippy::useless_conversion)]
+            let links = u64::from(rfs::fstat(&file)?.st_nlink);
+            if links != 1 {
+                return Err(Refusal::HardLinked(links).into());
+            }
+        }
+        Ok(file)
+    }
+
+    /// `O_CREAT|O_EXCL`: `None` if the name exists (whatever it is, links included).
+    fn create_new(&self, name: &str, access: Access) -> Result<Option<File>, OpenError> {
+        let flags = access.flags() | OFlags::CREATE | OFlags::EXCL | base_flags();
+        match rfs::openat(&self.fd, name, flags, Mode::from_raw_mode(SHARED_FILE_MODE)) {
+            Ok(fd) => {
+                // Ours since a moment ago: give it genv's mode despite our umask.
+                rfs::fchmod(&fd, Mode::from_raw_mode(SHARED_FILE_MODE))?;
+                Ok(Some(fd.into()))
+            }
+            Err(Errno::EXIST) => Ok(None),
+            Err(errno) => Err(self.describe(name, errno)),
+        }
+    }
+
+    /// Turns a failed open into a clear refusal where the name is something genv never
+    /// makes (a link: ELOOP; a FIFO without a reader: ENXIO; ...), else the error.
+    fn describe(&self, name: &str, errno: Errno) -> OpenError {
+        match rfs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(stat) => match kind(&stat) {
+                FileType::RegularFile => errno.into(),
+                FileType::Symlink => Refusal::Symlink.into(),
+                other => Refusal::NotRegular(FileKind(other)).into(),
+            },
+            Err(_) => errno.into(),
+        }
+    }
+}
+
+/// What a path that could not be opened as a directory is, if that explains it.
+fn describe_dir(path: &Path) -> Option<OpenError> {
+    let stat = rfs::lstat(path).ok()?;
+    Some(match kind(&stat) {
+        FileType::Symlink => Refusal::Symlink.into(),
+        FileType::Directory => return None,
+        other => Refusal::NotDirectory(FileKind(other)).into(),
+    })
+}
+
+fn kind(stat: &Stat) -> FileType {
+    FileType::from_raw_mode(stat.st_mode)
+}
+
+/// Checks, on the descriptor itself, that what was opened is a regular file.
+fn regular(fd: &OwnedFd) -> Result<Stat, OpenError> {
+    let stat = rfs::fstat(fd)?;
+    match kind(&stat) {
+        FileType::RegularFile => Ok(stat),
+        other => Err(Refusal::NotRegular(FileKind(other)).into()),
+    }
+}
+
+/// Reads a whole file of at most `cap` bytes. A larger one is refused outright, never
+/// parsed in part: checked by size first, then by reading one byte past the cap, since
+/// another user can append while we read.
+pub(super) fn read_capped(file: &File, cap: u64) -> Result<Vec<u8>, OpenError> {
+    let size = u64::try_from(rfs::fstat(file)?.st_size).unwrap_or(0);
+    if size > cap {
+        return Err(Refusal::TooLarge { cap }.into());
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+    file.take(cap + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > cap {
+        return Err(Refusal::TooLarge { cap }.into());
+    }
+    Ok(bytes)
+}
