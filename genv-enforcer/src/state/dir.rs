@@ -3,6 +3,7 @@
 
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -51,8 +52,19 @@ impl StateDir {
         self.root.join(DEVICES_FILE)
     }
 
+    /// genv's global lock, waiting as long as it takes ([`GlobalLock::acquire`]).
     pub fn lock(&self) -> Result<GlobalLock, LockError> {
         GlobalLock::acquire(&self.root)
+    }
+
+    /// genv's global lock if it is free now ([`GlobalLock::try_acquire`]).
+    pub fn try_lock(&self) -> Result<Option<GlobalLock>, LockError> {
+        GlobalLock::try_acquire(&self.root)
+    }
+
+    /// genv's global lock, waiting at most `timeout` ([`GlobalLock::acquire_within`]).
+    pub fn lock_within(&self, timeout: Duration) -> Result<GlobalLock, LockError> {
+        GlobalLock::acquire_within(&self.root, timeout)
     }
 
     /// Opens the directory for one operation; `None` if it does not exist yet, which
