@@ -1,0 +1,118 @@
+//! genv's state directory is 0777 without the sticky bit, so any user can replace the
+//! names in it. The root enforcer must never write, truncate or chmod what a planted
+//! symbolic link points at, and must say which file it refused.
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use genv_enforcer_tests::{Node, device_record, env_record};
+use serde_json::json;
+
+/// The unprivileged user who plants the links.
+const NOBODY: u32 = 65534;
+
+/// genv's modes: the directory writable by every user, as genv creates it.
+fn share(node: &Node) {
+    std::fs::set_permissions(&node.state, std::fs::Permissions::from_mode(0o777)).unwrap();
+}
+
+/// A root-owned file in a root-only directory: what a hostile link would aim at
+/// (`/etc/ld.so.preload`, `/etc/shadow`, ...).
+fn root_only_file(node: &Node, text: &str) -> PathBuf {
+    let dir = node.dir.join("root-only");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let file = dir.join("precious");
+    std::fs::write(&file, text).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    file
+}
+
+/// Content, permission bits and owner.
+fn snapshot(path: &Path) -> (String, u32, u32) {
+    let meta = std::fs::metadata(path).unwrap();
+    (
+        std::fs::read_to_string(path).unwrap(),
+        meta.mode() & 0o7777,
+        meta.uid(),
+    )
+}
+
+/// `ln -sfn TARGET STATE/NAME`, run as nobody: needs nothing but the directory's 0777.
+fn plant_link_as_nobody(node: &Node, name: &str, target: &Path) {
+    let mut command = Command::new("ln");
+    std::os::unix::process::CommandExt::uid(&mut command, NOBODY);
+    let status = command
+        .arg("-sfn")
+        .arg(target)
+        .arg(node.state.join(name))
+        .status()
+        .unwrap();
+    assert!(status.success(), "nobody could not plant {name}");
+    let meta = std::fs::symlink_metadata(node.state.join(name)).unwrap();
+    assert!(meta.file_type().is_symlink() && meta.uid() == NOBODY);
+}
+
+#[test]
+fn a_genv_lock_symlinked_by_another_user_is_refused_and_its_target_untouched() {
+    let mut node = Node::new(1);
+    share(&node);
+    node.write_state(json!([]), json!([device_record(0, &[])]));
+    let rogue = node.spawn(None, &[(0, 100)]);
+    let target = root_only_file(&node, "/usr/lib/root-only.so\n");
+    let before = snapshot(&target);
+    plant_link_as_nobody(&node, "genv.lock", &target);
+
+    let run = node.enforce_once(&["--non-env-processes"]);
+
+    assert_eq!(snapshot(&target), before, "the link's target was changed");
+    let lock = node.state.join("genv.lock");
+    assert!(
+        run.stderr
+            .contains(&format!("{}: is a symbolic link", lock.display())),
+        "the error must name genv.lock and say why: {}",
+        run.stderr
+    );
+    assert!(
+        run.stdout.is_empty(),
+        "nothing may be enforced: {:?}",
+        run.stdout
+    );
+    assert!(node.alive(rogue));
+}
+
+#[test]
+fn a_devices_json_symlinked_by_another_user_is_never_rewritten() {
+    let mut node = Node::new(2);
+    share(&node);
+    let shell = node.shell();
+    // Over the limit: a detach is due, and would rewrite devices.json.
+    node.write_state(
+        json!([env_record("env-a", 0, "root", None, shell)]),
+        json!([device_record(0, &["env-a"]), device_record(1, &["env-a"])]),
+    );
+    let devices = node.read_file("devices.json");
+    let target = root_only_file(&node, &devices);
+    let before = snapshot(&target);
+    std::fs::remove_file(node.state.join("devices.json")).unwrap();
+    plant_link_as_nobody(&node, "devices.json", &target);
+
+    let run = node.enforce_once(&["--max-devices-per-user", "1"]);
+
+    assert_eq!(snapshot(&target), before, "the link's target was rewritten");
+    let path = node.state.join("devices.json");
+    assert!(
+        run.stderr.contains(&format!(
+            "{}: cannot read: is a symbolic link",
+            path.display()
+        )),
+        "the error must name devices.json and say why: {}",
+        run.stderr
+    );
+    assert!(
+        !run.stdout.iter().any(|l| l.starts_with("Detaching")),
+        "{:?}",
+        run.stdout
+    );
+}
