@@ -116,3 +116,49 @@ fn a_devices_json_symlinked_by_another_user_is_never_rewritten() {
         run.stdout
     );
 }
+
+/// The sticky bit (1777) would stop users replacing each other's files, and genv 1.4.3
+/// keeps working with it where `fs.protected_regular` is 0. Where it is 1 or 2 (Debian's
+/// and most systemd distributions' default), the kernel refuses `O_CREAT` on another
+/// user's file in a sticky world-writable directory, even to root, and genv opens every
+/// state file with `O_CREAT`: a second user's genv, and root's `genv enforce`, fail with
+/// EACCES on genv.lock. The enforcer never opens an existing file with `O_CREAT`, so it
+/// works in such a directory with every file another user's; this pins that down.
+#[test]
+fn works_in_a_sticky_state_directory_with_another_users_files() {
+    let mut node = Node::new(2);
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("env-a", NOBODY, "nobody", None, shell)]),
+        json!([device_record(0, &["env-a"]), device_record(1, &["env-a"])]),
+    );
+    std::fs::write(node.state.join("genv.lock"), "").unwrap();
+    for name in ["envs.json", "devices.json", "genv.lock"] {
+        let path = node.state.join(name);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        std::os::unix::fs::chown(&path, Some(NOBODY), Some(NOBODY)).unwrap();
+    }
+    std::fs::set_permissions(&node.state, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let devices = node.state.join("devices.json");
+    let inode = std::fs::metadata(&devices).unwrap().ino();
+    let lock_before = snapshot(&node.state.join("genv.lock"));
+
+    let run = node.enforce_once(&["--max-devices-per-user", "1"]);
+
+    assert!(run.success, "{}", run.stderr);
+    assert_eq!(
+        run.stdout.last().map(String::as_str),
+        Some("Detaching environment env-a of user nobody from device 0"),
+        "{:?} {}",
+        run.stdout,
+        run.stderr
+    );
+    assert_eq!(node.attached("env-a"), [1]);
+    let meta = std::fs::metadata(&devices).unwrap();
+    assert_eq!(
+        (meta.ino(), meta.uid(), meta.mode() & 0o7777),
+        (inode, NOBODY, 0o666),
+        "devices.json is rewritten in place, keeping its owner and mode"
+    );
+    assert_eq!(snapshot(&node.state.join("genv.lock")), lock_before);
+}
