@@ -295,3 +295,80 @@ fn node_shell(node: &Node) -> u32 {
     let envs: serde_json::Value = serde_json::from_str(&node.read_file("envs.json")).unwrap();
     envs["envs"][0]["pids"][0].as_u64().unwrap() as u32
 }
+
+/// Anyone can write `envs.json`. One that stops parsing after a good one must not
+/// switch the rules off for processes that claim an environment: the daemon keeps
+/// enforcing from the last good parse, says so, and leaves the file as it is.
+#[test]
+fn a_malformed_envs_json_after_a_good_one_leaves_the_last_good_in_force() {
+    let mut node = Node::new(2);
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("env-a", 0, "root", None, shell)]),
+        json!([device_record(0, &["env-a"]), device_record(1, &[])]),
+    );
+    let member = node.spawn(Some("env-a"), &[(0, 100)]);
+    // Marker: a cycle that read the good file terminates this one.
+    let canary = node.spawn(Some("env-a"), &[(1, 100)]);
+    let mut daemon = Daemon::start(&node, &["--interval", "0.2"]);
+    daemon.expect_line(
+        &format!("Process {canary} from environment env-a is using non-attached GPU(s) 1"),
+        Duration::from_secs(20),
+    );
+    let forged = "{\"envs\": [{\"eid\": \"env-a\", \"uid\": 0, \"creation\": 0, \"pids\": [1]}]}";
+    node.write_file("envs.json", forged);
+    let stray = node.spawn(Some("env-a"), &[(1, 100)]);
+    daemon.expect_line(
+        &format!("Process {stray} from environment env-a is using non-attached GPU(s) 1"),
+        Duration::from_secs(20),
+    );
+    // Said at every cycle while the file stays malformed.
+    daemon.expect_line(
+        "enforcing from its last good contents",
+        Duration::from_secs(20),
+    );
+    assert!(node.alive(member), "a process on its attached GPU stays");
+    assert_eq!(node.read_file("envs.json"), forged, "never rewritten");
+    daemon.stop(Duration::from_secs(30));
+}
+
+/// One device map: a node mapped with `--gpu-node` is a GPU for the `/proc` scan that
+/// stands in for a missing NVML, as it is for the kernel programs.
+#[test]
+fn without_nvml_a_node_mapped_with_gpu_node_is_a_gpu() {
+    let mut node = Node::new(1);
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("env-a", 0, "root", None, shell)]),
+        json!([device_record(0, &["env-a"])]),
+    );
+    // /dev/full's number, in a private node: nothing says it is a GPU but the flag.
+    let gpu = node.dir.join("stand-in");
+    let status = std::process::Command::new("mknod")
+        .arg(&gpu)
+        .args(["c", "1", "7"])
+        .status()
+        .unwrap();
+    assert!(status.success(), "mknod needs root");
+    let gpu = gpu.to_str().unwrap();
+    let rogue = node.spawn_with(None, &[], &["--hold", gpu], None);
+    let member = node.spawn_with(Some("env-a"), &[], &["--hold", gpu], None);
+    let run = node
+        .enforcer()
+        .env("GENV_ENFORCER_NVML_LIB", "/nonexistent/libnvidia-ml.so")
+        .args(["enforce", "--interval", "0", "--non-env-processes"])
+        .args(["--gpu-node", "1:7=0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stderr}");
+    assert!(
+        stdout.contains(&format!(
+            "Terminating process {rogue} from environment N/A that is running on GPU(s) 0"
+        )),
+        "{stdout}\n{stderr}"
+    );
+    assert!(node.wait_exit(rogue, Duration::from_secs(10)).is_some());
+    assert!(node.alive(member), "on its attached GPU");
+}

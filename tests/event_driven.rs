@@ -188,7 +188,7 @@ fn an_environment_over_its_memory_is_brought_under_it_by_the_memory_poll() {
 #[test]
 fn opens_are_seen_whatever_the_way_in() {
     let (mut node, gpu) = node();
-    let ways = ways_in(&node.dir.clone(), &gpu);
+    let ways = ways_in(&node.dir.clone(), &gpu, None);
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
     };

@@ -20,6 +20,9 @@ use serde_json::json;
 const DEATH: Duration = Duration::from_secs(30);
 const ALICE: u32 = 64_101;
 const BOB: u32 = 64_102;
+/// A user with no environment. (Root outside environments is let through unless
+/// --deny-root: see `root_is_left_to_the_userspace_rules_unless_deny_root`.)
+const OUTSIDER: u32 = 64_103;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -129,7 +132,7 @@ fn a_process_outside_any_environment_never_gets_the_gpu() {
     let Some(daemon) = deny(&node, &[]) else {
         return;
     };
-    let (rogue, lines) = attempt(&mut node, None, None, &["--open", path(&gpu)]);
+    let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &["--open", path(&gpu)]);
     assert_prevented(&mut node, &daemon, rogue, &lines, "no environment");
     let counter = if daemon.tier == "lsm" {
         "refused_in_kernel"
@@ -164,7 +167,7 @@ fn a_child_forked_without_exec_has_its_parents_identity() {
         return;
     };
     let args = ["--fork", "--open", path(&gpu)];
-    let (parent, lines) = attempt(&mut node, None, None, &args);
+    let (parent, lines) = attempt(&mut node, None, Some(OUTSIDER), &args);
     if daemon.tier == "lsm" {
         assert!(
             lines.iter().any(|l| l.starts_with("returned EPERM")),
@@ -216,13 +219,13 @@ fn an_exec_with_a_changed_environment_is_read_again() {
 fn every_way_to_the_node_is_prevented() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
-    let ways = ways_in(&node.dir.clone(), &gpu);
+    let ways = ways_in(&node.dir.clone(), &gpu, Some(OUTSIDER));
     let Some(daemon) = deny(&node, &[]) else {
         return;
     };
     for (way, args) in ways {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let (rogue, lines) = attempt(&mut node, None, None, &args);
+        let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &args);
         assert_prevented(&mut node, &daemon, rogue, &lines, way);
     }
 }
@@ -240,7 +243,12 @@ fn an_open_through_io_uring_is_prevented() {
         eprintln!("not applicable on the tracepoint tier: io_uring opens make no syscall");
         return;
     }
-    let (rogue, lines) = attempt(&mut node, None, None, &["--open-uring", path(&gpu)]);
+    let (rogue, lines) = attempt(
+        &mut node,
+        None,
+        Some(OUTSIDER),
+        &["--open-uring", path(&gpu)],
+    );
     if daemon.tier == "lsm" {
         assert!(
             lines
@@ -309,6 +317,7 @@ fn allow_listed_executables_open_gpus_outside_environments() {
         return;
     };
     let mut command = std::process::Command::new(&tool);
+    std::os::unix::process::CommandExt::uid(&mut command, OUTSIDER);
     command
         .args(["--wait-stdin", "--open", path(&gpu)])
         .stdin(std::process::Stdio::piped())
@@ -326,7 +335,7 @@ fn allow_listed_executables_open_gpus_outside_environments() {
     assert_untouched(&mut node, monitor, &lines, 1, "the allow-listed tool");
     daemon.expect("allow-listed executable");
     // The same program from another file is not allowed.
-    let (rogue, lines) = attempt(&mut node, None, None, &["--open", path(&gpu)]);
+    let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &["--open", path(&gpu)]);
     assert_prevented(&mut node, &daemon, rogue, &lines, "the helper itself");
 }
 
@@ -366,7 +375,7 @@ fn pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() {
 
     // No daemon: the kernel still decides, from the environments last mirrored.
     let open = ["--open", path(&gpu)];
-    let (rogue, lines) = attempt(&mut node, None, None, &open);
+    let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &open);
     if tier == "lsm" {
         assert!(
             lines.iter().any(|l| l.starts_with("returned EPERM")),
@@ -411,7 +420,7 @@ fn pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() {
     );
     assert!(!pins.0.exists());
     // Nothing decides any more: the open returns (ENXIO in the VM, where no driver is).
-    let (rogue, lines) = attempt(&mut node, None, None, &open);
+    let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &open);
     assert_untouched(&mut node, rogue, &lines, 1, "after unpin");
 }
 
@@ -422,7 +431,9 @@ fn ten_thousand_attempts_from_outside_never_get_the_gpu() {
     let Some(daemon) = deny(&node, &[]) else {
         return;
     };
-    let output = std::process::Command::new(genv_enforcer_tests::artefact("gpu-process"))
+    let mut command = std::process::Command::new(genv_enforcer_tests::artefact("gpu-process"));
+    std::os::unix::process::CommandExt::uid(&mut command, OUTSIDER);
+    let output = command
         .args(["--attempts", "10000", path(&gpu)])
         .env_remove("GENV_ENVIRONMENT_ID")
         .output()
@@ -514,7 +525,7 @@ fn a_malformed_state_file_never_turns_environments_into_outsiders() {
     };
     let good = node.read_file("envs.json");
     node.write_file("envs.json", "{\"envs\": [ truncated");
-    daemon.expect("The kernel keeps its previous list of environments");
+    daemon.expect("enforcing from its last good contents");
     let open = ["--open", path(&gpu)];
     let (worker, lines) = attempt(&mut node, Some("alice-env"), Some(ALICE), &open);
     assert_untouched(
@@ -524,7 +535,7 @@ fn a_malformed_state_file_never_turns_environments_into_outsiders() {
         1,
         "alice-env with envs.json malformed",
     );
-    let (rogue, lines) = attempt(&mut node, None, None, &open);
+    let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &open);
     assert_prevented(
         &mut node,
         &daemon,
@@ -535,4 +546,158 @@ fn a_malformed_state_file_never_turns_environments_into_outsiders() {
     // The file is left as it was found: the daemon never rewrites what it cannot read.
     assert_eq!(node.read_file("envs.json"), "{\"envs\": [ truncated");
     node.write_file("envs.json", &good);
+}
+
+/// Root's processes outside environments are not refused or killed by default (the
+/// container runtime's hooks, MPS, persistenced, DCGM run as root); `--deny-root`
+/// opts in.
+#[test]
+fn root_is_left_to_the_userspace_rules_unless_deny_root() {
+    let _serial = serial();
+    let (mut node, [gpu, _]) = node();
+    let open = ["--open", path(&gpu)];
+    {
+        let Some(daemon) = deny(&node, &[]) else {
+            return;
+        };
+        let (root, lines) = attempt(&mut node, None, None, &open);
+        assert_untouched(&mut node, root, &lines, 1, "root, no --deny-root");
+        let seen = daemon.expect(&format!("[EVENT] Process {root} (thread {root}) "));
+        assert!(
+            seen.contains("root (not denied without --deny-root)"),
+            "{seen}"
+        );
+    }
+    let Some(daemon) = deny(&node, &["--deny-root"]) else {
+        return;
+    };
+    let (root, lines) = attempt(&mut node, None, None, &open);
+    assert_prevented(&mut node, &daemon, root, &lines, "root with --deny-root");
+}
+
+/// NVIDIA's tools are allowed where they are: on the daemon's PATH (here a root-owned
+/// directory), not only in /usr/bin. A copy in a directory anyone can write is not.
+#[test]
+fn tools_are_allowed_where_the_daemon_finds_them_and_only_there() {
+    let _serial = serial();
+    let (mut node, [gpu, _]) = node();
+    let trusted = node.dir.join("nvidia/bin");
+    let open_dir = node.dir.join("anyone/bin");
+    for (dir, mode) in [(&trusted, 0o755), (&open_dir, 0o777)] {
+        std::fs::create_dir_all(dir).unwrap();
+        set_mode(dir.parent().unwrap(), 0o755);
+        set_mode(dir, mode);
+        let tool = dir.join("nvidia-smi");
+        std::fs::copy(genv_enforcer_tests::artefact("gpu-process"), &tool).unwrap();
+        set_mode(&tool, 0o755);
+    }
+    let path_var = format!("{}:{}:/usr/bin:/bin", trusted.display(), open_dir.display());
+    node.enforcer_env.push(("PATH".into(), path_var));
+    let Some(daemon) = deny(&node, &[]) else {
+        return;
+    };
+    daemon.expect(&format!("{}/nvidia-smi (", trusted.display()));
+    daemon.expect(&format!(
+        "{}: the directory is owned by uid 0 with mode 777",
+        open_dir.display()
+    ));
+    let run = |node: &mut Node, tool: &Path| {
+        let mut command = std::process::Command::new(tool);
+        std::os::unix::process::CommandExt::uid(&mut command, OUTSIDER);
+        command
+            .args(["--wait-stdin", "--open", path(&gpu)])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .env_remove("GENV_ENVIRONMENT_ID");
+        let mut child = command.spawn().unwrap();
+        let mut ready = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+            &mut ready,
+        )
+        .unwrap();
+        let pid = node.adopt(child, &[]);
+        (pid, node.attempt(pid))
+    };
+    let (smi, lines) = run(&mut node, &trusted.join("nvidia-smi"));
+    assert_untouched(&mut node, smi, &lines, 1, "nvidia-smi on the daemon's PATH");
+    let (planted, lines) = run(&mut node, &open_dir.join("nvidia-smi"));
+    assert_prevented(
+        &mut node,
+        &daemon,
+        planted,
+        &lines,
+        "an nvidia-smi anyone could plant",
+    );
+}
+
+/// The daemon is exempt by its process id, not by its executable: a user running the
+/// enforcer's own binary (whose NVML opens the nodes, and which could load a library of
+/// the user's choosing) is denied like anyone else.
+#[test]
+fn the_enforcer_is_exempt_by_process_not_by_executable() {
+    let _serial = serial();
+    let (mut node, [gpu, _]) = node();
+    node.nvml_opens(&[&gpu]);
+    let Some(daemon) = deny(&node, &[]) else {
+        return;
+    };
+    // (The daemon's own NVML opens, with its programs deciding, are the upgrade test's.)
+    let mut command = node.enforcer();
+    std::os::unix::process::CommandExt::uid(&mut command, OUTSIDER);
+    let child = command
+        .args(["usage", "snapshot"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let user = node.adopt(child, &[]);
+    if daemon.tier == "lsm" {
+        daemon.expect(&format!("Refused process {user} of user "));
+    } else {
+        assert_eq!(node.wait_exit(user, DEATH), Some(libc::SIGKILL));
+        daemon.expect(&format!("Killed process {user} of user "));
+    }
+}
+
+/// An upgrade under `--keep-pinned`: the new binary (another file) starts while the old
+/// run's pinned programs decide, and its first NVML call opens the GPU nodes. It is
+/// exempt in their maps too, so it is neither killed nor refused, and takes over.
+#[test]
+fn an_upgraded_daemon_survives_its_predecessors_pinned_programs() {
+    let _serial = serial();
+    let (mut node, [gpu, _]) = node();
+    node.nvml_opens(&[&gpu]);
+    let pins = Pins(PathBuf::from(format!(
+        "/sys/fs/bpf/genv-enforcer-upgrade-{}",
+        std::process::id()
+    )));
+    let pin_dir = ["--keep-pinned", "--pin-dir", path(&pins.0)];
+    let Some(mut first) = deny(&node, &pin_dir) else {
+        return;
+    };
+    first.expect("pinned under");
+    assert!(first.daemon.stop(DEATH).unwrap().success());
+    let upgraded = node.dir.join("genv-enforcer-upgraded");
+    std::fs::copy(genv_enforcer_tests::artefact("genv-enforcer"), &upgraded).unwrap();
+    set_mode(&upgraded, 0o755);
+    node.enforcer_binary = Some(upgraded);
+    let Some(mut second) = deny(&node, &pin_dir) else {
+        return;
+    };
+    second.expect("Took over from an earlier run's pinned programs");
+    let own = second.daemon.pid();
+    assert!(
+        Path::new(&format!("/proc/{own}")).exists(),
+        "the upgraded daemon was killed"
+    );
+    assert!(
+        !second
+            .lines()
+            .iter()
+            .any(|l| l.contains(&format!("process {own} "))),
+        "{:#?}",
+        second.lines()
+    );
+    assert!(second.daemon.stop(DEATH).unwrap().success());
 }

@@ -210,3 +210,103 @@ fn daemon_acts_on_a_detach_at_the_next_cycle_and_stops_on_sigterm() {
     let status = daemon.stop(DEATH).expect("the daemon must stop on SIGTERM");
     assert!(status.success(), "{status:?}");
 }
+
+/// `envs.json` is world-writable: rewriting an environment's owner must not turn its
+/// owner's processes into outsiders (nor hand the environment to someone else). The
+/// first owner seen stands while the environment's shell lives.
+#[test]
+fn rewriting_an_environments_owner_in_envs_json_is_reported_and_ignored() {
+    const ALICE: u32 = 64_201;
+    const MALLORY: u32 = 64_202;
+    let mut node = Node::new(1);
+    let shell = node.shell();
+    let envs = |uid: u32| json!([env_record("alice-env", uid, "alice", None, shell)]);
+    node.write_state(envs(ALICE), json!([device_record(0, &["alice-env"])]));
+    let member = node.spawn_with(Some("alice-env"), &[(0, 100)], &[], Some(ALICE));
+    let first = node.spawn(None, &[(0, 100)]);
+    let mut daemon = Daemon::start(&node, &["--interval", "0.2", "--non-env-processes"]);
+    // Marker: a cycle that saw the member terminated an outsider.
+    daemon.expect_line(
+        &format!("Process {first} is not running in a GPU environment"),
+        Duration::from_secs(20),
+    );
+    node.write_state(envs(MALLORY), json!([device_record(0, &["alice-env"])]));
+    daemon.expect_line(
+        "belongs to uid 64202, but it was created by uid 64201: ignoring the change",
+        Duration::from_secs(20),
+    );
+    // Marker: a later cycle, which judged the member again, terminated another outsider.
+    let second = node.spawn(None, &[(0, 100)]);
+    let seen = daemon.expect_line(
+        &format!("Process {second} is not running in a GPU environment"),
+        Duration::from_secs(20),
+    );
+    assert!(
+        node.alive(member),
+        "alice's process was made an outsider: {seen:#?}"
+    );
+    daemon.stop(DEATH);
+}
+
+/// Anyone can hold genv's lock for ever. The daemon waits for it briefly, then enforces
+/// from the state read without it, and still answers SIGTERM at once.
+#[test]
+fn a_user_holding_genvs_lock_does_not_freeze_the_daemon() {
+    let mut node = Node::new(1);
+    node.write_state(json!([]), json!([device_record(0, &[])]));
+    let lock = node.state.join("genv.lock");
+    let holder = KillOnDrop(
+        // --no-fork: flock(1) execs sleep itself, so the guard's kill ends the holder
+        // (and the lock) outright; no output, so nothing outlives the test on its pipes.
+        std::process::Command::new("flock")
+            .arg("--no-fork")
+            .arg(&lock)
+            .args(["sleep", "600"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // Marker: the lock is taken (flock(1) holds it before it runs sleep).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains(&format!(" {} ", holder.0.id())))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "flock never took the lock"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let rogue = node.spawn(None, &[(0, 100)]);
+    let mut daemon = Daemon::start(&node, &["--interval", "0.2", "--non-env-processes"]);
+    let seen = daemon.expect_line(
+        &format!("Process {rogue} is not running in a GPU environment"),
+        Duration::from_secs(20),
+    );
+    assert_eq!(
+        node.wait_exit(rogue, DEATH),
+        Some(libc::SIGTERM),
+        "{seen:#?}"
+    );
+    let stopping = std::time::Instant::now();
+    let status = daemon.stop(DEATH).expect("the daemon must stop on SIGTERM");
+    assert!(status.success(), "{status:?}");
+    eprintln!(
+        "stopped {:?} after SIGTERM with genv.lock held",
+        stopping.elapsed()
+    );
+}
+
+/// A helper process killed (and reaped) however the test ends.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

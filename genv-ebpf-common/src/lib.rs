@@ -24,6 +24,9 @@ pub const PROC_ENV_MAP: &str = "PROC_ENV";
 pub const ENVS_MAP: &str = "ENVS";
 /// Executables allowed to open GPU nodes outside any environment ([`ExeKey`] → 1).
 pub const ALLOWED_EXES_MAP: &str = "ALLOWED_EXES";
+/// Processes (tgid) that may open GPU nodes outside any environment: the enforcers.
+pub const EXEMPT_PIDS_MAP: &str = "EXEMPT_PIDS";
+pub const MAX_EXEMPT_PIDS: u32 = 64;
 /// One `u32` of [`policy`] flags.
 pub const POLICY_MAP: &str = "POLICY";
 /// Per-CPU counts of in-kernel decisions, by [`decision`] slot: exact even when the
@@ -107,13 +110,19 @@ pub mod policy {
     /// `--deny`: a process outside any environment may not use a GPU node: refused
     /// (LSM) or killed in the syscall (fentry, tracepoint).
     pub const DENY: u32 = 1;
+    /// `--deny-root`: root's processes outside any environment are denied too. Off by
+    /// default: the container runtime's hooks, MPS, Xorg, persistenced and DCGM run as
+    /// root, and root can unload the programs anyway.
+    pub const DENY_ROOT: u32 = 2;
 }
 
 /// Slots of [`DECISIONS_MAP`].
 pub mod decision {
     pub const REFUSED: u32 = 0;
     pub const KILLED: u32 = 1;
-    pub const SLOTS: u32 = 2;
+    /// `bpf_send_signal` failed: the open returned to a process that should have died.
+    pub const KILL_FAILED: u32 = 2;
+    pub const SLOTS: u32 = 3;
 }
 
 /// What the kernel side decided about a GPU open ([`RawEvent::verdict`]).
@@ -132,6 +141,14 @@ pub mod verdict {
     /// Outside any environment: SIGKILL sent from the program, before the open
     /// returned (fentry and tracepoint tiers, `--deny`).
     pub const KILLED: u32 = 6;
+    /// Outside any environment, run by root: let through under `--deny` unless
+    /// `--deny-root`; root's compute processes are left to the userspace rules.
+    pub const ROOT: u32 = 7;
+    /// The enforcer itself (by process id, in `EXEMPT_PIDS`): NVML opens the nodes.
+    pub const EXEMPT: u32 = 8;
+    /// Outside any environment: the program's SIGKILL could not be sent, so the open
+    /// returned; the daemon must act.
+    pub const KILL_FAILED: u32 = 9;
 }
 
 /// An active environment, as the kernel side sees it.

@@ -7,8 +7,8 @@ use aya_ebpf::helpers::bpf_ktime_get_ns;
 use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, PerCpuArray, RingBuf};
 use genv_ebpf_common::{
-    EnvEntry, ExeKey, MAX_ALLOWED_EXES, MAX_ENV_ID, MAX_ENVS, MAX_GPU_NODES, MAX_PROCESSES,
-    Offsets, RawEvent, decision,
+    EnvEntry, ExeKey, MAX_ALLOWED_EXES, MAX_ENV_ID, MAX_ENVS, MAX_EXEMPT_PIDS, MAX_GPU_NODES,
+    MAX_PROCESSES, Offsets, RawEvent, decision,
 };
 
 /// Events to the daemon. The daemon may resize it at load time (a power of two pages).
@@ -34,6 +34,11 @@ pub static ENVS: HashMap<u64, EnvEntry> = HashMap::with_max_entries(MAX_ENVS, 0)
 /// Executables that may open GPU nodes outside any environment.
 #[map]
 pub static ALLOWED_EXES: HashMap<ExeKey, u8> = HashMap::with_max_entries(MAX_ALLOWED_EXES, 0);
+
+/// The enforcers' own processes (tgid), exempt by process id: an executable allowed by
+/// inode could be run by anyone, with `LD_PRELOAD` or a library of their own.
+#[map]
+pub static EXEMPT_PIDS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_EXEMPT_PIDS, 0);
 
 /// `genv_ebpf_common::policy` flags, written by the daemon once identities are seeded.
 #[map]

@@ -11,7 +11,8 @@ use genv_ebpf_common::{ExeKey, Offsets, RawEvent, decision, hook, kind, policy, 
 
 use crate::kernel::{current, read};
 use crate::maps::{
-    ALLOWED_EXES, ENVS, GPU_NODES, PROC_ENV, Wake, count_decision, emit, offsets, policy,
+    ALLOWED_EXES, ENVS, EXEMPT_PIDS, GPU_NODES, PROC_ENV, Wake, count_decision, emit, offsets,
+    policy,
 };
 
 const EPERM: i32 = 1;
@@ -45,9 +46,11 @@ fn gpu_of(file: *const u8, o: &Offsets) -> Option<(u32, u32)> {
 ///
 /// The decision is made here, in the kernel, from the maps alone: the process's
 /// identity (`PROC_ENV`), the environment it names (`ENVS`: active, and owned by the
-/// process's uid unless that is root), then the allow-list. With `--deny`, a process
-/// outside any environment is refused on the LSM tier (the caller returns -EPERM on
-/// `REFUSED`) and sent SIGKILL here on the others, so the open never returns to it.
+/// process's uid unless that is root), then the enforcer's own processes
+/// (`EXEMPT_PIDS`) and the allow-list. With `--deny`, a process outside any environment
+/// (root's only with `--deny-root`) is refused on the LSM tier (the caller returns
+/// -EPERM on `REFUSED`) and sent SIGKILL here on the others, so the open never returns
+/// to it.
 #[inline(always)]
 fn decide(file: *const u8, o: &Offsets, tier: u32) -> u32 {
     let Some((rdev, index)) = gpu_of(file, o) else {
@@ -58,11 +61,15 @@ fn decide(file: *const u8, o: &Offsets, tier: u32) -> u32 {
     }
     let (pid, tid) = current();
     let uid = bpf_get_current_uid_gid() as u32;
+    let flags = policy();
     let verdict = match environment_of(pid, uid) {
         Some(attached) if index < 64 && attached & (1 << index) != 0 => verdict::ATTACHED,
         Some(_) => verdict::NOT_ATTACHED,
+        // SAFETY: a plain lookup.
+        None if unsafe { EXEMPT_PIDS.get(&pid) }.is_some() => verdict::EXEMPT,
         None if exe_allowed(o) => verdict::ALLOWED_EXE,
-        None if policy() & policy::DENY == 0 => verdict::OUTSIDE,
+        None if flags & policy::DENY == 0 => verdict::OUTSIDE,
+        None if uid == 0 && flags & policy::DENY_ROOT == 0 => verdict::ROOT,
         None if tier == hook::LSM => {
             count_decision(decision::REFUSED);
             verdict::REFUSED
@@ -70,9 +77,13 @@ fn decide(file: *const u8, o: &Offsets, tier: u32) -> u32 {
         None => {
             // SAFETY: signals the current process; pending SIGKILL is delivered before
             // the syscall returns to user space.
-            unsafe { bpf_send_signal(SIGKILL) };
-            count_decision(decision::KILLED);
-            verdict::KILLED
+            if unsafe { bpf_send_signal(SIGKILL) } == 0 {
+                count_decision(decision::KILLED);
+                verdict::KILLED
+            } else {
+                count_decision(decision::KILL_FAILED);
+                verdict::KILL_FAILED
+            }
         }
     };
     emit(

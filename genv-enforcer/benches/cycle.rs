@@ -10,7 +10,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use genv_enforcer::actions::{Executor, ExecutorConfig};
-use genv_enforcer::cycle::Enforcer;
+use genv_enforcer::cycle::{Enforcer, LockPolicy};
 use genv_enforcer::rules::Rules;
 use genv_enforcer::snapshot::{EnvPolicy, SnapshotBuilder};
 use genv_enforcer::state::StateDir;
@@ -88,6 +88,7 @@ fn main() {
                 signals: false,
                 kill_after: None,
             }),
+            lock: LockPolicy::blocking(),
         };
         let warm = enforcer.cycle();
         assert_eq!(warm.processes, count, "every process is seen");

@@ -3,17 +3,49 @@
 //! runs narrower checks of the same snapshot (see [`Scope`]).
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use crate::actions::Executor;
 use crate::report::Report;
 use crate::rules::{self, Finding, Rules, Survey};
 use crate::snapshot::{Snapshot, SnapshotBuilder};
-use crate::state::{Device, Env};
+use crate::state::{Device, Env, GlobalLock, LockError, LockErrorKind};
 
 pub struct Enforcer {
     pub builder: SnapshotBuilder,
     pub rules: Rules,
     pub executor: Executor,
+    pub lock: LockPolicy,
+}
+
+/// How long a check waits for genv's global lock. genv holds it for milliseconds; any
+/// user can hold it for ever (`flock genv.lock sleep inf`), and a daemon must not stop
+/// enforcing, or answering SIGTERM, for that.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LockPolicy {
+    /// `None`: wait as genv does (one-shot runs). `Some(d)`: wait at most `d`, then read
+    /// the state without the lock (a half-written file does not parse, and is never
+    /// acted on) and leave detaches, which write, for a check that gets it.
+    wait: Option<Duration>,
+    /// The lock was held past `wait` last time: until it is free again, it is tried
+    /// without waiting, so that the event loop is never held up for long.
+    contended: bool,
+}
+
+impl LockPolicy {
+    /// A daemon's: at most 100 ms, once.
+    pub const DAEMON_WAIT: Duration = Duration::from_millis(100);
+
+    pub fn blocking() -> Self {
+        Self::default()
+    }
+
+    pub fn bounded(wait: Duration) -> Self {
+        Self {
+            wait: Some(wait),
+            contended: false,
+        }
+    }
 }
 
 /// Which rules look at which processes.
@@ -41,9 +73,10 @@ pub struct CycleSummary {
 }
 
 impl Enforcer {
-    /// Takes a snapshot under genv's global lock and prints its warnings.
-    pub fn snapshot(&mut self) -> std::io::Result<Snapshot> {
-        let lock = self.builder.state().lock()?;
+    /// Takes a snapshot under genv's global lock (or without it, see [`LockPolicy`])
+    /// and prints its warnings.
+    pub fn snapshot(&mut self) -> Result<Snapshot, LockError> {
+        let lock = self.take_lock()?;
         let (snapshot, warnings) = self.builder.take();
         drop(lock);
         for warning in warnings {
@@ -148,15 +181,61 @@ impl Enforcer {
         }
     }
 
-    /// Carries out a report under genv's global lock.
+    /// Carries out a report under genv's global lock. Without it (held by someone
+    /// else past the daemon's wait), terminations go ahead, since they write nothing,
+    /// and detaches wait for a check that gets the lock.
     pub fn execute(&mut self, report: &Report) {
         let state = self.builder.state().clone();
-        match state.lock() {
-            Ok(_lock) => self.executor.execute(report, &state),
+        match self.take_lock() {
+            Ok(Some(_lock)) => self.executor.execute(report, &state),
+            Ok(None) => {
+                if !report.detach.is_empty() {
+                    eprintln!(
+                        "[WARNING] Not detaching while another process holds genv's lock: a later check will"
+                    );
+                }
+                let terminations = Report {
+                    terminate: report.terminate.clone(),
+                    detach: Vec::new(),
+                };
+                self.executor.execute(&terminations, &state);
+            }
             Err(e) => eprintln!(
                 "[ERROR] Cannot take genv's lock in {}: {e}; nothing was executed",
                 state.root().display()
             ),
+        }
+    }
+
+    /// genv's lock as [`LockPolicy`] says: `None` when a daemon goes on without it.
+    fn take_lock(&mut self) -> Result<Option<GlobalLock>, LockError> {
+        let state = self.builder.state();
+        let Some(wait) = self.lock.wait else {
+            return state.lock().map(Some);
+        };
+        let wait = if self.lock.contended {
+            Duration::ZERO
+        } else {
+            wait
+        };
+        match state.lock_within(wait) {
+            Ok(lock) => {
+                if self.lock.contended {
+                    eprintln!("[INFO] genv's lock is free again");
+                    self.lock.contended = false;
+                }
+                Ok(Some(lock))
+            }
+            Err(e) if matches!(e.kind, LockErrorKind::Held { .. }) => {
+                if !self.lock.contended {
+                    eprintln!(
+                        "[WARNING] {e}: enforcing from the state files read without it until it is free"
+                    );
+                    self.lock.contended = true;
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
         }
     }
 }

@@ -69,8 +69,9 @@ pub fn make_gpu_node_for(path: &Path, gpu: usize) -> PathBuf {
 
 /// Eight ways in to GPU node `gpu` (in `dir`), as gpu-process arguments: a symlink, a
 /// hard link, a private `mknod` in a 0700 directory, a `/proc/self/fd` re-open,
-/// `openat(dirfd)`, `open(2)`, `openat2(2)` and a second thread. Makes what they need.
-pub fn ways_in(dir: &Path, gpu: &Path) -> Vec<(&'static str, Vec<String>)> {
+/// `openat(dirfd)`, `open(2)`, `openat2(2)` and a second thread. Makes what they need;
+/// the private directory belongs to `owner` (the uid that will open), else to root.
+pub fn ways_in(dir: &Path, gpu: &Path, owner: Option<u32>) -> Vec<(&'static str, Vec<String>)> {
     let symlink = dir.join("symlink");
     std::os::unix::fs::symlink(gpu, &symlink).unwrap();
     let hard_link = dir.join("hard-link");
@@ -83,6 +84,9 @@ pub fn ways_in(dir: &Path, gpu: &Path) -> Vec<(&'static str, Vec<String>)> {
         std::os::unix::fs::PermissionsExt::from_mode(0o700),
     )
     .unwrap();
+    if let Some(uid) = owner {
+        std::os::unix::fs::chown(&private, Some(uid), None).unwrap();
+    }
     let name = gpu.file_name().unwrap().to_str().unwrap();
     let s = |p: &Path| p.to_str().unwrap().to_owned();
     let args = |list: &[&str]| list.iter().map(|a| (*a).to_owned()).collect::<Vec<_>>();

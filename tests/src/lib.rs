@@ -62,6 +62,12 @@ pub struct Node {
     children: HashMap<u32, Child>,
     /// Processes started by scripts rather than by the node; killed on drop too.
     foreign: Vec<u32>,
+    /// Device nodes the fake NVML opens at init, as the real one opens `/dev/nvidia*`.
+    nvml_opens: Vec<String>,
+    /// The enforcer binary the node runs (default: the workspace's), and extra
+    /// environment for it.
+    pub enforcer_binary: Option<PathBuf>,
+    pub enforcer_env: Vec<(String, String)>,
 }
 
 impl Node {
@@ -84,6 +90,9 @@ impl Node {
             contexts: Vec::new(),
             children: HashMap::new(),
             foreign: Vec::new(),
+            nvml_opens: Vec::new(),
+            enforcer_binary: None,
+            enforcer_env: Vec::new(),
         };
         node.write_config();
         node
@@ -95,7 +104,20 @@ impl Node {
 
     /// Replaces the fake NVML configuration atomically (the library re-reads it).
     fn write_config(&mut self) {
-        self.write_nvml(json!({"devices": self.gpus, "processes": self.contexts}));
+        self.write_nvml(json!({
+            "devices": self.gpus,
+            "processes": self.contexts,
+            "open_on_init": self.nvml_opens,
+        }));
+    }
+
+    /// Makes the fake NVML open these device nodes at init, as the real library does.
+    pub fn nvml_opens(&mut self, nodes: &[&Path]) {
+        self.nvml_opens = nodes
+            .iter()
+            .map(|p| p.to_str().unwrap().to_owned())
+            .collect();
+        self.write_config();
     }
 
     /// Writes a raw fake-NVML configuration (for failure injection).
@@ -267,12 +289,17 @@ impl Node {
 
     /// The enforcer binary, pointed at this node.
     pub fn enforcer(&self) -> Command {
-        let mut command = Command::new(artefact("genv-enforcer"));
+        let binary = self
+            .enforcer_binary
+            .clone()
+            .unwrap_or_else(|| artefact("genv-enforcer"));
+        let mut command = Command::new(binary);
         command
             .env("GENV_TMPDIR", &self.state)
             .env("GENV_FAKE_NVML_CONFIG", &self.config)
             .env("GENV_ENFORCER_NVML_LIB", artefact("libnvidia_ml_fake.so"))
-            .env_remove("GENV_TERMINATE_PROCESSES");
+            .env_remove("GENV_TERMINATE_PROCESSES")
+            .envs(self.enforcer_env.iter().cloned());
         command
     }
 

@@ -50,7 +50,14 @@ impl FromStr for NodeOverride {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeviceMap {
     nodes: BTreeMap<(u32, u32), u32>,
+    /// Neither NVML nor the driver said which minor is which GPU: `major:N` is taken
+    /// to be GPU `N` (below the control nodes' minors), said once by the caller.
+    guessed_major: Option<u32>,
 }
+
+/// The first of the NVIDIA major's control minors (`nvidia-modeset` 254, `nvidiactl`
+/// 255): minors below it are GPUs.
+const FIRST_CONTROL_MINOR: u32 = 254;
 
 impl DeviceMap {
     /// From what the system says: NVML's devices (or, without NVML, the driver's minors
@@ -63,6 +70,7 @@ impl DeviceMap {
     ) -> Self {
         let major = proc_devices.and_then(nvidia_major).unwrap_or(NVIDIA_MAJOR);
         let mut nodes = BTreeMap::new();
+        let mut guessed_major = None;
         if devices.iter().any(|d| d.minor.is_some()) {
             for device in devices {
                 if let Some(minor) = device.minor {
@@ -76,11 +84,29 @@ impl DeviceMap {
                     .zip(0..)
                     .map(|(minor, index)| ((major, minor), index)),
             );
+        } else {
+            guessed_major = Some(major);
         }
         for o in overrides {
             nodes.insert((o.major, o.minor), o.index);
         }
-        Self { nodes }
+        Self {
+            nodes,
+            guessed_major,
+        }
+    }
+
+    /// The GPU index of node `major:minor`, if it is a GPU's.
+    pub fn index_of(&self, major: u32, minor: u32) -> Option<u32> {
+        if let Some(index) = self.nodes.get(&(major, minor)) {
+            return Some(*index);
+        }
+        (self.guessed_major == Some(major) && minor < FIRST_CONTROL_MINOR).then_some(minor)
+    }
+
+    /// Whether GPU nodes are guessed as `/dev/nvidiaN` = GPU N.
+    pub fn is_guessed(&self) -> bool {
+        self.guessed_major.is_some()
     }
 
     /// `(kernel dev_t, index)` pairs, for the programs' map.
@@ -122,12 +148,6 @@ pub fn nvidia_major(proc_devices: &str) -> Option<u32> {
 mod tests {
     use super::*;
 
-    impl DeviceMap {
-        fn index_of(&self, major: u32, minor: u32) -> Option<u32> {
-            self.nodes.get(&(major, minor)).copied()
-        }
-    }
-
     fn gpu(index: u32, minor: Option<u32>) -> GpuInfo {
         GpuInfo {
             index,
@@ -160,6 +180,22 @@ mod tests {
         let map = DeviceMap::build(&[], Some(vec![1, 0]), None, &[]);
         assert_eq!(map.index_of(195, 1), Some(0));
         assert_eq!(map.index_of(195, 0), Some(1));
+    }
+
+    #[test]
+    fn without_nvml_or_driver_minors_are_guessed_and_overrides_still_count() {
+        let overrides = ["1:7=0".parse().unwrap()];
+        let map = DeviceMap::build(&[], None, None, &overrides);
+        assert!(map.is_guessed());
+        assert_eq!(map.index_of(195, 3), Some(3));
+        assert_eq!(map.index_of(195, 255), None, "nvidiactl is no GPU");
+        assert_eq!(map.index_of(1, 7), Some(0));
+        assert_eq!(map.index_of(1, 8), None);
+        assert_eq!(
+            map.kernel_entries().count(),
+            1,
+            "only what is known goes to the kernel"
+        );
     }
 
     #[test]

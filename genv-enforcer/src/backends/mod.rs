@@ -1,7 +1,9 @@
 //! Where facts about the node come from: NVML for GPUs and their processes, `/proc` for
-//! processes (and for GPU use when NVML is missing), and the device map that says which
-//! device node is which GPU.
+//! processes (and for GPU use when NVML is missing), the device map that says which
+//! device node is which GPU, and the passwd database for user names.
 
 pub mod devmap;
 pub mod nvml;
 pub mod procfs;
+pub mod trust;
+pub mod users;

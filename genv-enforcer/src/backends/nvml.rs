@@ -5,10 +5,13 @@
 //! real `libnvidia-ml.so` and against the test suite's fake.
 
 use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
+
+use super::trust;
 
 /// The library `nvml-wrapper` loads when no path is given.
 pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so";
@@ -62,14 +65,48 @@ pub struct NvmlBackend {
     nvml: Nvml,
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// A library anyone but root (or this user) could have written: loading it would
+    /// run their code in the daemon.
+    #[error("refusing to load NVML from {0}")]
+    Untrusted(#[from] trust::Untrusted),
+    #[error(transparent)]
+    Init(#[from] GpuQueryError),
+}
+
 impl NvmlBackend {
-    pub fn load(library: &OsString) -> Result<Self, GpuQueryError> {
-        Nvml::builder()
+    /// Loads the library: a path is checked before it is loaded (its constructors run
+    /// at load); a bare name is found by the dynamic loader in the system's directories,
+    /// and the file it mapped is checked after.
+    pub fn load(library: &OsString) -> Result<Self, LoadError> {
+        let path = Path::new(library);
+        if path.components().count() > 1 {
+            trust::check_for_self(path)?;
+        }
+        let nvml = Nvml::builder()
             .lib_path(library)
             .init()
-            .map(|nvml| Self { nvml })
-            .map_err(at("init"))
+            .map_err(at("init"))?;
+        if let Some(mapped) = loaded_library() {
+            trust::check_for_self(&mapped)?;
+        }
+        Ok(Self { nvml })
     }
+}
+
+/// The NVML library this process mapped, from `/proc/self/maps`.
+pub fn loaded_library() -> Option<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| {
+            Path::new(path)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libnvidia-ml") || n.contains("nvidia_ml"))
+        })
+        .map(PathBuf::from)
 }
 
 impl GpuBackend for NvmlBackend {

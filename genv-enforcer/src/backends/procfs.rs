@@ -11,11 +11,6 @@ use rustix::process::{Pid, test_kill_process};
 /// The variable genv sets in every process of an environment.
 pub const ENV_VAR: &str = "GENV_ENVIRONMENT_ID";
 
-/// NVIDIA's character-device major for `/dev/nvidiaN`, `nvidiactl` (255) and
-/// `nvidia-modeset` (254). Minors below 254 are GPUs.
-pub const NVIDIA_MAJOR: u32 = 195;
-pub const NVIDIA_FIRST_CONTROL_MINOR: u32 = 254;
-
 /// The kernel's `PF_KTHREAD` flag in `/proc/<pid>/stat`.
 const PF_KTHREAD: u32 = 0x0020_0000;
 
@@ -186,10 +181,13 @@ fn find_var(environ: &[u8], name: &str) -> Option<String> {
         .map(|value| String::from_utf8_lossy(value).into_owned())
 }
 
-/// Every process holding an NVIDIA GPU node open, with the GPU minors it holds, in pid
-/// order. Nodes are recognised by `st_rdev` (major 195, minor below 254), never by path,
-/// so renamed nodes, links and private `mknod` copies count too.
-pub fn gpu_node_holders(proc_root: &Path) -> io::Result<Vec<(u32, Vec<u32>)>> {
+/// Every process holding a GPU node open, with the GPU indices it holds, in pid order.
+/// Nodes are recognised by `st_rdev` through `index_of` (the device map), never by
+/// path, so renamed nodes, links and private `mknod` copies count too.
+pub fn gpu_node_holders(
+    proc_root: &Path,
+    index_of: &dyn Fn(u32, u32) -> Option<u32>,
+) -> io::Result<Vec<(u32, Vec<u32>)>> {
     let mut holders = Vec::new();
     for entry in std::fs::read_dir(proc_root)? {
         let Some(pid) = entry?
@@ -202,19 +200,18 @@ pub fn gpu_node_holders(proc_root: &Path) -> io::Result<Vec<(u32, Vec<u32>)>> {
         let Ok(fds) = std::fs::read_dir(proc_root.join(pid.to_string()).join("fd")) else {
             continue; // gone, or not ours to read
         };
-        let mut minors: Vec<u32> = fds
+        let mut indices: Vec<u32> = fds
             .filter_map(|fd| std::fs::metadata(fd.ok()?.path()).ok())
             .filter(|meta| meta.file_type().is_char_device())
             .filter_map(|meta| {
                 let rdev = std::os::unix::fs::MetadataExt::rdev(&meta);
-                let (major, minor) = (libc::major(rdev), libc::minor(rdev));
-                (major == NVIDIA_MAJOR && minor < NVIDIA_FIRST_CONTROL_MINOR).then_some(minor)
+                index_of(libc::major(rdev), libc::minor(rdev))
             })
             .collect();
-        if !minors.is_empty() {
-            minors.sort_unstable();
-            minors.dedup();
-            holders.push((pid, minors));
+        if !indices.is_empty() {
+            indices.sort_unstable();
+            indices.dedup();
+            holders.push((pid, indices));
         }
     }
     holders.sort_unstable_by_key(|(pid, _)| *pid);

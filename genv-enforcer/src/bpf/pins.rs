@@ -94,3 +94,32 @@ pub fn unpin_all(root: &Path) -> io::Result<Removed> {
         Err(e) => Err(e),
     }
 }
+
+/// Exempts `pid` in an earlier generation's pinned maps, whose programs keep deciding
+/// until this run takes over: without it, a new daemon's first NVML call (which opens
+/// the GPU nodes) would be refused or killed by its predecessor's programs. A
+/// generation pinned before `EXEMPT_PIDS` existed allowed the enforcer by executable
+/// instead; there, `exe` (this binary's key) is added to its allow-list.
+pub fn exempt_in_generation(
+    generation: &Path,
+    pid: u32,
+    exe: genv_ebpf_common::ExeKey,
+) -> Result<(), String> {
+    use aya::maps::{HashMap, Map, MapData};
+    let maps = generation.join("maps");
+    let open = |name: &str| -> Result<Map, String> {
+        let path = maps.join(name);
+        let data = MapData::from_pin(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Map::from_map_data(data).map_err(|e| format!("{}: {e}", path.display()))
+    };
+    let exempt_map = maps.join(genv_ebpf_common::EXEMPT_PIDS_MAP);
+    if exempt_map.exists() {
+        let mut map: HashMap<MapData, u32, u8> =
+            HashMap::try_from(open(genv_ebpf_common::EXEMPT_PIDS_MAP)?)
+                .map_err(|e| e.to_string())?;
+        return map.insert(pid, 1, 0).map_err(|e| e.to_string());
+    }
+    let mut map: HashMap<MapData, genv_ebpf_common::ExeKey, u8> =
+        HashMap::try_from(open(genv_ebpf_common::ALLOWED_EXES_MAP)?).map_err(|e| e.to_string())?;
+    map.insert(exe, 1, 0).map_err(|e| e.to_string())
+}

@@ -8,8 +8,8 @@ use std::collections::{HashMap, HashSet};
 use aya::Ebpf;
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray};
 use genv_ebpf_common::{
-    ALLOWED_EXES_MAP, DECISIONS_MAP, ENVS_MAP, EnvEntry, ExeKey, MAX_ALLOWED_EXES, MAX_ENVS,
-    POLICY_MAP, PROC_ENV_MAP, decision, policy,
+    ALLOWED_EXES_MAP, DECISIONS_MAP, ENVS_MAP, EXEMPT_PIDS_MAP, EnvEntry, ExeKey, MAX_ALLOWED_EXES,
+    MAX_ENVS, POLICY_MAP, PROC_ENV_MAP, decision, policy,
 };
 
 use super::error::{LoadError, map_error, take_map};
@@ -21,6 +21,7 @@ pub struct PolicyMaps {
     proc_env: BpfHashMap<MapData, u32, u64>,
     envs: BpfHashMap<MapData, u64, EnvEntry>,
     allowed: BpfHashMap<MapData, ExeKey, u8>,
+    exempt: BpfHashMap<MapData, u32, u8>,
     policy: Array<MapData, u32>,
     decisions: PerCpuArray<MapData, u64>,
 }
@@ -30,6 +31,16 @@ pub struct PolicyMaps {
 pub struct Decisions {
     pub refused: u64,
     pub killed: u64,
+    /// `bpf_send_signal` failed: the open returned.
+    pub kill_failed: u64,
+}
+
+/// What `--deny` covers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DenyPolicy {
+    pub deny: bool,
+    /// `--deny-root`: root's processes too.
+    pub root: bool,
 }
 
 /// Makes a kernel hash map hold exactly `wanted`: stale keys removed, the rest
@@ -62,6 +73,7 @@ impl PolicyMaps {
             proc_env: take_map(ebpf, PROC_ENV_MAP)?,
             envs: take_map(ebpf, ENVS_MAP)?,
             allowed: take_map(ebpf, ALLOWED_EXES_MAP)?,
+            exempt: take_map(ebpf, EXEMPT_PIDS_MAP)?,
             policy: take_map(ebpf, POLICY_MAP)?,
             decisions: take_map(ebpf, DECISIONS_MAP)?,
         })
@@ -100,10 +112,23 @@ impl PolicyMaps {
         sync_map(&mut self.allowed, wanted.collect()).map_err(map_error(ALLOWED_EXES_MAP))
     }
 
-    /// Turns in-kernel denial on or off.
-    pub fn set_deny(&mut self, deny: bool) -> Result<(), LoadError> {
-        let flags = if deny { policy::DENY } else { 0 };
+    /// Puts in-kernel denial in force (or not).
+    pub fn set_deny(&mut self, wanted: DenyPolicy) -> Result<(), LoadError> {
+        let mut flags = 0;
+        if wanted.deny {
+            flags |= policy::DENY;
+        }
+        if wanted.root {
+            flags |= policy::DENY_ROOT;
+        }
         self.policy.set(0, flags, 0).map_err(map_error(POLICY_MAP))
+    }
+
+    /// Exempts a process (the enforcer itself) from every decision, by its id.
+    pub fn exempt(&mut self, pid: u32) -> Result<(), LoadError> {
+        self.exempt
+            .insert(pid, 1, 0)
+            .map_err(map_error(EXEMPT_PIDS_MAP))
     }
 
     pub fn decisions(&self) -> Decisions {
@@ -116,6 +141,7 @@ impl PolicyMaps {
         Decisions {
             refused: sum(decision::REFUSED),
             killed: sum(decision::KILLED),
+            kill_failed: sum(decision::KILL_FAILED),
         }
     }
 }

@@ -141,7 +141,8 @@ pub struct EventArgs {
     pub memory_interval: Option<f64>,
 
     /// Treat device node MAJOR:MINOR as GPU INDEX (repeatable), in addition to what
-    /// /proc/devices and NVML's minor numbers say.
+    /// /proc/devices and NVML's minor numbers say: for the kernel programs and for the
+    /// /proc scan that stands in for NVML.
     #[arg(long, value_name = "MAJOR:MINOR=INDEX", action = clap::ArgAction::Append)]
     pub gpu_node: Vec<NodeOverride>,
 
@@ -159,6 +160,13 @@ pub struct EventArgs {
     /// before the process gets the GPU; processes inside environments are never refused.
     #[arg(long)]
     pub deny: bool,
+
+    /// With --deny, deny root's processes outside environments too. Off by default: the
+    /// container runtime's hooks, MPS, Xorg, nvidia-persistenced and DCGM run as root,
+    /// and root can unload the programs anyway; root's compute processes outside
+    /// environments are still terminated by --non-env-processes, as in genv.
+    #[arg(long)]
+    pub deny_root: bool,
 
     /// An executable that may open GPU nodes outside any environment (repeatable), by
     /// device and inode; beyond the enforcer itself and nvidia-smi,

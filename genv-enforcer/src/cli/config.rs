@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::args::{EnforceArgs, ExecutionArgs};
 use crate::actions::ExecutorConfig;
+use crate::backends::devmap::NodeOverride;
 use crate::bpf::TierChoice;
 use crate::daemon::event_driven::Settings;
 use crate::rules::{DeviceLimit, Rules};
@@ -31,6 +32,9 @@ pub struct EnforceConfig {
     pub execution: ExecutorConfig,
     pub state_dir: PathBuf,
     pub nvml_lib: OsString,
+    /// `--gpu-node`: device nodes to treat as GPUs, for the kernel programs and for the
+    /// `/proc` scan alike.
+    pub gpu_nodes: Vec<NodeOverride>,
     pub mode: Mode,
     /// Flags that are accepted but do nothing here, said once at start.
     pub warnings: Vec<String>,
@@ -48,6 +52,8 @@ pub enum ConfigError {
     DenyWithoutNonEnv,
     #[error("{0} acts through the kernel programs, and --bpf-tier none loads none")]
     NeedsPrograms(&'static str),
+    #[error("--deny-root widens --deny: it needs --deny")]
+    DenyRootWithoutDeny,
 }
 
 impl EnforceConfig {
@@ -69,6 +75,7 @@ impl EnforceConfig {
             execution: executor_config(&args.execution),
             state_dir: args.sources.genv_tmpdir.clone(),
             nvml_lib: args.sources.nvml_lib.clone(),
+            gpu_nodes: args.events.gpu_node.clone(),
             rules,
             mode,
             warnings,
@@ -117,6 +124,9 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
     if events.deny && !rules.non_env_processes {
         return Err(ConfigError::DenyWithoutNonEnv);
     }
+    if events.deny_root && !events.deny {
+        return Err(ConfigError::DenyRootWithoutDeny);
+    }
     let tier = events.bpf_tier.unwrap_or(TierChoice::Auto);
     if tier == TierChoice::None {
         for (given, flag) in [
@@ -133,10 +143,10 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
         memory_interval: Duration::from_secs_f64(events.memory_interval.unwrap_or(1.0)),
         tier,
         ring_bytes: events.ring_buffer_bytes,
-        gpu_nodes: events.gpu_node.clone(),
         run_dir: events.run_dir.clone(),
         verbose: events.verbose,
         deny: events.deny,
+        deny_root: events.deny_root,
         allow_exes: events.allow_exe.clone(),
         keep_pinned: events.keep_pinned,
         pin_dir: events.pin_dir.clone(),
@@ -149,9 +159,9 @@ fn event_only_flag(args: &EnforceArgs) -> Option<&'static str> {
     [
         (e.bpf_tier.is_some(), "--bpf-tier"),
         (e.memory_interval.is_some(), "--memory-interval"),
-        (!e.gpu_node.is_empty(), "--gpu-node"),
         (e.verbose, "--verbose"),
         (e.deny, "--deny"),
+        (e.deny_root, "--deny-root"),
         (!e.allow_exe.is_empty(), "--allow-exe"),
         (e.keep_pinned, "--keep-pinned"),
         (e.ring_buffer_bytes.is_some(), "--ring-buffer-bytes"),
@@ -181,7 +191,6 @@ mod tests {
         for (args, flag) in [
             (&["--bpf-tier", "lsm"][..], "--bpf-tier"),
             (&["--memory-interval", "2"], "--memory-interval"),
-            (&["--gpu-node", "1:7=0"], "--gpu-node"),
             (&["-v"], "--verbose"),
             (&["--non-env-processes", "--deny"], "--deny"),
             (&["--allow-exe", "/bin/true"], "--allow-exe"),
@@ -206,6 +215,8 @@ mod tests {
         ])
         .unwrap_err();
         assert_eq!(error, ConfigError::DenyWithoutNonEnv);
+        let error = config(&["--event-driven", "--non-env-processes", "--deny-root"]).unwrap_err();
+        assert_eq!(error, ConfigError::DenyRootWithoutDeny);
         let ok = config(&[
             "--event-driven",
             "--non-env-processes",

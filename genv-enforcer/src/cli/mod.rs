@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 
 use crate::actions::Executor;
-use crate::cycle::Enforcer;
+use crate::cycle::{Enforcer, LockPolicy};
 use crate::daemon;
 use crate::report::Report;
 use crate::snapshot::{EnvPolicy, SnapshotBuilder};
@@ -87,9 +87,11 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
             StateDir::new(&config.state_dir),
             config.nvml_lib,
             config.policy,
-        ),
+        )
+        .with_gpu_nodes(config.gpu_nodes),
         rules: config.rules,
         executor: Executor::new(config.execution),
+        lock: LockPolicy::blocking(),
     };
     let runtime = || {
         tokio::runtime::Builder::new_current_thread()
@@ -104,8 +106,12 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
             enforcer.executor.finish();
             Ok(ExitCode::SUCCESS)
         }
-        Mode::Polling(interval) => runtime()?.block_on(daemon::polling::run(enforcer, interval)),
+        Mode::Polling(interval) => {
+            enforcer.lock = LockPolicy::bounded(LockPolicy::DAEMON_WAIT);
+            runtime()?.block_on(daemon::polling::run(enforcer, interval))
+        }
         Mode::EventDriven(settings) => {
+            enforcer.lock = LockPolicy::bounded(LockPolicy::DAEMON_WAIT);
             runtime()?.block_on(daemon::event_driven::run(enforcer, settings))
         }
     }

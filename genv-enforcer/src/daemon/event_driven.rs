@@ -23,7 +23,6 @@ use super::schedule::Schedule;
 use super::state_watch::StateWatch;
 use super::status::Status;
 use super::watchlist::Watchlist;
-use crate::backends::devmap::NodeOverride;
 use crate::bpf::TierChoice;
 use crate::cycle::{CycleSummary, Enforcer, Scope};
 use crate::intake::{EventIntake, KernelEvent, UnknownEvent, Verdict};
@@ -36,13 +35,14 @@ pub struct Settings {
     pub memory_interval: Duration,
     pub tier: TierChoice,
     pub ring_bytes: Option<u32>,
-    pub gpu_nodes: Vec<NodeOverride>,
     pub run_dir: PathBuf,
     pub verbose: bool,
     /// `--deny`: refuse (LSM) or kill in the syscall (other tiers) outside processes.
     pub deny: bool,
     /// `--allow-exe`, beyond the defaults.
     pub allow_exes: Vec<PathBuf>,
+    /// `--deny-root`: root's processes outside environments are denied too.
+    pub deny_root: bool,
     /// `--keep-pinned`: pin under a generation of `pin_dir`.
     pub keep_pinned: bool,
     /// Where pins go, and where an earlier run's are looked for.
@@ -245,6 +245,13 @@ impl Daemon {
                 match open.verdict {
                     Verdict::Refused => counts.refused += 1,
                     Verdict::Killed => counts.killed += 1,
+                    Verdict::KillFailed => {
+                        eprintln!(
+                            "[ERROR] The kernel could not kill process {} when it opened GPU {}: the open returned; the rules decide now",
+                            open.pid, open.index
+                        );
+                        self.watchlist.add(open, now);
+                    }
                     // Let through: watched, and checked against genv's rules.
                     _ => self.watchlist.add(open, now),
                 }
@@ -260,7 +267,7 @@ impl Daemon {
             kernel.follow_cycle(
                 &self.settings,
                 &mut self.status,
-                self.enforcer.builder.devices(),
+                self.enforcer.builder.device_map(),
                 summary.state.take(),
             );
         }

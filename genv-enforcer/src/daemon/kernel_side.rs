@@ -2,15 +2,15 @@
 //! keeping what they decide from (watched nodes, genv's environments, the allow-list,
 //! `--deny`) in step with each full cycle, and taking over from an earlier run's pins.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
 
 use super::event_driven::Settings;
 use super::status::Status;
 use crate::backends::devmap::DeviceMap;
-use crate::backends::nvml::GpuInfo;
-use crate::backends::procfs;
+use crate::backends::nvml;
+use crate::bpf::policy_maps::DenyPolicy;
 use crate::bpf::{KernelPrograms, LoadOptions, TierChoice, pins};
 use crate::intake::EventIntake;
 use crate::prevention;
@@ -24,6 +24,8 @@ pub(super) struct KernelSide {
     armed: bool,
     /// This run's pin directory (`--keep-pinned`).
     pin_generation: Option<PathBuf>,
+    /// The NVML library's directory the allow-list was last looked for beside.
+    tools_beside: Option<PathBuf>,
 }
 
 /// What starting gives: the kernel side and its events, or neither (full cycle alone).
@@ -37,7 +39,7 @@ impl KernelSide {
         let every = settings.interval.as_secs_f64();
         if settings.tier == TierChoice::None {
             status.sees = format!("no BPF (--bpf-tier none): the full cycle alone, every {every}s");
-            status.guarantee = prevention::guarantee(None, false);
+            status.guarantee = prevention::guarantee(None, DenyPolicy::default());
             eprintln!(
                 "[INFO] --bpf-tier none: no kernel programs; enforcing with the full cycle alone every {every}s"
             );
@@ -57,7 +59,7 @@ impl KernelSide {
             ring_bytes: settings.ring_bytes,
             pin_dir: pin_generation.clone(),
         };
-        let (mut programs, events) = match KernelPrograms::load(&options) {
+        let (programs, events) = match KernelPrograms::load(&options) {
             Ok(loaded) => loaded,
             Err(e) if settings.tier != TierChoice::Auto => {
                 bail!("--bpf-tier {}: {e}", settings.tier.name())
@@ -67,7 +69,11 @@ impl KernelSide {
                     "[WARNING] No BPF tier could be loaded ({e}); enforcing with the full cycle alone every {every}s, as genv does"
                 );
                 status.sees = format!("no BPF ({e}): the full cycle alone, every {every}s");
-                status.guarantee = prevention::guarantee(None, settings.deny);
+                let deny = DenyPolicy {
+                    deny: settings.deny,
+                    root: settings.deny_root,
+                };
+                status.guarantee = prevention::guarantee(None, deny);
                 if settings.deny {
                     eprintln!(
                         "[WARNING] --deny cannot be kept without kernel programs: GPU opens outside any environment are {}",
@@ -80,31 +86,79 @@ impl KernelSide {
         describe_tier(&programs, status);
         let intake = EventIntake::new(events.ring, events.lost)
             .map_err(|e| anyhow::anyhow!("reading the kernel's events: {e}"))?;
-        let allowed = prevention::allowlist::install(programs.policy_mut(), &settings.allow_exes)?;
-        let seeded = prevention::seed_identities(programs.policy_mut());
-        eprintln!(
-            "[INFO] Environment identities of {seeded} running processes recorded in the kernel; allowed outside environments: {allowed}"
-        );
-        let side = Self {
+        let mut side = Self {
             programs,
             device_map: None,
             armed: false,
             pin_generation,
+            tools_beside: None,
         };
+        side.exempt_self(settings)?;
+        side.install_allow_list(settings, None)?;
+        let seeded = prevention::seed_identities(side.programs.policy_mut());
+        eprintln!(
+            "[INFO] Environment identities of {seeded} running processes recorded in the kernel"
+        );
         Ok(Some((side, intake)))
     }
 
-    /// After a full cycle: the watched nodes follow NVML's device list, and the kernel's
+    /// The daemon opens GPU nodes itself (NVML): its process is exempt, by id, in its
+    /// own maps and in those of an earlier run still pinned, whose programs decide until
+    /// this run takes over.
+    fn exempt_self(&mut self, settings: &Settings) -> Result<()> {
+        let pid = std::process::id();
+        self.programs.policy_mut().exempt(pid)?;
+        let own = self.pin_generation.as_deref();
+        let exe = prevention::allowlist::exe_key(Path::new("/proc/self/exe"))?;
+        for old in pins::other_generations(&settings.pin_dir, own) {
+            if let Err(e) = pins::exempt_in_generation(&old, pid, exe) {
+                eprintln!(
+                    "[WARNING] Cannot exempt this daemon in the pinned programs under {}: {e}; their --deny may stop its NVML calls until it takes over",
+                    old.display()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The tools allowed outside environments, looked for in `PATH`, beside the NVML
+    /// library (once known) and in the usual places, and those given.
+    fn install_allow_list(&mut self, settings: &Settings, nvml_dir: Option<&Path>) -> Result<()> {
+        let dirs = prevention::allowlist::tool_dirs(std::env::var_os("PATH"), nvml_dir);
+        let allowed = prevention::allowlist::install(
+            self.programs.policy_mut(),
+            &dirs,
+            &settings.allow_exes,
+        )?;
+        eprintln!("[INFO] Allowed to open GPU nodes outside environments: {allowed}");
+        Ok(())
+    }
+
+    /// After a full cycle: the watched nodes follow the snapshot's device map, and the kernel's
     /// environments follow the state the cycle read (`None`: unreadable, keep the last).
     pub(super) fn follow_cycle(
         &mut self,
         settings: &Settings,
         status: &mut Status,
-        devices: &[GpuInfo],
+        device_map: &DeviceMap,
         state: Option<(Vec<Env>, Vec<Device>)>,
     ) {
-        self.refresh_device_map(settings, status, devices);
+        self.watch_nodes(status, device_map);
         self.mirror_state(settings, status, state);
+        self.follow_nvml(settings);
+    }
+
+    /// Once NVML is loaded, its tools may sit beside it (`/usr/local/nvidia/lib64` and
+    /// `bin`): the allow-list is looked for again there.
+    fn follow_nvml(&mut self, settings: &Settings) {
+        let dir = nvml::loaded_library().and_then(|lib| lib.parent().map(Path::to_path_buf));
+        if dir.is_none() || dir == self.tools_beside {
+            return;
+        }
+        if let Err(e) = self.install_allow_list(settings, dir.as_deref()) {
+            eprintln!("[WARNING] Cannot update the allow-list: {e}");
+        }
+        self.tools_beside = dir;
     }
 
     /// A process whose environment block the exec hook could not read in full.
@@ -118,29 +172,18 @@ impl KernelSide {
         let decided = self.programs.policy().decisions();
         status.counts.refused_in_kernel = decided.refused;
         status.counts.killed_in_kernel = decided.killed;
+        status.counts.kill_failed_in_kernel = decided.kill_failed;
     }
 
-    fn refresh_device_map(
-        &mut self,
-        settings: &Settings,
-        status: &mut Status,
-        devices: &[GpuInfo],
-    ) {
-        let proc_devices = std::fs::read_to_string("/proc/devices").ok();
-        let map = DeviceMap::build(
-            devices,
-            procfs::driver_minors_in_pci_order(),
-            proc_devices.as_deref(),
-            &settings.gpu_nodes,
-        );
-        if self.device_map.as_ref() == Some(&map) {
+    fn watch_nodes(&mut self, status: &mut Status, map: &DeviceMap) {
+        if self.device_map.as_ref() == Some(map) {
             return;
         }
-        match self.programs.watch_nodes(&map) {
+        match self.programs.watch_nodes(map) {
             Ok(()) => {
                 eprintln!("[INFO] Watching GPU nodes: {map}");
                 status.gpu_nodes = map.to_string();
-                self.device_map = Some(map);
+                self.device_map = Some(map.clone());
             }
             Err(e) => eprintln!("[ERROR] Cannot update the watched GPU nodes: {e}"),
         }
@@ -158,13 +201,17 @@ impl KernelSide {
         if !current || self.armed {
             return;
         }
-        if settings.deny {
-            if let Err(e) = self.programs.policy_mut().set_deny(true) {
+        let deny = DenyPolicy {
+            deny: settings.deny,
+            root: settings.deny_root,
+        };
+        if deny.deny {
+            if let Err(e) = self.programs.policy_mut().set_deny(deny) {
                 eprintln!("[ERROR] Cannot turn on --deny in the kernel: {e}");
                 return;
             }
         }
-        let guarantee = prevention::guarantee(Some(self.programs.tier()), settings.deny);
+        let guarantee = prevention::guarantee(Some(self.programs.tier()), deny);
         eprintln!("[INFO] GPU opens outside any environment are {guarantee}");
         status.guarantee = guarantee;
         self.armed = true;

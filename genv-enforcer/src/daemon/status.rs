@@ -55,6 +55,8 @@ pub struct Counts {
     /// The kernel's own counts of the same (exact even when events were lost).
     pub refused_in_kernel: u64,
     pub killed_in_kernel: u64,
+    /// `bpf_send_signal` failures (the open returned to a process that should have died).
+    pub kill_failed_in_kernel: u64,
 }
 
 /// `genv-enforcer status`.

@@ -54,6 +54,12 @@ pub enum Verdict {
     Refused,
     /// Outside any environment: killed by the program before the open returned.
     Killed,
+    /// Outside any environment, run by root: let through (no `--deny-root`).
+    Root,
+    /// The enforcer itself (exempt by process id).
+    Exempt,
+    /// Outside any environment: the program could not send SIGKILL; the open returned.
+    KillFailed,
 }
 
 impl Verdict {
@@ -65,6 +71,9 @@ impl Verdict {
             verdict::ALLOWED_EXE => Verdict::AllowedExe,
             verdict::REFUSED => Verdict::Refused,
             verdict::KILLED => Verdict::Killed,
+            verdict::ROOT => Verdict::Root,
+            verdict::EXEMPT => Verdict::Exempt,
+            verdict::KILL_FAILED => Verdict::KillFailed,
             _ => return None,
         })
     }
@@ -78,6 +87,9 @@ impl Verdict {
             Verdict::AllowedExe => "outside any environment, allow-listed executable",
             Verdict::Refused => "outside any environment, refused",
             Verdict::Killed => "outside any environment, killed",
+            Verdict::Root => "outside any environment, root (not denied without --deny-root)",
+            Verdict::Exempt => "the enforcer itself",
+            Verdict::KillFailed => "outside any environment, the kill FAILED",
         }
     }
 }

@@ -1,18 +1,24 @@
 //! What the kernel decided, said the way genv says things: the guarantee the running
 //! tier gives, and a genv-style line for each refusal or kill.
 
+use crate::backends::users;
 use crate::bpf::Tier;
+use crate::bpf::policy_maps::DenyPolicy;
 use crate::intake::{GpuOpen, Verdict};
 
 /// What the kernel guarantees about GPU opens by processes outside any environment.
-pub fn guarantee(tier: Option<Tier>, deny: bool) -> String {
-    match (tier, deny) {
+pub fn guarantee(tier: Option<Tier>, deny: DenyPolicy) -> String {
+    let whose = match deny.root {
+        true => "",
+        false => "; root's processes are let through (--deny-root to include them)",
+    };
+    match (tier, deny.deny) {
         (Some(Tier::Lsm), true) => {
-            "refused in the kernel: the open fails with EPERM (--deny, lsm tier)".into()
+            format!("refused in the kernel: the open fails with EPERM (--deny, lsm tier){whose}")
         }
         (Some(tier), true) => format!(
             "killed in the syscall: SIGKILL from the {tier} program, before open() returns \
-             (--deny; the kernel has no BPF LSM for refusing)"
+             (--deny; the kernel has no BPF LSM for refusing){whose}"
         ),
         (Some(_), false) => {
             "reacted to in userspace, milliseconds after the open (no --deny)".into()
@@ -23,7 +29,7 @@ pub fn guarantee(tier: Option<Tier>, deny: bool) -> String {
 
 /// genv-style line for an in-kernel decision (stdout, like genv's own lines).
 pub fn decision_line(open: &GpuOpen) -> Option<String> {
-    let user = user_name(open.uid);
+    let user = users::display_name(open.uid);
     let pid = open.pid;
     let index = open.index;
     match open.verdict {
@@ -33,32 +39,9 @@ pub fn decision_line(open: &GpuOpen) -> Option<String> {
         Verdict::Killed => Some(format!(
             "Killed process {pid} of user {user} when it opened GPU {index}: it is not running in a GPU environment"
         )),
+
         _ => None,
     }
-}
-
-/// The user's name, or the uid where it has none.
-fn user_name(uid: u32) -> String {
-    let mut buf = vec![0u8; 4096];
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut result: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: getpwuid_r writes into our buffers only.
-    let rc = unsafe {
-        libc::getpwuid_r(
-            uid,
-            &mut pwd,
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            &mut result,
-        )
-    };
-    if rc != 0 || result.is_null() {
-        return uid.to_string();
-    }
-    // SAFETY: on success pw_name points into `buf`, NUL-terminated.
-    unsafe { std::ffi::CStr::from_ptr(pwd.pw_name) }
-        .to_string_lossy()
-        .into_owned()
 }
 
 #[cfg(test)]
@@ -100,10 +83,18 @@ mod tests {
 
     #[test]
     fn the_guarantee_names_what_the_kernel_does() {
-        assert!(guarantee(Some(Tier::Lsm), true).starts_with("refused in the kernel"));
-        assert!(guarantee(Some(Tier::Fentry), true).starts_with("killed in the syscall"));
-        assert!(guarantee(Some(Tier::Tracepoint), true).contains("tracepoint program"));
-        assert!(guarantee(Some(Tier::Lsm), false).starts_with("reacted to in userspace"));
-        assert!(guarantee(None, true).contains("full cycle"));
+        let deny = DenyPolicy {
+            deny: true,
+            root: false,
+        };
+        let everyone = DenyPolicy { root: true, ..deny };
+        assert!(guarantee(Some(Tier::Lsm), deny).starts_with("refused in the kernel"));
+        assert!(guarantee(Some(Tier::Lsm), deny).contains("--deny-root"));
+        assert!(!guarantee(Some(Tier::Lsm), everyone).contains("root"));
+        assert!(guarantee(Some(Tier::Fentry), deny).starts_with("killed in the syscall"));
+        assert!(guarantee(Some(Tier::Tracepoint), deny).contains("tracepoint program"));
+        let off = DenyPolicy::default();
+        assert!(guarantee(Some(Tier::Lsm), off).starts_with("reacted to in userspace"));
+        assert!(guarantee(None, deny).contains("full cycle"));
     }
 }

@@ -3,12 +3,13 @@
 //!
 //! Called with genv's global lock held, as genv takes its snapshot.
 
-use std::collections::HashMap;
 use std::ffi::OsString;
 
 use super::inspect::{ProcessInspector, Procfs};
+use super::owners::StateGuard;
 use super::process_table::{EnvPolicy, ProcessTable, assemble_processes};
 use super::{Snapshot, Warning};
+use crate::backends::devmap::{DeviceMap, NodeOverride};
 use crate::backends::nvml::{ComputeContext, GpuBackend, GpuInfo, NvmlBackend};
 use crate::backends::procfs;
 use crate::state::{Device, StateDir, memory::format_mebibytes};
@@ -26,10 +27,13 @@ pub struct SnapshotBuilder {
     gpus: Gpus,
     inspector: Box<dyn ProcessInspector + Send>,
     policy: EnvPolicy,
-    /// minor → index, from the last NVML device list, for `/proc` scans.
-    minor_to_index: Option<HashMap<u32, u32>>,
     last_devices: Vec<GpuInfo>,
+    /// `--gpu-node` overrides.
+    gpu_nodes: Vec<NodeOverride>,
+    device_map: DeviceMap,
     table: ProcessTable,
+    /// What is believed of genv's world-writable state, across cycles.
+    guard: StateGuard,
     said_nvml_missing: bool,
     said_minor_guess: bool,
 }
@@ -42,12 +46,20 @@ impl SnapshotBuilder {
             gpus: Gpus::Unloaded,
             inspector: Box::new(Procfs::default()),
             policy,
-            minor_to_index: None,
             last_devices: Vec::new(),
+            gpu_nodes: Vec::new(),
+            device_map: DeviceMap::default(),
             table: ProcessTable::default(),
+            guard: StateGuard::default(),
             said_nvml_missing: false,
             said_minor_guess: false,
         }
+    }
+
+    /// Adds `--gpu-node MAJOR:MINOR=INDEX` entries to the device map.
+    pub fn with_gpu_nodes(mut self, overrides: Vec<NodeOverride>) -> Self {
+        self.gpu_nodes = overrides;
+        self
     }
 
     /// Replaces the GPU backend (tests, benchmarks).
@@ -111,13 +123,11 @@ impl SnapshotBuilder {
         if let Gpus::Nvml(nvml) = &self.gpus {
             match nvml.query() {
                 Ok(view) => {
-                    self.minor_to_index = Some(
-                        view.devices
-                            .iter()
-                            .filter_map(|d| Some((d.minor?, d.index)))
-                            .collect(),
-                    );
+                    let changed = view.devices != self.last_devices;
                     self.last_devices = view.devices;
+                    if changed || self.device_map == DeviceMap::default() {
+                        self.refresh_device_map(warnings);
+                    }
                     return (view.contexts, true);
                 }
                 Err(e) => warnings.push(warning!(
@@ -129,21 +139,20 @@ impl SnapshotBuilder {
     }
 
     fn scan_proc(&mut self, warnings: &mut Vec<Warning>) -> Vec<ComputeContext> {
-        let holders = match self.inspector.gpu_node_holders() {
+        self.refresh_device_map(warnings);
+        let holders = match self.inspector.gpu_node_holders(&self.device_map) {
             Ok(holders) => holders,
             Err(e) => {
                 warnings.push(warning!("cannot scan /proc for GPU device nodes: {e}"));
                 return Vec::new();
             }
         };
-        let map = self.minor_map(warnings);
         let mut contexts: Vec<ComputeContext> = holders
             .into_iter()
-            .flat_map(|(pid, minors)| {
-                let map = &map;
-                minors.into_iter().map(move |minor| ComputeContext {
+            .flat_map(|(pid, indices)| {
+                indices.into_iter().map(move |index| ComputeContext {
                     pid,
-                    index: map.get(&minor).copied().unwrap_or(minor),
+                    index,
                     used_memory: None,
                 })
             })
@@ -153,22 +162,28 @@ impl SnapshotBuilder {
         contexts
     }
 
-    /// minor → NVML index: from NVML when it was last seen, else from the driver's
-    /// `/proc/driver/nvidia/gpus` (PCI order is NVML's order), else minor = index.
-    fn minor_map(&mut self, warnings: &mut Vec<Warning>) -> HashMap<u32, u32> {
-        if let Some(map) = &self.minor_to_index {
-            return map.clone();
-        }
-        if let Some(minors) = procfs::driver_minors_in_pci_order() {
-            return minors.into_iter().zip(0..).collect();
-        }
-        if !self.said_minor_guess {
+    /// Which node is which GPU: NVML's minor numbers (its last device list), else the
+    /// driver's PCI order, else a guess; `/proc/devices` for the major; and the
+    /// `--gpu-node` overrides. The kernel programs and the `/proc` scan both use it.
+    fn refresh_device_map(&mut self, warnings: &mut Vec<Warning>) {
+        let proc_devices = std::fs::read_to_string("/proc/devices").ok();
+        self.device_map = DeviceMap::build(
+            &self.last_devices,
+            procfs::driver_minors_in_pci_order(),
+            proc_devices.as_deref(),
+            &self.gpu_nodes,
+        );
+        if self.device_map.is_guessed() && !self.said_minor_guess {
             self.said_minor_guess = true;
             warnings.push(warning!(
                 "no NVML and no /proc/driver/nvidia: assuming /dev/nvidiaN is GPU index N"
             ));
         }
-        HashMap::new()
+    }
+
+    /// The device map the last snapshot used.
+    pub fn device_map(&self) -> &DeviceMap {
+        &self.device_map
     }
 
     /// Takes a snapshot. The caller holds genv's global lock.
@@ -176,26 +191,14 @@ impl SnapshotBuilder {
         let mut warnings = Vec::new();
         let (contexts, memory_known) = self.gpu_contexts(&mut warnings);
 
-        let envs = self
-            .state
-            .load_envs()
-            .map_err(|e| {
-                warnings.push(warning!(
-                    "{e}; rules that need environments are skipped this cycle"
-                ))
-            })
-            .ok();
+        let envs = self.guard.envs(self.state.load_envs(), &mut warnings);
         let devices = envs.as_ref().and_then(|envs| {
-            match self.state.load_devices(envs) {
+            let read = self.state.load_devices(envs);
+            match self.guard.devices(read, envs, &mut warnings) {
                 Ok(Some(devices)) => Some(devices),
                 // genv would create the file with nothing attached.
                 Ok(None) => Some(self.unattached_devices()),
-                Err(e) => {
-                    warnings.push(warning!(
-                        "{e}; rules that need devices are skipped this cycle"
-                    ));
-                    None
-                }
+                Err(()) => None,
             }
         });
 

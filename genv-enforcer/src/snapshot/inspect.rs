@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::io;
 use std::path::PathBuf;
 
+use crate::backends::devmap::DeviceMap;
 use crate::backends::procfs::{self, EnvironError, ProcStat, StatFile};
 
 /// What the snapshot reads of processes; a trait so assembly can be tested on made-up
@@ -19,7 +20,8 @@ pub trait ProcessInspector: Sync {
     }
     fn environment_id(&self, pid: u32) -> Result<Option<String>, EnvironError>;
     fn real_uid(&self, pid: u32) -> io::Result<u32>;
-    fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>>;
+    /// Processes holding GPU nodes open (by `map`), with the GPU indices they hold.
+    fn gpu_node_holders(&self, map: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>>;
 }
 
 /// The real `/proc`.
@@ -56,8 +58,8 @@ impl ProcessInspector for Procfs {
     fn real_uid(&self, pid: u32) -> io::Result<u32> {
         procfs::real_uid(pid)
     }
-    fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>> {
-        procfs::gpu_node_holders(&self.root)
+    fn gpu_node_holders(&self, map: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>> {
+        procfs::gpu_node_holders(&self.root, &|major, minor| map.index_of(major, minor))
     }
 }
 
@@ -145,7 +147,7 @@ mod tests {
         fn real_uid(&self, _: u32) -> io::Result<u32> {
             Ok(0)
         }
-        fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>> {
+        fn gpu_node_holders(&self, _: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>> {
             Ok(Vec::new())
         }
     }

@@ -14,6 +14,7 @@ macro_rules! warning {
 mod builder;
 mod inspect;
 pub mod order;
+mod owners;
 mod process_table;
 mod wire;
 

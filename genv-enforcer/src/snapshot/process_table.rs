@@ -221,7 +221,10 @@ mod tests {
             self.uid_reads.fetch_add(1, Relaxed);
             Ok(self.procs.get(&pid).ok_or(io::ErrorKind::NotFound)?.0)
         }
-        fn gpu_node_holders(&self) -> io::Result<Vec<(u32, Vec<u32>)>> {
+        fn gpu_node_holders(
+            &self,
+            _: &crate::backends::devmap::DeviceMap,
+        ) -> io::Result<Vec<(u32, Vec<u32>)>> {
             Ok(Vec::new())
         }
     }

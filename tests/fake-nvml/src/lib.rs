@@ -52,6 +52,11 @@ struct Config {
     processes: Vec<ProcessConfig>,
     #[serde(default)]
     fail: HashMap<String, NvmlReturn>,
+    /// Device nodes `nvmlInit` opens (and closes), as the real library opens
+    /// `/dev/nvidia*`: what the kernel programs see of a process that uses NVML. A
+    /// refused open is ignored, as the real library would report it later.
+    #[serde(default)]
+    open_on_init: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -221,6 +226,9 @@ pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> NvmlReturn {
     };
     if let Some(code) = config.fail.get("nvmlInit_v2") {
         return *code;
+    }
+    for node in &config.open_on_init {
+        drop(std::fs::File::open(node));
     }
     state.initialized += 1;
     SUCCESS
