@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use genv_enforcer_tests::events::{EventDaemon, make_gpu_node, make_gpu_node_for, ways_in};
+use genv_enforcer_tests::events::{
+    EventDaemon, make_gpu_node, make_gpu_node_for, pinned_map_has, ways_in,
+};
 use genv_enforcer_tests::{Node, device_record, env_record};
 use serde_json::json;
 
@@ -368,10 +370,17 @@ fn pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() {
     };
     first.expect("pinned under");
     let tier = first.tier.clone();
+    let first_pid = first.daemon.pid();
     assert!(first.daemon.stop(DEATH).unwrap().success());
     let left = generations(&pins.0);
     assert_eq!(left.len(), 1, "{left:?}");
     assert!(std::fs::read_dir(left[0].join("links")).unwrap().count() >= 4);
+    // The stopped daemon's pid, which another process will get, is exempt no more.
+    let exempt = left[0].join("maps/EXEMPT_PIDS");
+    assert!(
+        !pinned_map_has(&exempt, first_pid),
+        "a stopped daemon's pid stays exempt"
+    );
 
     // No daemon: the kernel still decides, from the environments last mirrored.
     let open = ["--open", path(&gpu)];

@@ -136,8 +136,10 @@ fn max_devices_for_user_overrides() {
     let (s1, s2) = (node.shell(), node.shell());
     node.write_state(
         json!([
-            env_record("env-a", 0, "alice", None, s1),
-            env_record("env-b", 0, "bob", None, s2)
+            // Two users, as genv records them: each with a uid of their own (the
+            // processes run as root, which may be in any environment).
+            env_record("env-a", 64_301, "alice", None, s1),
+            env_record("env-b", 64_302, "bob", None, s2)
         ]),
         json!([
             device_record(0, &["env-a", "env-b"]),

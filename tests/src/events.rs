@@ -290,3 +290,62 @@ pub fn program_loaded(id: u32) -> bool {
     );
     false
 }
+
+/// Whether the pinned hash map at `pin` holds `key` (a `u32`; the value is `u8`):
+/// `BPF_OBJ_GET`, then `BPF_MAP_LOOKUP_ELEM`, as `bpftool map lookup pinned` does.
+pub fn pinned_map_has(pin: &Path, key: u32) -> bool {
+    const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+    const BPF_OBJ_GET: libc::c_long = 7;
+    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes()).unwrap();
+    // union bpf_attr for BPF_OBJ_GET: { u64 pathname; u32 bpf_fd; u32 file_flags; }
+    #[repr(C)]
+    struct ObjGet {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+    }
+    let attr = ObjGet {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+    };
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr, size_of_val(&attr)) };
+    assert!(
+        fd >= 0,
+        "BPF_OBJ_GET {}: {}",
+        pin.display(),
+        std::io::Error::last_os_error()
+    );
+    // { u32 map_fd; u32 pad; u64 key; u64 value; u64 flags; }
+    #[repr(C)]
+    struct Lookup {
+        map_fd: u32,
+        _pad: u32,
+        key: u64,
+        value: u64,
+        flags: u64,
+    }
+    let mut value = 0u8;
+    let attr = Lookup {
+        map_fd: fd as u32,
+        _pad: 0,
+        key: &key as *const u32 as u64,
+        value: &mut value as *mut u8 as u64,
+        flags: 0,
+    };
+    let found = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_LOOKUP_ELEM,
+            &attr,
+            size_of_val(&attr),
+        )
+    } == 0;
+    let errno = std::io::Error::last_os_error();
+    unsafe { libc::close(fd as i32) };
+    assert!(
+        found || errno.raw_os_error() == Some(libc::ENOENT),
+        "lookup: {errno}"
+    );
+    found
+}

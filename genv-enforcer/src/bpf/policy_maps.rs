@@ -131,6 +131,14 @@ impl PolicyMaps {
             .map_err(map_error(EXEMPT_PIDS_MAP))
     }
 
+    /// Ends an exemption: pinned maps outlive the daemon, and its pid will be reused.
+    pub fn unexempt(&mut self, pid: u32) -> Result<(), LoadError> {
+        match self.exempt.remove(&pid) {
+            Err(MapError::KeyNotFound) => Ok(()),
+            other => other.map_err(map_error(EXEMPT_PIDS_MAP)),
+        }
+    }
+
     pub fn decisions(&self) -> Decisions {
         let sum = |slot: u32| {
             self.decisions

@@ -105,8 +105,12 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
         }
     }
 
-    // Programs and maps go with `kernel` and `intake`; the status file with `instance`.
+    // Programs and maps go with `kernel` and `intake` (pinned ones stay, without this
+    // daemon's exemption); the status file with `instance`.
     drop(intake);
+    if let Some(kernel) = daemon.kernel.take() {
+        kernel.release();
+    }
     drop(daemon);
     drop(instance);
     Ok(ExitCode::SUCCESS)

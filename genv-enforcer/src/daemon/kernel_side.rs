@@ -166,6 +166,15 @@ impl KernelSide {
         prevention::resolve_identity(self.programs.policy_mut(), pid, verbose);
     }
 
+    /// Before the daemon exits: its process id leaves the exemptions, which pinned maps
+    /// would otherwise keep for whichever process gets that id next. (A daemon killed
+    /// outright leaves it until the next daemon takes over and removes its pins.)
+    pub(super) fn release(mut self) {
+        if let Err(e) = self.programs.policy_mut().unexempt(std::process::id()) {
+            eprintln!("[WARNING] Cannot remove this daemon's exemption from the kernel: {e}");
+        }
+    }
+
     /// The programs' run statistics and the kernel's own decision counts.
     pub(super) fn report(&self, status: &mut Status) {
         status.programs = self.programs.stats();

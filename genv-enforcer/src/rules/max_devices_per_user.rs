@@ -3,33 +3,71 @@
 //! in device order, until within the limit; their processes there are terminated.
 
 use super::{Action, DeviceLimit, Finding, FindingKind, Survey};
-use crate::state::Device;
+use crate::state::{Device, Env};
 
 /// A user's devices on one host: (index, the user's environments attached to it), and
 /// whether the user has environments there at all.
 type HostHolding = (Vec<(u32, Vec<String>)>, bool);
 
-pub fn check(surveys: &[Survey<'_>], limit: &DeviceLimit) -> Vec<Finding> {
-    // genv iterates a Python set of usernames, whose order is randomised per run; the
-    // order of first appearance is the deterministic choice.
-    let mut usernames: Vec<&str> = Vec::new();
-    for survey in surveys {
-        for env in survey.snapshot.envs.iter().flatten() {
-            if let Some(name) = env.username.as_deref().filter(|n| !n.is_empty()) {
-                if !usernames.contains(&name) {
-                    usernames.push(name);
-                }
-            }
+/// Who a user is. On one host, the uid: the `username` field is anyone's to fill in, and
+/// counting by it would let a user spread devices over made-up names (genv counts by
+/// it). Across hosts, the name, as genv does, since a user's uid may differ from host
+/// to host.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum User<'a> {
+    Uid(u32),
+    Name(&'a str),
+}
+
+impl User<'_> {
+    fn owns(self, env: &Env) -> bool {
+        match self {
+            User::Uid(uid) => env.uid == uid,
+            User::Name(name) => env.username.as_deref() == Some(name),
         }
     }
+}
 
+/// The users with environments, in order of first appearance (genv iterates a Python
+/// set of usernames, whose order is randomised per run; this is the deterministic
+/// choice), each with the name its lines print.
+fn users<'a>(surveys: &[Survey<'a>]) -> Vec<(User<'a>, String)> {
+    let local = matches!(surveys, [only] if only.hostname.is_none());
+    let mut users: Vec<(User<'a>, String)> = Vec::new();
+    for env in surveys
+        .iter()
+        .flat_map(|s| s.snapshot.envs.iter().flatten())
+    {
+        let name = env.username.as_deref().filter(|n| !n.is_empty());
+        let user = match (local, name) {
+            (true, _) => User::Uid(env.uid),
+            (false, Some(name)) => User::Name(name),
+            (false, None) => continue,
+        };
+        match users.iter_mut().find(|(known, _)| *known == user) {
+            // A uid's name is the first its environments give.
+            Some((_, shown)) if shown.is_empty() => *shown = name.unwrap_or("").to_owned(),
+            Some(_) => {}
+            None => users.push((user, name.unwrap_or("").to_owned())),
+        }
+    }
+    for (user, shown) in &mut users {
+        if let (User::Uid(uid), true) = (user, shown.is_empty()) {
+            *shown = uid.to_string();
+        }
+    }
+    users
+}
+
+pub fn check(surveys: &[Survey<'_>], limit: &DeviceLimit) -> Vec<Finding> {
     let mut findings = Vec::new();
-    for username in usernames {
+    for (user, username) in users(surveys) {
+        let username = username.as_str();
         // Per host: the devices with this user's attachments, and whether the user has
         // environments there.
         let per_host: Vec<HostHolding> = surveys
             .iter()
-            .map(|survey| user_devices(survey, username))
+            .map(|survey| user_devices(survey, user))
             .collect();
         let attached: usize = per_host.iter().map(|(devices, _)| devices.len()).sum();
         let over = attached.saturating_sub(limit.for_user(username) as usize);
@@ -64,14 +102,14 @@ pub fn check(surveys: &[Survey<'_>], limit: &DeviceLimit) -> Vec<Finding> {
     findings
 }
 
-fn user_devices(survey: &Survey<'_>, username: &str) -> HostHolding {
+fn user_devices(survey: &Survey<'_>, user: User<'_>) -> HostHolding {
     let snapshot = survey.snapshot;
     let (Some(envs), Some(devices)) = (&snapshot.envs, &snapshot.devices) else {
         return (Vec::new(), false);
     };
     let eids: Vec<&str> = envs
         .iter()
-        .filter(|e| e.username.as_deref() == Some(username))
+        .filter(|e| user.owns(e))
         .map(|e| e.eid.as_str())
         .collect();
     let held = devices

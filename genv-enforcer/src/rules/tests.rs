@@ -139,6 +139,57 @@ fn per_user_override_and_detach_terminates_processes_on_that_device() {
     assert_eq!(pids(&report), [33]);
 }
 
+/// On one host a user is a uid: another `username` on a second environment of the same
+/// uid (anyone can write envs.json) does not split the user's devices in two, and an
+/// environment without a name still counts.
+#[test]
+fn a_user_is_counted_by_uid_whatever_the_username_fields_say() {
+    let mut snapshot = Snapshot::from_genv_json(MEMORY).unwrap();
+    let envs = snapshot.envs.as_mut().unwrap();
+    envs[1].uid = 1000;
+    envs[1].username = Some("someone-else".into());
+    let devices = snapshot.devices.as_mut().unwrap();
+    devices[0].attachments.retain(|a| a.eid == "e");
+    devices[1].attachments = vec![
+        serde_json::from_value(
+            serde_json::json!({"eid": "other", "gpu_memory": null, "time": "x"}),
+        )
+        .unwrap(),
+    ];
+    let rules = Rules {
+        env_devices: false,
+        env_memory: false,
+        max_devices_per_user: limit(1, &[]),
+        ..Rules::default()
+    };
+    let surveys = [Survey {
+        hostname: None,
+        snapshot: &snapshot,
+    }];
+    let lines: Vec<String> = check(&surveys, &rules)
+        .iter()
+        .map(|f| f.line(&[None]))
+        .collect();
+    assert_eq!(
+        lines,
+        ["User alice is using 2 devices which is 1 more than the maximum allowed"]
+    );
+    snapshot.envs.as_mut().unwrap()[0].username = None;
+    snapshot.envs.as_mut().unwrap()[1].username = None;
+    let surveys = [Survey {
+        hostname: None,
+        snapshot: &snapshot,
+    }];
+    let lines: Vec<String> = check(&surveys, &rules)
+        .iter()
+        .map(|f| f.line(&[None]))
+        .collect();
+    assert_eq!(
+        lines,
+        ["User 1000 is using 2 devices which is 1 more than the maximum allowed"]
+    );
+}
+
 #[test]
 fn rules_needing_state_do_nothing_without_it() {
     let mut snapshot = Snapshot::from_genv_json(MEMORY).unwrap();

@@ -4,15 +4,13 @@
 //!   one of the shells that activated it lives: a later `envs.json` that gives it
 //!   another owner is reported and ignored, so nobody can turn another user's
 //!   processes into outsiders (or claim their environment) by editing the file;
-//! - a user is who the uid is, not what the `username` field says: limits count a
-//!   user's devices by uid (genv counts by the field, which anyone can fill in);
 //! - a file that does not parse does not switch enforcement off: the last good parse
 //!   stands, and the warning says so.
 
 use std::collections::HashMap;
 
 use super::Warning;
-use crate::backends::{procfs, users};
+use crate::backends::procfs;
 use crate::state::{Device, Env, StateError};
 
 #[derive(Debug, Default)]
@@ -40,7 +38,6 @@ impl StateGuard {
         match read {
             Ok(mut envs) => {
                 self.pin_owners(&mut envs, warnings);
-                name_users(&mut envs);
                 self.last_envs = Some(envs.clone());
                 Some(envs)
             }
@@ -125,15 +122,6 @@ impl StateGuard {
     }
 }
 
-/// Each environment's user is its uid's name where the uid has one.
-fn name_users(envs: &mut [Env]) {
-    for env in envs {
-        if let Some(name) = users::name_of(env.uid) {
-            env.username = Some(name);
-        }
-    }
-}
-
 /// genv's cleanup, applied again to a kept list: environments whose activating shells
 /// are all gone (and that have no Jupyter kernels) are no longer active.
 fn drop_inactive(envs: &mut Vec<Env>) {
@@ -202,19 +190,6 @@ mod tests {
             "a new environment with that id"
         );
         assert!(warnings.is_empty(), "{warnings:?}");
-    }
-
-    #[test]
-    fn users_are_named_by_uid_not_by_the_field() {
-        let mut guard = StateGuard::default();
-        let envs = guard.envs(Ok(vec![env("e", 0, alive())]), &mut Vec::new());
-        assert_eq!(envs.unwrap()[0].username.as_deref(), Some("root"));
-        let envs = guard.envs(Ok(vec![env("f", 4_000_000, alive())]), &mut Vec::new());
-        assert_eq!(
-            envs.unwrap()[0].username.as_deref(),
-            Some("whoever"),
-            "a uid without a name keeps the field"
-        );
     }
 
     #[test]
