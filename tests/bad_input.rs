@@ -372,3 +372,44 @@ fn without_nvml_a_node_mapped_with_gpu_node_is_a_gpu() {
     assert!(node.wait_exit(rogue, Duration::from_secs(10)).is_some());
     assert!(node.alive(member), "on its attached GPU");
 }
+
+/// genv keeps an environment entry that appears twice (its lookups take the first),
+/// and any user can write one. Such a file must not freeze the daemon on an old parse:
+/// an environment activated after it still counts.
+#[test]
+fn a_duplicated_entry_does_not_freeze_the_state_the_daemon_enforces() {
+    let mut node = Node::new(2);
+    let (shell_a, shell_b) = (node.shell(), node.shell());
+    let a = env_record("env-a", 0, "root", None, shell_a);
+    node.write_state(
+        json!([a.clone()]),
+        json!([device_record(0, &["env-a"]), device_record(1, &[])]),
+    );
+    let first = node.spawn(None, &[(0, 100)]);
+    let mut daemon = Daemon::start(&node, &["--interval", "0.2", "--non-env-processes"]);
+    daemon.expect_line(
+        &format!("Process {first} is not running in a GPU environment"),
+        Duration::from_secs(20),
+    );
+    // A duplicate of env-a, and env-b activated since, attached to GPU 1.
+    node.write_state(
+        json!([a.clone(), a, env_record("env-b", 0, "root", None, shell_b)]),
+        json!([device_record(0, &["env-a"]), device_record(1, &["env-b"])]),
+    );
+    let member_b = node.spawn(Some("env-b"), &[(1, 100)]);
+    daemon.expect_line(
+        "holds environment env-a more than once",
+        Duration::from_secs(20),
+    );
+    // Marker: a later cycle, which judged env-b's process too, terminated an outsider.
+    let second = node.spawn(None, &[(0, 100)]);
+    let seen = daemon.expect_line(
+        &format!("Process {second} is not running in a GPU environment"),
+        Duration::from_secs(20),
+    );
+    assert!(
+        node.alive(member_b),
+        "env-b's process was made an outsider: {seen:#?}"
+    );
+    daemon.stop(Duration::from_secs(30));
+}

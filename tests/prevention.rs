@@ -710,3 +710,60 @@ fn an_upgraded_daemon_survives_its_predecessors_pinned_programs() {
     );
     assert!(second.daemon.stop(DEATH).unwrap().success());
 }
+
+/// On the kill tiers SIGKILL reaches the opener's thread group only: a process sharing
+/// its file table (`clone(CLONE_FILES)`; a sibling that `dup`s the descriptor away is
+/// the same case) would keep the GPU. The daemon kills every such holder outside an
+/// environment; on the LSM tier the open is refused and nobody holds anything.
+#[test]
+fn a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
+    let _serial = serial();
+    let (mut node, [gpu, _]) = node();
+    let Some(daemon) = deny(&node, &[]) else {
+        return;
+    };
+    let args = ["--open-clone-files", path(&gpu)];
+    let (sharer, lines) = attempt(&mut node, None, Some(OUTSIDER), &args);
+    if daemon.tier == "lsm" {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("returned none clone(CLONE_FILES)")),
+            "{lines:?}"
+        );
+        daemon.expect("Refused process ");
+        assert!(node.alive(sharer), "it holds nothing: left alone");
+    } else {
+        assert_eq!(
+            node.wait_exit(sharer, DEATH),
+            Some(libc::SIGKILL),
+            "{lines:?}"
+        );
+        let line = daemon.expect(&format!("Killed process {sharer} of user "));
+        assert!(
+            line.contains("opened by a process the kernel killed"),
+            "{line}"
+        );
+        assert!(daemon.wait_count("killed_holders") >= 1);
+    }
+    // Nobody outside an environment holds the node now.
+    let holders: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+                fds.filter_map(Result::ok).any(|fd| {
+                    std::fs::metadata(fd.path()).is_ok_and(|m| {
+                        std::os::unix::fs::MetadataExt::rdev(&m)
+                            == std::os::unix::fs::MetadataExt::rdev(
+                                &std::fs::metadata(&gpu).unwrap(),
+                            )
+                            && std::os::unix::fs::FileTypeExt::is_char_device(&m.file_type())
+                    })
+                })
+            })
+        })
+        .map(|pid| pid.to_string())
+        .collect();
+    assert!(holders.is_empty(), "still held by {holders:?}");
+}

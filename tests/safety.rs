@@ -219,7 +219,9 @@ fn rewriting_an_environments_owner_in_envs_json_is_reported_and_ignored() {
     const ALICE: u32 = 64_201;
     const MALLORY: u32 = 64_202;
     let mut node = Node::new(1);
-    let shell = node.shell();
+    // Alice's shell, which activated the environment, runs as alice: the kernel
+    // confirms the owner the file first gives.
+    let shell = node.spawn_with(None, &[], &[], Some(ALICE));
     let envs = |uid: u32| json!([env_record("alice-env", uid, "alice", None, shell)]);
     node.write_state(envs(ALICE), json!([device_record(0, &["alice-env"])]));
     let member = node.spawn_with(Some("alice-env"), &[(0, 100)], &[], Some(ALICE));

@@ -237,6 +237,11 @@ pub struct Offsets {
     pub sys_exit_ret: u32,
     /// `group_dead` in `sched/sched_process_exit` (6.15 and later); `ABSENT` before.
     pub exit_group_dead: u32,
+    /// `task_struct.thread_info.status` (x86: `TS_COMPAT` marks a 32-bit syscall);
+    /// `ABSENT` where the architecture has none.
+    pub task_ti_status: u32,
+    /// `pt_regs.orig_ax`: the syscall number (x86); `ABSENT` elsewhere.
+    pub regs_orig_ax: u32,
 }
 
 impl Offsets {
@@ -262,6 +267,8 @@ impl Offsets {
         sb_s_dev: 0,
         sys_exit_ret: 0,
         exit_group_dead: Self::ABSENT,
+        task_ti_status: Self::ABSENT,
+        regs_orig_ax: Self::ABSENT,
     };
 }
 
@@ -294,7 +301,7 @@ mod tests {
         // The programs and the daemon are built by different compilers for different
         // targets; a size change means one side was not rebuilt or a field is unaligned.
         assert_eq!(size_of::<RawEvent>(), 40);
-        assert_eq!(size_of::<Offsets>(), 19 * 4);
+        assert_eq!(size_of::<Offsets>(), 21 * 4);
         assert_eq!(size_of::<EnvEntry>(), 16);
         assert_eq!(size_of::<ExeKey>(), 16);
     }

@@ -5,8 +5,8 @@
 use aya_ebpf::helpers::{
     bpf_get_current_task, bpf_get_current_uid_gid, bpf_probe_read_kernel, bpf_send_signal,
 };
-use aya_ebpf::macros::{fentry, lsm, tracepoint};
-use aya_ebpf::programs::{FEntryContext, LsmContext, TracePointContext};
+use aya_ebpf::macros::{fentry, lsm, raw_tracepoint, tracepoint};
+use aya_ebpf::programs::{FEntryContext, LsmContext, RawTracePointContext, TracePointContext};
 use genv_ebpf_common::{ExeKey, Offsets, RawEvent, decision, hook, kind, policy, verdict};
 
 use crate::kernel::{current, read};
@@ -158,8 +158,9 @@ pub fn open_fentry(ctx: FEntryContext) -> u32 {
     0
 }
 
-/// Tier 3: the `open`, `openat` and `openat2` syscall exits. Only successful opens
-/// return a descriptor; it is resolved through the task's file table to its inode.
+/// Tier 3: the `open`, `openat`, `openat2`, `creat` and `open_by_handle_at` syscall
+/// exits, native and 32-bit. Only successful opens return a descriptor; it is resolved
+/// through the task's file table to its inode.
 #[inline(always)]
 fn on_open_exit(ctx: &TracePointContext) {
     let o = offsets();
@@ -167,6 +168,12 @@ fn on_open_exit(ctx: &TracePointContext) {
     let Ok(ret) = (unsafe { ctx.read_at::<i64>(o.sys_exit_ret as usize) }) else {
         return;
     };
+    on_open_returned(ret, &o);
+}
+
+/// The descriptor an open returned (`ret`), if it is one, decided about.
+#[inline(always)]
+fn on_open_returned(ret: i64, o: &Offsets) {
     if ret < 0 || ret > i32::MAX as i64 {
         return;
     }
@@ -195,7 +202,40 @@ fn on_open_exit(ctx: &TracePointContext) {
     let Ok(file) = (unsafe { bpf_probe_read_kernel(fds.wrapping_add(fd as usize)) }) else {
         return;
     };
-    decide(file, &o, hook::TRACEPOINT);
+    decide(file, o, hook::TRACEPOINT);
+}
+
+/// `TS_COMPAT` in x86's `thread_info.status`: the task is in a 32-bit syscall
+/// (`int 0x80`, or a 32-bit program), whose exits the `sys_exit_open*` tracepoints
+/// never report.
+const TS_COMPAT: u32 = 0x0002;
+
+/// The 32-bit syscall numbers that open a file (x86 `syscall_32.tbl`): open, creat,
+/// openat, open_by_handle_at, openat2.
+const COMPAT_OPENS: [u64; 5] = [5, 8, 295, 342, 437];
+
+/// Tier 3, 32-bit opens: `raw_syscalls:sys_exit(regs, ret)`, which fires for every
+/// syscall exit; it returns at once unless the task is in a 32-bit syscall.
+#[raw_tracepoint(tracepoint = "sys_exit")]
+pub fn open_exit_compat(ctx: RawTracePointContext) -> i32 {
+    let o = offsets();
+    if o.task_ti_status == Offsets::ABSENT || o.regs_orig_ax == Offsets::ABSENT {
+        return 0;
+    }
+    // SAFETY: a helper without arguments; the task is read only through probe reads.
+    let task = unsafe { bpf_get_current_task() } as *const u8;
+    if read::<u32>(task, o.task_ti_status).is_none_or(|status| status & TS_COMPAT == 0) {
+        return 0;
+    }
+    let regs: *const u8 = ctx.arg(0);
+    let Some(nr) = read::<u64>(regs, o.regs_orig_ax) else {
+        return 0;
+    };
+    if COMPAT_OPENS.contains(&nr) {
+        let ret: i64 = ctx.arg(1);
+        on_open_returned(ret, &o);
+    }
+    0
 }
 
 #[tracepoint]
@@ -212,6 +252,19 @@ pub fn open_exit_at(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn open_exit_at2(ctx: TracePointContext) -> u32 {
+    on_open_exit(&ctx);
+    0
+}
+
+/// `creat(2)` of an existing node opens it for writing.
+#[tracepoint]
+pub fn open_exit_creat(ctx: TracePointContext) -> u32 {
+    on_open_exit(&ctx);
+    0
+}
+
+#[tracepoint]
+pub fn open_exit_by_handle(ctx: TracePointContext) -> u32 {
     on_open_exit(&ctx);
     0
 }

@@ -67,9 +67,10 @@ pub fn make_gpu_node_for(path: &Path, gpu: usize) -> PathBuf {
     path.to_owned()
 }
 
-/// Eight ways in to GPU node `gpu` (in `dir`), as gpu-process arguments: a symlink, a
+/// Nine ways in to GPU node `gpu` (in `dir`), as gpu-process arguments: a symlink, a
 /// hard link, a private `mknod` in a 0700 directory, a `/proc/self/fd` re-open,
-/// `openat(dirfd)`, `open(2)`, `openat2(2)` and a second thread. Makes what they need;
+/// `openat(dirfd)`, `open(2)`, `openat2(2)`, a second thread and a 32-bit `int 0x80`
+/// open. Makes what they need;
 /// the private directory belongs to `owner` (the uid that will open), else to root.
 pub fn ways_in(dir: &Path, gpu: &Path, owner: Option<u32>) -> Vec<(&'static str, Vec<String>)> {
     let symlink = dir.join("symlink");
@@ -99,6 +100,7 @@ pub fn ways_in(dir: &Path, gpu: &Path, owner: Option<u32>) -> Vec<(&'static str,
         ("open(2)", args(&["--open-syscall", &s(gpu)])),
         ("openat2(2)", args(&["--open2", &s(gpu)])),
         ("a second thread", args(&["--open-in-thread", &s(gpu)])),
+        ("a 32-bit open (int 0x80)", args(&["--open-int80", &s(gpu)])),
     ]
 }
 

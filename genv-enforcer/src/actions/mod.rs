@@ -1,7 +1,7 @@
 //! Carrying out a report: terminations first, then detaches, as genv's `execute` does,
 //! with genv's output lines.
 
-mod kill;
+pub mod kill;
 
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};

@@ -4,6 +4,9 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
+/// Answers kept at most; a node has far fewer users.
+const MAX_CACHED: usize = 4096;
+
 /// The user's name, or `None` where the uid has no passwd entry (a container's uid,
 /// a deleted user). Answers, found or not, are kept for the daemon's life.
 pub fn name_of(uid: u32) -> Option<String> {
@@ -14,6 +17,10 @@ pub fn name_of(uid: u32) -> Option<String> {
     }
     let found = lookup(uid);
     if let Ok(mut cache) = cache.lock() {
+        // Bounded: uids come from files anyone can write.
+        if cache.len() >= MAX_CACHED {
+            cache.clear();
+        }
         cache.insert(uid, found.clone());
     }
     found

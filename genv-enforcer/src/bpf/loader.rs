@@ -272,6 +272,32 @@ fn program_mut<'a>(
     })
 }
 
+/// 32-bit opens (`int 0x80`, 32-bit programs) fire no `sys_exit_open*` tracepoint:
+/// `raw_syscalls:sys_exit` catches them, at the cost of a program run per syscall exit
+/// (it returns at once for 64-bit ones). Without it the tier still works, with that
+/// hole, and says so.
+fn attach_compat_opens(ebpf: &mut Ebpf, ids: &mut Vec<Attached>) {
+    let attach = |ebpf: &mut Ebpf| -> Result<Attached, LoadError> {
+        let error = program_error("open_exit_compat");
+        let raw: &mut RawTracePoint = program_mut(ebpf, "open_exit_compat")?
+            .try_into()
+            .map_err(&error)?;
+        raw.load().map_err(&error)?;
+        let link = LinkId::RawTracePoint(raw.attach("sys_exit").map_err(&error)?);
+        Ok(Attached {
+            name: "open_exit_compat",
+            id: raw.info().map_err(&error)?.id(),
+            link: Some(link),
+        })
+    };
+    match attach(ebpf) {
+        Ok(attached) => ids.push(attached),
+        Err(e) => eprintln!(
+            "[WARNING] 32-bit opens are not seen at the open ({e}): the full cycle finds their GPU contexts"
+        ),
+    }
+}
+
 /// The kernel's active LSMs, mounting securityfs first where nothing did (a minimal
 /// system, a VM's init). A BPF LSM program loads and attaches even where the BPF LSM is
 /// not active, and then never runs: this list is the only way to know.
@@ -341,6 +367,8 @@ fn attach_open_tier(ebpf: &mut Ebpf, tier: Tier, ids: &mut Vec<Attached>) -> Res
                 ("open_exit_at", "sys_exit_openat"),
                 ("open_exit_at2", "sys_exit_openat2"),
                 ("open_exit_open", "sys_exit_open"),
+                ("open_exit_creat", "sys_exit_creat"),
+                ("open_exit_by_handle", "sys_exit_open_by_handle_at"),
             ] {
                 let tp: &mut TracePoint = program_mut(ebpf, program)
                     .map_err(|e| e.to_string())?
@@ -366,6 +394,7 @@ fn attach_open_tier(ebpf: &mut Ebpf, tier: Tier, ids: &mut Vec<Attached>) -> Res
             if attached == 0 {
                 return Err(missing.join("; "));
             }
+            attach_compat_opens(ebpf, ids);
         }
     }
     Ok(())

@@ -17,6 +17,15 @@ pub enum OffsetsError {
 
 pub fn for_running_kernel(btf: &Btf, tracefs_root: &Path) -> Result<Offsets, OffsetsError> {
     let member = |s: &str, m: &str| btf.member_offset(s, m);
+    // x86's compat syscalls: only what the 32-bit open hook needs, absent elsewhere.
+    let optional = |s: &str, m: &str| member(s, m).unwrap_or(Offsets::ABSENT);
+    let task_ti_status = match (
+        optional("task_struct", "thread_info"),
+        optional("thread_info", "status"),
+    ) {
+        (Offsets::ABSENT, _) | (_, Offsets::ABSENT) => Offsets::ABSENT,
+        (info, status) => info + status,
+    };
     Ok(Offsets {
         task_pid: member("task_struct", "pid")?,
         task_tgid: member("task_struct", "tgid")?,
@@ -48,5 +57,7 @@ pub fn for_running_kernel(btf: &Btf, tracefs_root: &Path) -> Result<Offsets, Off
             "group_dead",
         )?
         .unwrap_or(Offsets::ABSENT),
+        task_ti_status,
+        regs_orig_ax: optional("pt_regs", "orig_ax"),
     })
 }

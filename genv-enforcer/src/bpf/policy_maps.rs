@@ -131,6 +131,22 @@ impl PolicyMaps {
             .map_err(map_error(EXEMPT_PIDS_MAP))
     }
 
+    /// Whether the kernel counts `pid` (running as `uid`) inside an active environment
+    /// it may claim: the open hook's own test, from the same maps.
+    pub fn in_environment(&self, pid: u32, uid: u32) -> bool {
+        let Ok(identity) = self.proc_env.get(&pid, 0) else {
+            return false;
+        };
+        self.envs
+            .get(&identity, 0)
+            .is_ok_and(|env| uid == 0 || env.uid == uid)
+    }
+
+    /// Whether `key` is on the allow-list.
+    pub fn allows_exe(&self, key: &ExeKey) -> bool {
+        self.allowed.get(key, 0).is_ok()
+    }
+
     /// Ends an exemption: pinned maps outlive the daemon, and its pid will be reused.
     pub fn unexempt(&mut self, pid: u32) -> Result<(), LoadError> {
         match self.exempt.remove(&pid) {

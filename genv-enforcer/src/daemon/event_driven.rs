@@ -77,6 +77,7 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
         watchlist: Watchlist::default(),
         settled: HashMap::new(),
         said_unknown: false,
+        to_sweep: HashSet::new(),
     };
     let mut batch = Batch::default();
     loop {
@@ -136,6 +137,8 @@ struct Daemon {
     settled: HashMap<u32, Instant>,
     /// An undecodable event was reported once already.
     said_unknown: bool,
+    /// GPUs the kernel killed an opener of since the last sweep for other holders.
+    to_sweep: HashSet<u32>,
 }
 
 impl Daemon {
@@ -177,6 +180,7 @@ impl Daemon {
         for event in batch.events.drain(..) {
             self.on_event(event, now);
         }
+        self.sweep_holders();
         if let Some(first) = batch.unknown.first() {
             if !self.said_unknown {
                 eprintln!("[WARNING] {first}; treating it as a lost event");
@@ -248,10 +252,14 @@ impl Daemon {
                 }
                 match open.verdict {
                     Verdict::Refused => counts.refused += 1,
-                    Verdict::Killed => counts.killed += 1,
+                    Verdict::Killed => {
+                        counts.killed += 1;
+                        self.to_sweep.insert(open.index);
+                    }
                     Verdict::KillFailed => {
+                        self.to_sweep.insert(open.index);
                         eprintln!(
-                            "[ERROR] The kernel could not kill process {} when it opened GPU {}: the open returned; the rules decide now",
+                            "[ERROR] The kernel could not kill process {} when it opened GPU {}: the open returned; the daemon kills the holders now",
                             open.pid, open.index
                         );
                         self.watchlist.add(open, now);
@@ -260,6 +268,23 @@ impl Daemon {
                     _ => self.watchlist.add(open, now),
                 }
             }
+        }
+    }
+
+    /// After the kernel killed openers: whoever still holds those GPUs outside any
+    /// environment (a process sharing the opener's file table) is killed too. One sweep
+    /// of `/proc` per batch of events, however many kills it held.
+    fn sweep_holders(&mut self) {
+        if self.to_sweep.is_empty() {
+            return;
+        }
+        let gpus = std::mem::take(&mut self.to_sweep);
+        let Some(kernel) = &self.kernel else {
+            return;
+        };
+        for killed in kernel.sweep_holders(&self.settings, &gpus) {
+            println!("{}", killed.line());
+            self.status.counts.killed_holders += 1;
         }
     }
 

@@ -2,6 +2,7 @@
 //! keeping what they decide from (watched nodes, genv's environments, the allow-list,
 //! `--deny`) in step with each full cycle, and taking over from an earlier run's pins.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
@@ -173,6 +174,19 @@ impl KernelSide {
         if let Err(e) = self.programs.policy_mut().unexempt(std::process::id()) {
             eprintln!("[WARNING] Cannot remove this daemon's exemption from the kernel: {e}");
         }
+    }
+
+    /// Kills the processes outside environments still holding `gpus`, which the kernel
+    /// killed an opener of (see [`prevention::holders`]).
+    pub(super) fn sweep_holders(
+        &self,
+        settings: &Settings,
+        gpus: &HashSet<u32>,
+    ) -> Vec<prevention::holders::Killed> {
+        let Some(map) = &self.device_map else {
+            return Vec::new();
+        };
+        prevention::holders::sweep(self.programs.policy(), map, gpus, settings.deny_root)
     }
 
     /// The programs' run statistics and the kernel's own decision counts.

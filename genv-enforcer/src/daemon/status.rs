@@ -57,6 +57,9 @@ pub struct Counts {
     pub killed_in_kernel: u64,
     /// `bpf_send_signal` failures (the open returned to a process that should have died).
     pub kill_failed_in_kernel: u64,
+    /// Processes outside environments killed for holding a GPU node opened by a
+    /// process the kernel killed (a shared file table).
+    pub killed_holders: u64,
 }
 
 /// `genv-enforcer status`.

@@ -3,27 +3,42 @@
 
 use std::collections::HashMap;
 
-use genv_ebpf_common::{EnvEntry, MAX_ENV_ID, env_id_hash};
+use genv_ebpf_common::{EnvEntry, MAX_ENV_ID, MAX_ENVS, env_id_hash};
 
 use crate::bpf::policy_maps::PolicyMaps;
 use crate::state::model::{Device, Env};
 
+/// What the kernel's `ENVS` map should hold, and what it cannot.
+#[derive(Debug, Default)]
+pub struct Mirror {
+    pub entries: HashMap<u64, EnvEntry>,
+    /// Ids longer than the programs read: their processes count as outside.
+    pub too_long: Vec<String>,
+    /// Environments past the map's capacity (unconfirmed ones go first).
+    pub over_capacity: Vec<String>,
+}
+
 /// Every active environment, keyed as the programs look it up: its owner's uid and the
-/// GPUs attached to it. An eid longer than the programs read is left out (its processes
-/// count as outside); `skipped` names them.
-pub fn env_entries(envs: &[Env], devices: &[Device]) -> (HashMap<u64, EnvEntry>, Vec<String>) {
-    let mut entries = HashMap::new();
-    let mut skipped = Vec::new();
-    for env in envs {
+/// GPUs attached to it. The map holds `MAX_ENVS`: environments whose owner the kernel
+/// confirmed go first, so that a flood of forged entries cannot push real ones out.
+pub fn env_entries(envs: &[Env], devices: &[Device]) -> Mirror {
+    let mut mirror = Mirror::default();
+    let confirmed = envs.iter().filter(|e| e.verified);
+    let others = envs.iter().filter(|e| !e.verified);
+    for env in confirmed.chain(others) {
         if env.eid.len() > MAX_ENV_ID {
-            skipped.push(env.eid.clone());
+            mirror.too_long.push(env.eid.clone());
+            continue;
+        }
+        if mirror.entries.len() >= MAX_ENVS as usize {
+            mirror.over_capacity.push(env.eid.clone());
             continue;
         }
         let attached = devices
             .iter()
             .filter(|d| d.index < 64 && d.is_attached_to(&env.eid))
             .fold(0u64, |mask, d| mask | (1 << d.index));
-        entries.insert(
+        mirror.entries.insert(
             env_id_hash(env.eid.as_bytes()),
             EnvEntry {
                 uid: env.uid,
@@ -32,7 +47,7 @@ pub fn env_entries(envs: &[Env], devices: &[Device]) -> (HashMap<u64, EnvEntry>,
             },
         );
     }
-    (entries, skipped)
+    mirror
 }
 
 /// Mirrors the active environments, as the full cycle just read them, into the kernel.
@@ -44,15 +59,22 @@ pub fn sync_environments(maps: &mut PolicyMaps, state: Option<(Vec<Env>, Vec<Dev
         eprintln!("[WARNING] The kernel keeps its previous list of environments");
         return false;
     };
-    let (entries, skipped) = env_entries(&envs, &devices);
-    for eid in skipped {
+    let mirror = env_entries(&envs, &devices);
+    for eid in &mirror.too_long {
         eprintln!(
-            "[WARNING] Environment id {eid:?} is longer than {} bytes: the kernel cannot \
-             match it, and its processes count as outside any environment",
-            genv_ebpf_common::MAX_ENV_ID
+            "[WARNING] Environment id {eid:?} is longer than {MAX_ENV_ID} bytes: the kernel \
+             cannot match it, and its processes count as outside any environment"
         );
     }
-    match maps.sync_envs(&entries) {
+    if let Some(first) = mirror.over_capacity.first() {
+        eprintln!(
+            "[WARNING] envs.json holds more than {MAX_ENVS} active environments: {} of them \
+             (first {first:?}; environments whose owner is not confirmed go first) are not \
+             known to the kernel, and their processes count as outside any environment",
+            mirror.over_capacity.len()
+        );
+    }
+    match maps.sync_envs(&mirror.entries) {
         Ok(()) => true,
         Err(e) => {
             eprintln!("[ERROR] Cannot update the kernel's environments: {e}");
@@ -85,11 +107,13 @@ mod tests {
 
     #[test]
     fn environments_carry_their_owner_and_attached_gpus() {
-        let (entries, skipped) = env_entries(
+        let Mirror {
+            entries, too_long, ..
+        } = env_entries(
             &[env("a", 1000), env("b", 1001)],
             &[device(0, &["a"]), device(1, &["a", "b"]), device(2, &[])],
         );
-        assert!(skipped.is_empty());
+        assert!(too_long.is_empty());
         let a = entries[&env_id_hash(b"a")];
         assert_eq!((a.uid, a.attached), (1000, 0b011));
         let b = entries[&env_id_hash(b"b")];
@@ -100,9 +124,22 @@ mod tests {
     #[test]
     fn an_eid_longer_than_the_programs_read_is_left_out_and_named() {
         let long = "x".repeat(MAX_ENV_ID + 1);
-        let (entries, skipped) = env_entries(&[env(&long, 0)], &[]);
-        assert!(entries.is_empty());
-        assert_eq!(skipped.len(), 1);
-        assert_eq!(skipped[0], long);
+        let mirror = env_entries(&[env(&long, 0)], &[]);
+        assert!(mirror.entries.is_empty());
+        assert_eq!(mirror.too_long, [long]);
+    }
+
+    #[test]
+    fn past_the_kernels_capacity_confirmed_environments_are_kept() {
+        let mut envs: Vec<Env> = (0..MAX_ENVS + 10)
+            .map(|i| env(&format!("forged-{i}"), 1000))
+            .collect();
+        let mut real = env("real", 1001);
+        real.verified = true;
+        envs.push(real);
+        let mirror = env_entries(&envs, &[]);
+        assert_eq!(mirror.entries.len(), MAX_ENVS as usize);
+        assert!(mirror.entries.contains_key(&env_id_hash(b"real")));
+        assert_eq!(mirror.over_capacity.len(), 11);
     }
 }

@@ -2,11 +2,13 @@
 //! GPU node. This stage keeps what it decides from true: each process's environment
 //! identity ([`identity`]), genv's active environments ([`mirror`]) and the executables
 //! allowed outside environments ([`allowlist`]), all written into the maps that
-//! [`crate::bpf::policy_maps`] holds; and it reports what the kernel decided
-//! ([`decisions`]).
+//! [`crate::bpf::policy_maps`] holds; it reports what the kernel decided
+//! ([`decisions`]); and it finishes what a kill in the kernel could not, for processes
+//! sharing the killed opener's descriptors ([`holders`]).
 
 pub mod allowlist;
 pub mod decisions;
+pub mod holders;
 pub mod identity;
 pub mod mirror;
 

@@ -1,17 +1,25 @@
 //! What the enforcer believes of genv's state, which any user can rewrite
 //! (`$GENV_TMPDIR` is world-writable, its files 0666):
-//! - an environment's owner uid is pinned the first time it is seen, for as long as
-//!   one of the shells that activated it lives: a later `envs.json` that gives it
-//!   another owner is reported and ignored, so nobody can turn another user's
-//!   processes into outsiders (or claim their environment) by editing the file;
+//! - an environment's owner is believed when the kernel confirms it: a live shell that
+//!   activated it (its `pids`) runs as that uid. A confirmed owner is pinned for as long
+//!   as one of those shells lives: a later `envs.json` that gives the environment another
+//!   owner is reported and ignored, so nobody can turn another user's processes into
+//!   outsiders (or claim their environment) by editing the file. An entry the kernel
+//!   does not confirm (`pids` of someone else's processes) pins nothing;
+//! - of several entries with one eid (genv keeps them; its lookups take the first), the
+//!   first confirmed one counts, else the first;
 //! - a file that does not parse does not switch enforcement off: the last good parse
 //!   stands, and the warning says so.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::Warning;
 use crate::backends::procfs;
 use crate::state::{Device, Env, StateError};
+
+/// Pins kept at most: one per environment the kernel confirmed; far more than a node
+/// has, and a bound on what a flood of confirmed entries can cost.
+const MAX_PINS: usize = 1 << 14;
 
 #[derive(Debug, Default)]
 pub(crate) struct StateGuard {
@@ -36,7 +44,8 @@ impl StateGuard {
         warnings: &mut Vec<Warning>,
     ) -> Option<Vec<Env>> {
         match read {
-            Ok(mut envs) => {
+            Ok(envs) => {
+                let mut envs = first_of_each(verify(envs), warnings);
                 self.pin_owners(&mut envs, warnings);
                 self.last_envs = Some(envs.clone());
                 Some(envs)
@@ -100,6 +109,7 @@ impl StateGuard {
         for env in envs.iter_mut() {
             match self.pins.get(&env.eid) {
                 Some(pin) if pin.uid != env.uid => {
+                    env.verified = false;
                     warnings.push(warning!(
                         "envs.json now says environment {} belongs to uid {}, but it was \
                          created by uid {}: ignoring the change",
@@ -110,6 +120,7 @@ impl StateGuard {
                     env.uid = pin.uid;
                 }
                 Some(_) => {}
+                None if !env.verified || self.pins.len() >= MAX_PINS => {}
                 None => {
                     let pin = Pin {
                         uid: env.uid,
@@ -120,6 +131,47 @@ impl StateGuard {
             }
         }
     }
+}
+
+/// Marks the environments whose owner the kernel confirms: a live activating shell
+/// runs as the recorded uid.
+fn verify(mut envs: Vec<Env>) -> Vec<Env> {
+    for env in &mut envs {
+        env.verified = env
+            .pids
+            .iter()
+            .filter_map(|pid| procfs::real_uid(u32::try_from(*pid).ok()?).ok())
+            .any(|uid| uid == env.uid);
+    }
+    envs
+}
+
+/// One entry per eid: the first confirmed one, else the first; duplicates are named.
+fn first_of_each(envs: Vec<Env>, warnings: &mut Vec<Warning>) -> Vec<Env> {
+    let confirmed: HashSet<String> = envs
+        .iter()
+        .filter(|e| e.verified)
+        .map(|e| e.eid.clone())
+        .collect();
+    let mut seen = HashSet::new();
+    let mut kept = Vec::with_capacity(envs.len());
+    for env in envs {
+        let wanted = env.verified || !confirmed.contains(&env.eid);
+        if wanted && seen.insert(env.eid.clone()) {
+            kept.push(env);
+        } else {
+            warnings.push(warning!(
+                "envs.json holds environment {} more than once: the first {}entry counts",
+                env.eid,
+                if confirmed.contains(&env.eid) {
+                    "confirmed "
+                } else {
+                    ""
+                }
+            ));
+        }
+    }
+    kept
 }
 
 /// genv's cleanup, applied again to a kept list: environments whose activating shells
@@ -145,6 +197,13 @@ mod tests {
         .unwrap()
     }
 
+    /// A live process of `uid` (the test runs as root; a child is given the uid).
+    fn shell_of(uid: u32) -> std::process::Child {
+        let mut command = std::process::Command::new("sleep");
+        std::os::unix::process::CommandExt::uid(&mut command, uid);
+        command.arg("60").spawn().unwrap()
+    }
+
     fn malformed() -> StateError {
         StateError {
             path: Path::new("/var/tmp/genv/envs.json").to_owned(),
@@ -158,38 +217,93 @@ mod tests {
     }
 
     #[test]
-    fn an_owner_is_pinned_and_a_later_change_is_reported_and_ignored() {
+    fn a_confirmed_owner_is_pinned_and_a_later_change_is_reported_and_ignored() {
+        let mut shell = shell_of(64_501);
+        let pid = shell.id() as i32;
         let mut guard = StateGuard::default();
         let mut warnings = Vec::new();
-        let first = guard.envs(Ok(vec![env("e", 1000, alive())]), &mut warnings);
-        assert_eq!(first.unwrap()[0].uid, 1000);
-        assert!(warnings.is_empty());
-        let forged = guard.envs(Ok(vec![env("e", 0, alive())]), &mut warnings);
-        assert_eq!(forged.unwrap()[0].uid, 1000, "the pinned owner stands");
+        let first = guard.envs(Ok(vec![env("e", 64_501, pid)]), &mut warnings);
+        assert!(first.as_ref().unwrap()[0].verified);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let forged = guard.envs(Ok(vec![env("e", 0, pid)]), &mut warnings);
+        assert_eq!(forged.unwrap()[0].uid, 64_501, "the pinned owner stands");
         assert!(
-            warnings[0].0.contains("created by uid 1000"),
+            warnings[0].0.contains("created by uid 64501"),
             "{warnings:?}"
         );
         // Taken out of the file and put back: the pin holds while its shell lives.
         guard.envs(Ok(vec![]), &mut warnings);
-        let back = guard.envs(Ok(vec![env("e", 0, alive())]), &mut warnings);
-        assert_eq!(back.unwrap()[0].uid, 1000);
+        let back = guard.envs(Ok(vec![env("e", 0, pid)]), &mut warnings);
+        assert_eq!(back.unwrap()[0].uid, 64_501);
+        shell.kill().unwrap();
+        shell.wait().unwrap();
+    }
+
+    #[test]
+    fn an_entry_the_kernel_does_not_confirm_pins_nothing() {
+        // A user writes an entry for a predictable eid, with someone else's pid (here
+        // the test's own, which runs as root) and their own uid.
+        let mut guard = StateGuard::default();
+        let mut warnings = Vec::new();
+        let forged = guard.envs(Ok(vec![env("4242", 64_502, alive())]), &mut warnings);
+        assert!(!forged.unwrap()[0].verified);
+        // The real environment with that id appears: its owner counts.
+        let mut shell = shell_of(64_503);
+        let real = env("4242", 64_503, shell.id() as i32);
+        let envs = guard.envs(Ok(vec![real]), &mut warnings).unwrap();
+        assert_eq!((envs[0].uid, envs[0].verified), (64_503, true));
+        assert!(warnings.is_empty(), "{warnings:?}");
+        shell.kill().unwrap();
+        shell.wait().unwrap();
+    }
+
+    #[test]
+    fn of_duplicate_entries_the_first_confirmed_one_counts() {
+        let mut shell = shell_of(64_504);
+        let pid = shell.id() as i32;
+        let mut guard = StateGuard::default();
+        let mut warnings = Vec::new();
+        // A forged copy first, the real one after: the real one counts, the file is
+        // not refused (genv accepts it), and the duplicate is named.
+        let envs = guard
+            .envs(
+                Ok(vec![env("e", 64_505, alive()), env("e", 64_504, pid)]),
+                &mut warnings,
+            )
+            .unwrap();
+        assert_eq!(envs.len(), 1);
+        assert_eq!(envs[0].uid, 64_504);
+        assert!(warnings[0].0.contains("more than once"), "{warnings:?}");
+        // Neither confirmed: the first, as genv's lookups take.
+        let envs = guard
+            .envs(
+                Ok(vec![env("f", 64_506, alive()), env("f", 64_507, alive())]),
+                &mut Vec::new(),
+            )
+            .unwrap();
+        assert_eq!(envs.iter().filter(|e| e.eid == "f").count(), 1);
+        assert_eq!(envs.iter().find(|e| e.eid == "f").unwrap().uid, 64_506);
+        shell.kill().unwrap();
+        shell.wait().unwrap();
     }
 
     #[test]
     fn a_pin_ends_with_the_environment_and_its_shells() {
+        let mut shell = shell_of(64_508);
+        let pid = shell.id() as i32;
         let mut guard = StateGuard::default();
         let mut warnings = Vec::new();
-        // pid_max is at most 2^22: this pid lives nowhere.
-        guard.envs(Ok(vec![env("e", 1000, 1 << 23)]), &mut warnings);
+        guard.envs(Ok(vec![env("e", 64_508, pid)]), &mut warnings);
+        shell.kill().unwrap();
+        shell.wait().unwrap();
         guard.envs(Ok(vec![]), &mut warnings);
-        let reused = guard.envs(Ok(vec![env("e", 1001, alive())]), &mut warnings);
-        assert_eq!(
-            reused.unwrap()[0].uid,
-            1001,
-            "a new environment with that id"
-        );
+        let mut next = shell_of(64_509);
+        let reused = env("e", 64_509, next.id() as i32);
+        let envs = guard.envs(Ok(vec![reused]), &mut warnings).unwrap();
+        assert_eq!(envs[0].uid, 64_509, "a new environment with that id");
         assert!(warnings.is_empty(), "{warnings:?}");
+        next.kill().unwrap();
+        next.wait().unwrap();
     }
 
     #[test]

@@ -121,8 +121,9 @@ fn load_envs(dir: &Dir) -> Result<Vec<Env>, StateError> {
     let Some(document) = read_document(dir, ENVS_FILE)? else {
         return Ok(Vec::new());
     };
+    // Duplicate eids are kept: genv writes and reads such files (its lookups take the
+    // first), and which one counts is the snapshot's decision (`snapshot::owners`).
     let mut envs = model::parse_envs(&document).map_err(|e| shape(&path, e))?;
-    model::check_unique(envs.iter().map(|e| e.eid.clone()), "envs").map_err(|e| shape(&path, e))?;
     for env in &mut envs {
         env.pids.retain(|pid| procfs::pid_exists(*pid));
     }

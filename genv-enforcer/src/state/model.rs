@@ -25,6 +25,10 @@ pub struct Env {
     pub pids: Vec<i32>,
     #[serde(default)]
     pub kernel_ids: Vec<String>,
+    /// The kernel confirms the owner: a live shell that activated it runs as `uid`.
+    /// Never read from or written to the file (`snapshot::owners` decides it).
+    #[serde(skip)]
+    pub verified: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

@@ -10,7 +10,10 @@
 //!   descriptor), `--reopen PATH` (O_PATH, then `/proc/self/fd/N`), `--open-in-thread
 //!   PATH` (from a second thread).
 //!
-//!   `--open-uring PATH` (an io_uring `IORING_OP_OPENAT`).
+//!   `--open-uring PATH` (an io_uring `IORING_OP_OPENAT`), `--open-clone-files PATH` (in
+//!   a `clone(CLONE_FILES)` child, which exits: the descriptor stays in the shared table;
+//!   `returned none` if it is not there), `--open-int80 PATH` (a 32-bit `open` through
+//!   `int 0x80`, x86-64 only).
 //! - `--fork`: the opens happen in a child forked without exec; the parent waits for
 //!   it and prints `child exited N` or `child killed by signal N`;
 //! - `--attempts N PATH`: fork N children one after the other, each opening PATH once
@@ -44,6 +47,8 @@ enum Open {
     Reopen(String),
     Thread(String),
     Uring(String),
+    CloneFiles(String),
+    Int80(String),
 }
 
 /// Whether open results are printed as they return (after `--wait-stdin`).
@@ -144,6 +149,99 @@ fn open(how: &Open) -> Vec<OwnedFd> {
                 .expect("the opening thread")
         }
         Open::Uring(path) => open_with_io_uring(path).into_iter().collect(),
+        Open::CloneFiles(path) => open_in_clone_files_child(path).into_iter().collect(),
+        Open::Int80(path) => open_through_int80(path).into_iter().collect(),
+    }
+}
+
+/// A 32-bit `open` through `int 0x80` from this 64-bit process: the kernel runs it as a
+/// compat syscall, which fires no `sys_exit_open*` tracepoint. Its pointers are 32-bit,
+/// so the path is copied below 4 GiB first.
+fn open_through_int80(path: &str) -> Option<OwnedFd> {
+    let name = cstr(path);
+    let bytes = name.as_bytes_with_nul();
+    // SAFETY: a fresh private mapping of our own, below 4 GiB (MAP_32BIT).
+    let page = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_32BIT,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(page, libc::MAP_FAILED, "mmap below 4 GiB");
+    assert!(bytes.len() <= 4096, "a path longer than a page");
+    // SAFETY: `bytes` fits in the page just mapped.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), page.cast::<u8>(), bytes.len()) };
+    let ret: i32;
+    // SAFETY: the i386 `open(path, O_RDONLY)`: eax = 5, ebx = path, ecx = flags; the
+    // kernel returns in eax and may clear r8-r11 on the way back. rbx belongs to LLVM:
+    // the path goes in through a swap, and rbx is restored after.
+    unsafe {
+        std::arch::asm!(
+            "xchg {path}, rbx",
+            "int 0x80",
+            "xchg {path}, rbx",
+            path = inout(reg) page as u64 => _,
+            inlateout("eax") 5i32 => ret,
+            in("ecx") libc::O_RDONLY,
+            in("edx") 0i32,
+            lateout("r8") _,
+            lateout("r9") _,
+            lateout("r10") _,
+            lateout("r11") _,
+        );
+    }
+    unsafe { libc::munmap(page, 4096) };
+    let what = format!("int 0x80 open {path}");
+    if ret < 0 {
+        return failed(std::io::Error::from_raw_os_error(-ret), &what);
+    }
+    check(ret as i64, &what)
+}
+
+/// A child made with `clone(CLONE_FILES)`, a process of its own sharing this one's file
+/// table, opens `path` and exits (or is killed in the open). The descriptor it made is
+/// then this process's too: reported as `returned ok clone(CLONE_FILES)` if it is
+/// there. The child reports nothing itself.
+fn open_in_clone_files_child(path: &str) -> Option<OwnedFd> {
+    let name = cstr(path);
+    // SAFETY: without CLONE_VM the child runs on a copy of this stack, as after fork;
+    // it only opens and exits.
+    let child = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            (libc::CLONE_FILES | libc::SIGCHLD) as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        )
+    };
+    if child == 0 {
+        let fd = unsafe { libc::open(name.as_ptr(), libc::O_RDONLY) };
+        unsafe { libc::_exit(if fd >= 0 { 0 } else { 1 }) };
+    }
+    assert!(child > 0, "clone: {}", std::io::Error::last_os_error());
+    let mut status = 0;
+    unsafe { libc::waitpid(child as i32, &mut status, 0) };
+    let node = std::fs::metadata(path).ok()?;
+    let held = std::fs::read_dir("/proc/self/fd").ok()?.find_map(|entry| {
+        let entry = entry.ok()?;
+        let meta = std::fs::metadata(entry.path()).ok()?;
+        let same = std::os::unix::fs::MetadataExt::rdev(&meta)
+            == std::os::unix::fs::MetadataExt::rdev(&node)
+            && std::os::unix::fs::FileTypeExt::is_char_device(&meta.file_type());
+        same.then(|| entry.file_name().to_str()?.parse::<i32>().ok())?
+    });
+    match held {
+        Some(fd) => check(fd as i64, "clone(CLONE_FILES)"),
+        None => {
+            report("none", "clone(CLONE_FILES)");
+            None
+        }
     }
 }
 
@@ -321,6 +419,10 @@ fn main() {
             "--reopen" => opens.push(Open::Reopen(value(&mut args, "--reopen"))),
             "--open-in-thread" => opens.push(Open::Thread(value(&mut args, "--open-in-thread"))),
             "--open-uring" => opens.push(Open::Uring(value(&mut args, "--open-uring"))),
+            "--open-int80" => opens.push(Open::Int80(value(&mut args, "--open-int80"))),
+            "--open-clone-files" => {
+                opens.push(Open::CloneFiles(value(&mut args, "--open-clone-files")))
+            }
             "--fork" => in_child = true,
             "--attempts" => {
                 let count = value(&mut args, "--attempts").parse().expect("a count");
