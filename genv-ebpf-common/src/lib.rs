@@ -24,8 +24,14 @@ pub const PROC_ENV_MAP: &str = "PROC_ENV";
 pub const ENVS_MAP: &str = "ENVS";
 /// Executables allowed to open GPU nodes outside any environment ([`ExeKey`] → 1).
 pub const ALLOWED_EXES_MAP: &str = "ALLOWED_EXES";
-/// Processes (tgid) that may open GPU nodes outside any environment: the enforcers.
+/// Processes that may open GPU nodes outside any environment: the enforcers. Keyed by
+/// tgid, valued by the process's start time in clock ticks since boot (`/proc/<pid>/stat`
+/// field 22): an entry a crashed daemon left in pinned maps names no later process that
+/// gets its pid.
 pub const EXEMPT_PIDS_MAP: &str = "EXEMPT_PIDS";
+/// The kernel's `USER_HZ`: `/proc`'s clock ticks per second (100 on every architecture
+/// Linux runs GPUs on), to compare a task's `start_boottime` (ns) with a start time.
+pub const USER_HZ: u64 = 100;
 pub const MAX_EXEMPT_PIDS: u32 = 64;
 /// One `u32` of [`policy`] flags.
 pub const POLICY_MAP: &str = "POLICY";
@@ -242,6 +248,9 @@ pub struct Offsets {
     pub task_ti_status: u32,
     /// `pt_regs.orig_ax`: the syscall number (x86); `ABSENT` elsewhere.
     pub regs_orig_ax: u32,
+    pub task_group_leader: u32,
+    /// `task_struct.start_boottime` (5.5 and later): ns since boot, suspend included.
+    pub task_start_boottime: u32,
 }
 
 impl Offsets {
@@ -269,6 +278,8 @@ impl Offsets {
         exit_group_dead: Self::ABSENT,
         task_ti_status: Self::ABSENT,
         regs_orig_ax: Self::ABSENT,
+        task_group_leader: 0,
+        task_start_boottime: 0,
     };
 }
 
@@ -301,7 +312,7 @@ mod tests {
         // The programs and the daemon are built by different compilers for different
         // targets; a size change means one side was not rebuilt or a field is unaligned.
         assert_eq!(size_of::<RawEvent>(), 40);
-        assert_eq!(size_of::<Offsets>(), 21 * 4);
+        assert_eq!(size_of::<Offsets>(), 23 * 4);
         assert_eq!(size_of::<EnvEntry>(), 16);
         assert_eq!(size_of::<ExeKey>(), 16);
     }

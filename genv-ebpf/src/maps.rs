@@ -35,10 +35,11 @@ pub static ENVS: HashMap<u64, EnvEntry> = HashMap::with_max_entries(MAX_ENVS, 0)
 #[map]
 pub static ALLOWED_EXES: HashMap<ExeKey, u8> = HashMap::with_max_entries(MAX_ALLOWED_EXES, 0);
 
-/// The enforcers' own processes (tgid), exempt by process id: an executable allowed by
-/// inode could be run by anyone, with `LD_PRELOAD` or a library of their own.
+/// The enforcers' own processes (tgid → start time in clock ticks), exempt by process,
+/// not by executable: an executable allowed by inode could be run by anyone, with
+/// `LD_PRELOAD` or a library of their own.
 #[map]
-pub static EXEMPT_PIDS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_EXEMPT_PIDS, 0);
+pub static EXEMPT_PIDS: HashMap<u32, u64> = HashMap::with_max_entries(MAX_EXEMPT_PIDS, 0);
 
 /// `genv_ebpf_common::policy` flags, written by the daemon once identities are seeded.
 #[map]

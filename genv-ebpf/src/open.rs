@@ -7,7 +7,7 @@ use aya_ebpf::helpers::{
 };
 use aya_ebpf::macros::{fentry, lsm, raw_tracepoint, tracepoint};
 use aya_ebpf::programs::{FEntryContext, LsmContext, RawTracePointContext, TracePointContext};
-use genv_ebpf_common::{ExeKey, Offsets, RawEvent, decision, hook, kind, policy, verdict};
+use genv_ebpf_common::{ExeKey, Offsets, RawEvent, USER_HZ, decision, hook, kind, policy, verdict};
 
 use crate::kernel::{current, read};
 use crate::maps::{
@@ -65,8 +65,7 @@ fn decide(file: *const u8, o: &Offsets, tier: u32) -> u32 {
     let verdict = match environment_of(pid, uid) {
         Some(attached) if index < 64 && attached & (1 << index) != 0 => verdict::ATTACHED,
         Some(_) => verdict::NOT_ATTACHED,
-        // SAFETY: a plain lookup.
-        None if unsafe { EXEMPT_PIDS.get(&pid) }.is_some() => verdict::EXEMPT,
+        None if exempt(pid, o) => verdict::EXEMPT,
         None if exe_allowed(o) => verdict::ALLOWED_EXE,
         None if flags & policy::DENY == 0 => verdict::OUTSIDE,
         None if uid == 0 && flags & policy::DENY_ROOT == 0 => verdict::ROOT,
@@ -112,6 +111,21 @@ fn environment_of(pid: u32, uid: u32) -> Option<u64> {
     let identity = unsafe { PROC_ENV.get(&pid) }.copied()?;
     let env = unsafe { ENVS.get(&identity) }.copied()?;
     (uid == 0 || env.uid == uid).then_some(env.attached)
+}
+
+/// Whether the current process is an enforcer's: its tgid is in `EXEMPT_PIDS` with its
+/// start time, so that a process given a crashed daemon's pid is not.
+#[inline(always)]
+fn exempt(pid: u32, o: &Offsets) -> bool {
+    // SAFETY: a plain lookup; the value is copied out at once.
+    let Some(ticks) = (unsafe { EXEMPT_PIDS.get(&pid) }).copied() else {
+        return false;
+    };
+    // SAFETY: a helper without arguments; the task is read only through probe reads.
+    let task = unsafe { bpf_get_current_task() } as *const u8;
+    let started = read::<*const u8>(task, o.task_group_leader)
+        .and_then(|leader| read::<u64>(leader, o.task_start_boottime));
+    started.is_some_and(|ns| ns / (1_000_000_000 / USER_HZ) == ticks)
 }
 
 /// Whether the current process runs an allow-listed executable (by the device and inode

@@ -215,6 +215,22 @@ impl EventDaemon {
         }
     }
 
+    /// Waits until `count` lines containing `needle` were printed (within 30 s).
+    pub fn expect_count(&self, needle: &str, count: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let seen = self.lines().iter().filter(|l| l.contains(needle)).count();
+            if seen >= count {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{seen} of {count} lines containing {needle:?} within 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Every line the daemon printed so far.
     pub fn lines(&self) -> Vec<String> {
         let mut seen = self.seen.borrow_mut();
@@ -293,10 +309,8 @@ pub fn program_loaded(id: u32) -> bool {
     false
 }
 
-/// Whether the pinned hash map at `pin` holds `key` (a `u32`; the value is `u8`):
-/// `BPF_OBJ_GET`, then `BPF_MAP_LOOKUP_ELEM`, as `bpftool map lookup pinned` does.
-pub fn pinned_map_has(pin: &Path, key: u32) -> bool {
-    const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+/// A pinned map (`BPF_OBJ_GET`), as `bpftool map ... pinned` opens one.
+fn open_pinned(pin: &Path) -> std::os::fd::OwnedFd {
     const BPF_OBJ_GET: libc::c_long = 7;
     let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes()).unwrap();
     // union bpf_attr for BPF_OBJ_GET: { u64 pathname; u32 bpf_fd; u32 file_flags; }
@@ -318,21 +332,30 @@ pub fn pinned_map_has(pin: &Path, key: u32) -> bool {
         pin.display(),
         std::io::Error::last_os_error()
     );
-    // { u32 map_fd; u32 pad; u64 key; u64 value; u64 flags; }
-    #[repr(C)]
-    struct Lookup {
-        map_fd: u32,
-        _pad: u32,
-        key: u64,
-        value: u64,
-        flags: u64,
-    }
-    let mut value = 0u8;
-    let attr = Lookup {
-        map_fd: fd as u32,
+    // SAFETY: a descriptor the kernel just returned.
+    unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) }
+}
+
+/// `union bpf_attr` for the map element commands.
+#[repr(C)]
+struct MapElem {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// The `u64` value of `key` (a `u32`) in the pinned hash map at `pin`, if it is there.
+pub fn pinned_map_get(pin: &Path, key: u32) -> Option<u64> {
+    const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+    let map = open_pinned(pin);
+    let mut value = 0u64;
+    let attr = MapElem {
+        map_fd: std::os::fd::AsRawFd::as_raw_fd(&map) as u32,
         _pad: 0,
         key: &key as *const u32 as u64,
-        value: &mut value as *mut u8 as u64,
+        value: &mut value as *mut u64 as u64,
         flags: 0,
     };
     let found = unsafe {
@@ -344,10 +367,31 @@ pub fn pinned_map_has(pin: &Path, key: u32) -> bool {
         )
     } == 0;
     let errno = std::io::Error::last_os_error();
-    unsafe { libc::close(fd as i32) };
     assert!(
         found || errno.raw_os_error() == Some(libc::ENOENT),
         "lookup: {errno}"
     );
-    found
+    found.then_some(value)
+}
+
+/// Sets `key` to `value` in the pinned hash map at `pin` (`u32` keys, `u64` values).
+pub fn pinned_map_put(pin: &Path, key: u32, value: u64) {
+    const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+    let map = open_pinned(pin);
+    let attr = MapElem {
+        map_fd: std::os::fd::AsRawFd::as_raw_fd(&map) as u32,
+        _pad: 0,
+        key: &key as *const u32 as u64,
+        value: &value as *const u64 as u64,
+        flags: 0,
+    };
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_UPDATE_ELEM,
+            &attr,
+            size_of_val(&attr),
+        )
+    };
+    assert_eq!(rc, 0, "update: {}", std::io::Error::last_os_error());
 }

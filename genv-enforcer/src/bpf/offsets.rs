@@ -59,5 +59,7 @@ pub fn for_running_kernel(btf: &Btf, tracefs_root: &Path) -> Result<Offsets, Off
         .unwrap_or(Offsets::ABSENT),
         task_ti_status,
         regs_orig_ax: optional("pt_regs", "orig_ax"),
+        task_group_leader: member("task_struct", "group_leader")?,
+        task_start_boottime: member("task_struct", "start_boottime")?,
     })
 }

@@ -103,6 +103,7 @@ pub fn unpin_all(root: &Path) -> io::Result<Removed> {
 pub fn exempt_in_generation(
     generation: &Path,
     pid: u32,
+    start_time: u64,
     exe: genv_ebpf_common::ExeKey,
 ) -> Result<(), String> {
     use aya::maps::{HashMap, Map, MapData};
@@ -114,10 +115,10 @@ pub fn exempt_in_generation(
     };
     let exempt_map = maps.join(genv_ebpf_common::EXEMPT_PIDS_MAP);
     if exempt_map.exists() {
-        let mut map: HashMap<MapData, u32, u8> =
+        let mut map: HashMap<MapData, u32, u64> =
             HashMap::try_from(open(genv_ebpf_common::EXEMPT_PIDS_MAP)?)
                 .map_err(|e| e.to_string())?;
-        return map.insert(pid, 1, 0).map_err(|e| e.to_string());
+        return map.insert(pid, start_time, 0).map_err(|e| e.to_string());
     }
     let mut map: HashMap<MapData, genv_ebpf_common::ExeKey, u8> =
         HashMap::try_from(open(genv_ebpf_common::ALLOWED_EXES_MAP)?).map_err(|e| e.to_string())?;

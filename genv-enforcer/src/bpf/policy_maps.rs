@@ -21,7 +21,7 @@ pub struct PolicyMaps {
     proc_env: BpfHashMap<MapData, u32, u64>,
     envs: BpfHashMap<MapData, u64, EnvEntry>,
     allowed: BpfHashMap<MapData, ExeKey, u8>,
-    exempt: BpfHashMap<MapData, u32, u8>,
+    exempt: BpfHashMap<MapData, u32, u64>,
     policy: Array<MapData, u32>,
     decisions: PerCpuArray<MapData, u64>,
 }
@@ -124,10 +124,11 @@ impl PolicyMaps {
         self.policy.set(0, flags, 0).map_err(map_error(POLICY_MAP))
     }
 
-    /// Exempts a process (the enforcer itself) from every decision, by its id.
-    pub fn exempt(&mut self, pid: u32) -> Result<(), LoadError> {
+    /// Exempts a process (the enforcer itself) from every decision, by its id and its
+    /// start time (clock ticks since boot, as `/proc/<pid>/stat` says).
+    pub fn exempt(&mut self, pid: u32, start_time: u64) -> Result<(), LoadError> {
         self.exempt
-            .insert(pid, 1, 0)
+            .insert(pid, start_time, 0)
             .map_err(map_error(EXEMPT_PIDS_MAP))
     }
 

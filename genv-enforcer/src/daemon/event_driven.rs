@@ -78,6 +78,7 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
         settled: HashMap::new(),
         said_unknown: false,
         to_sweep: HashSet::new(),
+        decision_lines: Default::default(),
     };
     let mut batch = Batch::default();
     loop {
@@ -139,6 +140,7 @@ struct Daemon {
     said_unknown: bool,
     /// GPUs the kernel killed an opener of since the last sweep for other holders.
     to_sweep: HashSet<u32>,
+    decision_lines: prevention::decisions::LineLimiter,
 }
 
 impl Daemon {
@@ -247,7 +249,7 @@ impl Daemon {
                         open.verdict.describe()
                     );
                 }
-                if let Some(line) = prevention::decision_line(&open) {
+                if let Some(line) = self.decision_lines.line(&open, now) {
                     println!("{line}");
                 }
                 match open.verdict {

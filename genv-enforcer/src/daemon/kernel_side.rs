@@ -10,7 +10,7 @@ use anyhow::{Result, bail};
 use super::event_driven::Settings;
 use super::status::Status;
 use crate::backends::devmap::DeviceMap;
-use crate::backends::nvml;
+use crate::backends::{nvml, procfs};
 use crate::bpf::policy_maps::DenyPolicy;
 use crate::bpf::{KernelPrograms, LoadOptions, TierChoice, pins};
 use crate::intake::EventIntake;
@@ -108,11 +108,12 @@ impl KernelSide {
     /// this run takes over.
     fn exempt_self(&mut self, settings: &Settings) -> Result<()> {
         let pid = std::process::id();
-        self.programs.policy_mut().exempt(pid)?;
+        let start_time = procfs::stat(pid)?.start_time;
+        self.programs.policy_mut().exempt(pid, start_time)?;
         let own = self.pin_generation.as_deref();
         let exe = prevention::allowlist::exe_key(Path::new("/proc/self/exe"))?;
         for old in pins::other_generations(&settings.pin_dir, own) {
-            if let Err(e) = pins::exempt_in_generation(&old, pid, exe) {
+            if let Err(e) = pins::exempt_in_generation(&old, pid, start_time, exe) {
                 eprintln!(
                     "[WARNING] Cannot exempt this daemon in the pinned programs under {}: {e}; their --deny may stop its NVML calls until it takes over",
                     old.display()

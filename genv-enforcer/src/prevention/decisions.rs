@@ -39,8 +39,56 @@ pub fn decision_line(open: &GpuOpen) -> Option<String> {
         Verdict::Killed => Some(format!(
             "Killed process {pid} of user {user} when it opened GPU {index}: it is not running in a GPU environment"
         )),
-
         _ => None,
+    }
+}
+
+/// At most `BURST` decision lines per user and second: a loop of refused attempts must
+/// not flood the log. What was held back is counted in the next line said for that user
+/// (and in `genv-enforcer status` either way).
+#[derive(Debug, Default)]
+pub struct LineLimiter {
+    /// uid → the start of its current second, lines said in it, and lines held back.
+    said: std::collections::HashMap<u32, Window>,
+}
+
+#[derive(Debug)]
+struct Window {
+    start: std::time::Instant,
+    said: u32,
+    held: u64,
+}
+
+impl LineLimiter {
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+    const BURST: u32 = 20;
+    /// Users remembered at most (uids come from every process that opens a GPU).
+    const MAX_USERS: usize = 4096;
+
+    /// The line to print for this decision now, if any.
+    pub fn line(&mut self, open: &GpuOpen, now: std::time::Instant) -> Option<String> {
+        let line = decision_line(open)?;
+        if self.said.len() >= Self::MAX_USERS && !self.said.contains_key(&open.uid) {
+            self.said.clear();
+        }
+        let window = self.said.entry(open.uid).or_insert(Window {
+            start: now,
+            said: 0,
+            held: 0,
+        });
+        if now.duration_since(window.start) >= Self::EVERY {
+            window.start = now;
+            window.said = 0;
+        }
+        if window.said >= Self::BURST {
+            window.held += 1;
+            return None;
+        }
+        window.said += 1;
+        Some(match std::mem::take(&mut window.held) {
+            0 => line,
+            n => format!("{line} ({n} more decisions about this user's processes not shown)"),
+        })
     }
 }
 
@@ -79,6 +127,44 @@ mod tests {
             ..open
         };
         assert_eq!(decision_line(&seen), None);
+    }
+
+    #[test]
+    fn a_burst_of_decisions_about_one_user_is_cut_and_counted() {
+        let open = GpuOpen {
+            pid: 42,
+            tid: 42,
+            major: 195,
+            minor: 0,
+            index: 0,
+            tier: Tier::Fentry,
+            uid: 0,
+            verdict: Verdict::Killed,
+            at_ns: 0,
+        };
+        let mut limiter = LineLimiter::default();
+        let start = std::time::Instant::now();
+        let said = (0..100)
+            .filter(|_| limiter.line(&open, start).is_some())
+            .count();
+        assert_eq!(said, LineLimiter::BURST as usize);
+        let other = GpuOpen { uid: 1000, ..open };
+        assert!(
+            limiter.line(&other, start).is_some(),
+            "another user is said"
+        );
+        let later = limiter
+            .line(&open, start + std::time::Duration::from_secs(1))
+            .unwrap();
+        assert!(
+            later.ends_with("(80 more decisions about this user's processes not shown)"),
+            "{later}"
+        );
+        let seen = GpuOpen {
+            verdict: Verdict::Outside,
+            ..open
+        };
+        assert_eq!(limiter.line(&seen, start), None, "only decisions are said");
     }
 
     #[test]
