@@ -351,6 +351,23 @@ impl Drop for Pins {
     }
 }
 
+/// `--keep-pinned --pin-dir` for a test-private pin directory.
+fn pin_args(pins: &Pins) -> [&str; 3] {
+    ["--keep-pinned", "--pin-dir", path(&pins.0)]
+}
+
+/// A test-private pin directory named for `what`, removed however the test ends, and a
+/// `--deny` daemon pinning there, started and pinned.
+fn pinned(node: &Node, what: &str) -> Option<(Pins, EventDaemon)> {
+    let pins = Pins(PathBuf::from(format!(
+        "/sys/fs/bpf/genv-enforcer-{what}-{}",
+        std::process::id()
+    )));
+    let daemon = deny(node, &pin_args(&pins))?;
+    daemon.expect("pinned under");
+    Some((pins, daemon))
+}
+
 fn generations(root: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(root)
         .map(|entries| entries.filter_map(|e| Some(e.ok()?.path())).collect())
@@ -361,15 +378,10 @@ fn generations(root: &Path) -> Vec<PathBuf> {
 fn pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
-    let pins = Pins(PathBuf::from(format!(
-        "/sys/fs/bpf/genv-enforcer-test-{}",
-        std::process::id()
-    )));
-    let pin_dir = ["--keep-pinned", "--pin-dir", path(&pins.0)];
-    let Some(mut first) = deny(&node, &pin_dir) else {
+    let Some((pins, mut first)) = pinned(&node, "test") else {
         return;
     };
-    first.expect("pinned under");
+    let pin_dir = pin_args(&pins);
     let tier = first.tier.clone();
     let first_pid = first.daemon.pid();
     assert!(first.daemon.stop(DEATH).unwrap().success());
@@ -690,15 +702,10 @@ fn an_upgraded_daemon_survives_its_predecessors_pinned_programs() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     node.nvml_opens(&[&gpu]);
-    let pins = Pins(PathBuf::from(format!(
-        "/sys/fs/bpf/genv-enforcer-upgrade-{}",
-        std::process::id()
-    )));
-    let pin_dir = ["--keep-pinned", "--pin-dir", path(&pins.0)];
-    let Some(mut first) = deny(&node, &pin_dir) else {
+    let Some((pins, mut first)) = pinned(&node, "upgrade") else {
         return;
     };
-    first.expect("pinned under");
+    let pin_dir = pin_args(&pins);
     assert!(first.daemon.stop(DEATH).unwrap().success());
     let upgraded = node.dir.join("genv-enforcer-upgraded");
     std::fs::copy(genv_enforcer_tests::artefact("genv-enforcer"), &upgraded).unwrap();
@@ -798,15 +805,9 @@ fn a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
 fn a_crashed_daemons_exemption_names_no_later_process() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
-    let pins = Pins(PathBuf::from(format!(
-        "/sys/fs/bpf/genv-enforcer-crash-{}",
-        std::process::id()
-    )));
-    let pin_dir = ["--keep-pinned", "--pin-dir", path(&pins.0)];
-    let Some(mut daemon) = deny(&node, &pin_dir) else {
+    let Some((pins, mut daemon)) = pinned(&node, "crash") else {
         return;
     };
-    daemon.expect("pinned under");
     let tier = daemon.tier.clone();
     let crashed = daemon.daemon.pid();
     unsafe { libc::kill(crashed as i32, libc::SIGKILL) };

@@ -162,30 +162,22 @@ fn a_user_is_counted_by_uid_whatever_the_username_fields_say() {
         max_devices_per_user: limit(1, &[]),
         ..Rules::default()
     };
-    let surveys = [Survey {
-        hostname: None,
-        snapshot: &snapshot,
-    }];
-    let lines: Vec<String> = check(&surveys, &rules)
-        .iter()
-        .map(|f| f.line(&[None]))
-        .collect();
+    let lines = |snapshot: &Snapshot| -> Vec<String> {
+        let surveys = [Survey {
+            hostname: None,
+            snapshot,
+        }];
+        let findings = check(&surveys, &rules);
+        findings.iter().map(|f| f.line(&[None])).collect()
+    };
     assert_eq!(
-        lines,
+        lines(&snapshot),
         ["User alice is using 2 devices which is 1 more than the maximum allowed"]
     );
     snapshot.envs.as_mut().unwrap()[0].username = None;
     snapshot.envs.as_mut().unwrap()[1].username = None;
-    let surveys = [Survey {
-        hostname: None,
-        snapshot: &snapshot,
-    }];
-    let lines: Vec<String> = check(&surveys, &rules)
-        .iter()
-        .map(|f| f.line(&[None]))
-        .collect();
     assert_eq!(
-        lines,
+        lines(&snapshot),
         ["User 1000 is using 2 devices which is 1 more than the maximum allowed"]
     );
 }
