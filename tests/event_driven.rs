@@ -193,6 +193,11 @@ fn opens_are_seen_whatever_the_way_in() {
         return;
     };
     for (way, args) in ways {
+        // Without --deny, the tracepoint tier does not watch 32-bit opens (a program on
+        // every syscall exit): the prevention suite covers that way.
+        if way.contains("int 0x80") && daemon.tier == "tracepoint" {
+            continue;
+        }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let rogue = node.spawn_with(None, &[(0, 100)], &args, None);
         daemon.expect(&format!("[EVENT] Process {rogue} "));

@@ -319,10 +319,20 @@ fn allow_listed_executables_open_gpus_outside_environments() {
     let Some(daemon) = deny(&node, &["--allow-exe", path(&tool)]) else {
         return;
     };
-    let mut command = std::process::Command::new(&tool);
+    let (monitor, lines) = run_tool(&mut node, &tool, &gpu);
+    assert_untouched(&mut node, monitor, &lines, 1, "the allow-listed tool");
+    daemon.expect("allow-listed executable");
+    // The same program from another file is not allowed.
+    let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &["--open", path(&gpu)]);
+    assert_prevented(&mut node, &daemon, rogue, &lines, "the helper itself");
+}
+
+/// Runs `tool` (a copy of the helper) as the outsider, lets it open `gpu`; what it said.
+fn run_tool(node: &mut Node, tool: &Path, gpu: &Path) -> (u32, Vec<String>) {
+    let mut command = std::process::Command::new(tool);
     std::os::unix::process::CommandExt::uid(&mut command, OUTSIDER);
     command
-        .args(["--wait-stdin", "--open", path(&gpu)])
+        .args(["--wait-stdin", "--open", path(gpu)])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .env_remove("GENV_ENVIRONMENT_ID");
@@ -333,13 +343,8 @@ fn allow_listed_executables_open_gpus_outside_environments() {
         &mut ready,
     )
     .unwrap();
-    let monitor = node.adopt(child, &[]);
-    let lines = node.attempt(monitor);
-    assert_untouched(&mut node, monitor, &lines, 1, "the allow-listed tool");
-    daemon.expect("allow-listed executable");
-    // The same program from another file is not allowed.
-    let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &["--open", path(&gpu)]);
-    assert_prevented(&mut node, &daemon, rogue, &lines, "the helper itself");
+    let pid = node.adopt(child, &[]);
+    (pid, node.attempt(pid))
 }
 
 /// Removes a test's pins whatever happens: left behind, they would go on deciding.
@@ -635,27 +640,9 @@ fn tools_are_allowed_where_the_daemon_finds_them_and_only_there() {
         "{}: the directory is owned by uid 0 with mode 777",
         open_dir.display()
     ));
-    let run = |node: &mut Node, tool: &Path| {
-        let mut command = std::process::Command::new(tool);
-        std::os::unix::process::CommandExt::uid(&mut command, OUTSIDER);
-        command
-            .args(["--wait-stdin", "--open", path(&gpu)])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .env_remove("GENV_ENVIRONMENT_ID");
-        let mut child = command.spawn().unwrap();
-        let mut ready = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
-            &mut ready,
-        )
-        .unwrap();
-        let pid = node.adopt(child, &[]);
-        (pid, node.attempt(pid))
-    };
-    let (smi, lines) = run(&mut node, &trusted.join("nvidia-smi"));
+    let (smi, lines) = run_tool(&mut node, &trusted.join("nvidia-smi"), &gpu);
     assert_untouched(&mut node, smi, &lines, 1, "nvidia-smi on the daemon's PATH");
-    let (planted, lines) = run(&mut node, &open_dir.join("nvidia-smi"));
+    let (planted, lines) = run_tool(&mut node, &open_dir.join("nvidia-smi"), &gpu);
     assert_prevented(
         &mut node,
         &daemon,

@@ -96,7 +96,7 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
     table += &programs_table(&load, &status)?;
     table += &format!(
         "\n## `--deny`: {ATTEMPTS} open attempts by a process outside any environment\n\n\
-         One process forks {ATTEMPTS} children one after the other; each opens the test GPU node once and, if the \
+         One process of an unprivileged user (root is let through unless `--deny-root`) forks {ATTEMPTS} children one after the other; each opens the test GPU node once and, if the \
          open returns to it, says so through a pipe. The LSM and fentry rows come from the VM \
          (`cargo xtask vm-test`, TCG: counts, not times).\n\n\
          | tier | attempts | open returned | open succeeded | killed in the open |\n|---|---|---|---|---|\n"
@@ -274,6 +274,9 @@ fn start_daemon(
     Ok((daemon, lines, tier))
 }
 
+/// The uid the attempt loop runs as: `nobody`.
+const NOBODY: u32 = 65_534;
+
 /// The attempt loop against a `--deny` daemon on this host; its table row.
 fn attempt_loop(target: &Path, dir: &Path, gpu: &Path, nvml: &Path) -> Result<String> {
     let (mut daemon, _lines, tier) = start_daemon(
@@ -284,7 +287,10 @@ fn attempt_loop(target: &Path, dir: &Path, gpu: &Path, nvml: &Path) -> Result<St
         &["--deny"],
         "GPU opens outside any environment are ",
     )?;
-    let output = Command::new(target.join("gpu-process"))
+    // As an unprivileged user: --deny lets root through unless --deny-root.
+    let mut attempts = Command::new(target.join("gpu-process"));
+    std::os::unix::process::CommandExt::uid(&mut attempts, NOBODY);
+    let output = attempts
         .args(["--attempts", &ATTEMPTS.to_string()])
         .arg(gpu)
         .env_remove("GENV_ENVIRONMENT_ID")

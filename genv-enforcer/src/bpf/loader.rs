@@ -29,6 +29,9 @@ pub struct LoadOptions {
     pub ring_bytes: Option<u32>,
     /// Pin links and maps here (`--keep-pinned`).
     pub pin_dir: Option<std::path::PathBuf>,
+    /// On the tracepoint tier, watch 32-bit opens too: a program run on every syscall
+    /// exit of the machine (about 0.1 µs each), worth it where `--deny` must hold.
+    pub compat_opens: bool,
 }
 
 /// Where the programs' events come out: the ring buffer, and the per-CPU count of
@@ -99,7 +102,7 @@ impl KernelPrograms {
         let mut refused = Vec::new();
         let mut chosen = None;
         for &tier in options.choice.candidates() {
-            match attach_open_tier(&mut ebpf, tier, &mut programs) {
+            match attach_open_tier(&mut ebpf, tier, &mut programs, options.compat_opens) {
                 Ok(()) => {
                     chosen = Some(tier);
                     break;
@@ -274,8 +277,9 @@ fn program_mut<'a>(
 
 /// 32-bit opens (`int 0x80`, 32-bit programs) fire no `sys_exit_open*` tracepoint:
 /// `raw_syscalls:sys_exit` catches them, at the cost of a program run per syscall exit
-/// (it returns at once for 64-bit ones). Without it the tier still works, with that
-/// hole, and says so.
+/// of the whole machine (it returns at once for 64-bit ones), so it is attached only
+/// where `--deny` must hold. Without it the tier still works, with that hole: the full
+/// cycle finds a 32-bit opener's compute context.
 fn attach_compat_opens(ebpf: &mut Ebpf, ids: &mut Vec<Attached>) {
     let attach = |ebpf: &mut Ebpf| -> Result<Attached, LoadError> {
         let error = program_error("open_exit_compat");
@@ -291,7 +295,10 @@ fn attach_compat_opens(ebpf: &mut Ebpf, ids: &mut Vec<Attached>) {
         })
     };
     match attach(ebpf) {
-        Ok(attached) => ids.push(attached),
+        Ok(attached) => {
+            ids.push(attached);
+            eprintln!("[INFO] 32-bit opens are watched too (raw_syscalls:sys_exit, for --deny)");
+        }
         Err(e) => eprintln!(
             "[WARNING] 32-bit opens are not seen at the open ({e}): the full cycle finds their GPU contexts"
         ),
@@ -320,7 +327,12 @@ fn active_lsms() -> Option<String> {
 }
 
 /// Loads and attaches one open tier; the reason it was refused otherwise.
-fn attach_open_tier(ebpf: &mut Ebpf, tier: Tier, ids: &mut Vec<Attached>) -> Result<(), String> {
+fn attach_open_tier(
+    ebpf: &mut Ebpf,
+    tier: Tier,
+    ids: &mut Vec<Attached>,
+    compat_opens: bool,
+) -> Result<(), String> {
     let describe = |e: ProgramError| chain(&e);
     match tier {
         Tier::Lsm => {
@@ -360,42 +372,52 @@ fn attach_open_tier(ebpf: &mut Ebpf, tier: Tier, ids: &mut Vec<Attached>) -> Res
                 link: Some(link),
             });
         }
-        Tier::Tracepoint => {
-            let mut attached = 0;
-            let mut missing = Vec::new();
-            for (program, name) in [
-                ("open_exit_at", "sys_exit_openat"),
-                ("open_exit_at2", "sys_exit_openat2"),
-                ("open_exit_open", "sys_exit_open"),
-                ("open_exit_creat", "sys_exit_creat"),
-                ("open_exit_by_handle", "sys_exit_open_by_handle_at"),
-            ] {
-                let tp: &mut TracePoint = program_mut(ebpf, program)
-                    .map_err(|e| e.to_string())?
-                    .try_into()
-                    .map_err(describe)?;
-                tp.load().map_err(describe)?;
-                match tp.attach("syscalls", name) {
-                    Ok(link) => {
-                        attached += 1;
-                        ids.push(Attached {
-                            name: program,
-                            id: tp.info().map_err(describe)?.id(),
-                            link: Some(LinkId::TracePoint(link)),
-                        });
-                    }
-                    // Some architectures have no open(2); openat is what matters.
-                    Err(e) if name != "sys_exit_openat" => {
-                        missing.push(format!("{name}: {}", describe(e)))
-                    }
-                    Err(e) => return Err(format!("{name}: {}", describe(e))),
-                }
+        Tier::Tracepoint => attach_exit_tracepoints(ebpf, ids, compat_opens)?,
+    }
+    Ok(())
+}
+
+/// The tracepoint tier: the exits of every syscall that opens a file, and (for `--deny`)
+/// 32-bit opens. `openat` is required; an architecture may lack the others.
+fn attach_exit_tracepoints(
+    ebpf: &mut Ebpf,
+    ids: &mut Vec<Attached>,
+    compat_opens: bool,
+) -> Result<(), String> {
+    let describe = |e: ProgramError| chain(&e);
+    let mut attached = 0;
+    let mut missing = Vec::new();
+    for (program, name) in [
+        ("open_exit_at", "sys_exit_openat"),
+        ("open_exit_at2", "sys_exit_openat2"),
+        ("open_exit_open", "sys_exit_open"),
+        ("open_exit_creat", "sys_exit_creat"),
+        ("open_exit_by_handle", "sys_exit_open_by_handle_at"),
+    ] {
+        let tp: &mut TracePoint = program_mut(ebpf, program)
+            .map_err(|e| e.to_string())?
+            .try_into()
+            .map_err(describe)?;
+        tp.load().map_err(describe)?;
+        match tp.attach("syscalls", name) {
+            Ok(link) => {
+                attached += 1;
+                ids.push(Attached {
+                    name: program,
+                    id: tp.info().map_err(describe)?.id(),
+                    link: Some(LinkId::TracePoint(link)),
+                });
             }
-            if attached == 0 {
-                return Err(missing.join("; "));
-            }
-            attach_compat_opens(ebpf, ids);
+            // Some architectures have no open(2); openat is what matters.
+            Err(e) if name != "sys_exit_openat" => missing.push(format!("{name}: {}", describe(e))),
+            Err(e) => return Err(format!("{name}: {}", describe(e))),
         }
+    }
+    if attached == 0 {
+        return Err(missing.join("; "));
+    }
+    if compat_opens {
+        attach_compat_opens(ebpf, ids);
     }
     Ok(())
 }

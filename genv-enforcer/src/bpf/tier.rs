@@ -53,7 +53,7 @@ impl Tier {
             Tier::Lsm => "every open attempt of a GPU node (BPF LSM file_open)",
             Tier::Fentry => "every open attempt of a GPU node (fentry on security_file_open)",
             Tier::Tracepoint => {
-                "successful open/openat/openat2/creat/open_by_handle_at of a GPU node, 64- and 32-bit (syscall exit tracepoints)"
+                "successful open/openat/openat2/creat/open_by_handle_at of a GPU node (syscall exit tracepoints; 32-bit ones with --deny)"
             }
         }
     }

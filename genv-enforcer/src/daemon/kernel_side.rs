@@ -59,6 +59,7 @@ impl KernelSide {
             choice: settings.tier,
             ring_bytes: settings.ring_bytes,
             pin_dir: pin_generation.clone(),
+            compat_opens: settings.deny,
         };
         let (programs, events) = match KernelPrograms::load(&options) {
             Ok(loaded) => loaded,
