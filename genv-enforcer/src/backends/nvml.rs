@@ -81,11 +81,13 @@ impl NvmlBackend {
     /// and the file it mapped is checked after.
     pub fn load(library: &OsString) -> Result<Self, LoadError> {
         let path = Path::new(library);
-        if path.components().count() > 1 {
-            trust::check_for_self(path)?;
-        }
+        // A path is loaded as the file the check resolved it to, not looked up again.
+        let checked = match path.components().count() > 1 {
+            true => trust::check_for_self(path)?.into_os_string(),
+            false => library.clone(),
+        };
         let nvml = Nvml::builder()
-            .lib_path(library)
+            .lib_path(&checked)
             .init()
             .map_err(at("init"))?;
         if let Some(mapped) = loaded_library() {

@@ -121,14 +121,13 @@ pub fn exe_key(path: &Path) -> std::io::Result<ExeKey> {
 
 impl AllowList {
     fn add(&mut self, path: &Path) -> Result<(), String> {
-        // Follow links: the kernel sees the file that runs.
-        let real = std::fs::canonicalize(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        // Links followed (the kernel sees the file that runs), and root's alone: anyone
+        // who could replace it would be allowed.
+        let real = trust::check(path, 0).map_err(|e| e.to_string())?;
         let meta = std::fs::metadata(&real).map_err(|e| format!("{}: {e}", real.display()))?;
         if !meta.is_file() {
             return Err(format!("{}: not a regular file", real.display()));
         }
-        // Root's alone: anyone who could replace it would be allowed.
-        trust::check(&real, 0).map_err(|e| e.to_string())?;
         let key = exe_key(&real).map_err(|e| format!("{}: {e}", real.display()))?;
         if let Ok(fs) = rustix::fs::statfs(&real) {
             // f_type's width differs between platforms.

@@ -15,7 +15,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::Warning;
 use crate::backends::procfs;
-use crate::state::{Device, Env, StateError};
+use crate::state::{Device, Env, StateError, drop_inactive};
 
 /// Pins kept at most: one per environment the kernel confirmed; far more than a node
 /// has, and a bound on what a flood of confirmed entries can cost.
@@ -45,7 +45,7 @@ impl StateGuard {
     ) -> Option<Vec<Env>> {
         match read {
             Ok(envs) => {
-                let mut envs = first_of_each(verify(envs), warnings);
+                let mut envs = first_of_each(self.verify(envs), warnings);
                 self.pin_owners(&mut envs, warnings);
                 self.last_envs = Some(envs.clone());
                 Some(envs)
@@ -99,6 +99,25 @@ impl StateGuard {
         }
     }
 
+    /// Marks the environments whose owner the kernel confirms: a live activating shell
+    /// runs as the recorded uid. An owner pinned already was confirmed then, while one
+    /// of its shells lives: no `/proc` read for it (snapshots run every few milliseconds
+    /// after a GPU open).
+    fn verify(&self, mut envs: Vec<Env>) -> Vec<Env> {
+        for env in &mut envs {
+            env.verified = self
+                .pins
+                .get(&env.eid)
+                .is_some_and(|pin| pin.uid == env.uid)
+                || env
+                    .pids
+                    .iter()
+                    .filter_map(|pid| procfs::real_uid(u32::try_from(*pid).ok()?).ok())
+                    .any(|uid| uid == env.uid);
+        }
+        envs
+    }
+
     fn pin_owners(&mut self, envs: &mut [Env], warnings: &mut Vec<Warning>) {
         // A pin lasts while a shell that activated the environment lives: after that,
         // genv itself would drop the environment, and its id may be reused.
@@ -133,19 +152,6 @@ impl StateGuard {
     }
 }
 
-/// Marks the environments whose owner the kernel confirms: a live activating shell
-/// runs as the recorded uid.
-fn verify(mut envs: Vec<Env>) -> Vec<Env> {
-    for env in &mut envs {
-        env.verified = env
-            .pids
-            .iter()
-            .filter_map(|pid| procfs::real_uid(u32::try_from(*pid).ok()?).ok())
-            .any(|uid| uid == env.uid);
-    }
-    envs
-}
-
 /// One entry per eid: the first confirmed one, else the first; duplicates are named.
 fn first_of_each(envs: Vec<Env>, warnings: &mut Vec<Warning>) -> Vec<Env> {
     let confirmed: HashSet<String> = envs
@@ -172,15 +178,6 @@ fn first_of_each(envs: Vec<Env>, warnings: &mut Vec<Warning>) -> Vec<Env> {
         }
     }
     kept
-}
-
-/// genv's cleanup, applied again to a kept list: environments whose activating shells
-/// are all gone (and that have no Jupyter kernels) are no longer active.
-fn drop_inactive(envs: &mut Vec<Env>) {
-    for env in envs.iter_mut() {
-        env.pids.retain(|pid| procfs::pid_exists(*pid));
-    }
-    envs.retain(|env| !env.pids.is_empty() || !env.kernel_ids.is_empty());
 }
 
 #[cfg(test)]

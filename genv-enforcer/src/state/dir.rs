@@ -124,11 +124,17 @@ fn load_envs(dir: &Dir) -> Result<Vec<Env>, StateError> {
     // Duplicate eids are kept: genv writes and reads such files (its lookups take the
     // first), and which one counts is the snapshot's decision (`snapshot::owners`).
     let mut envs = model::parse_envs(&document).map_err(|e| shape(&path, e))?;
-    for env in &mut envs {
+    drop_inactive(&mut envs);
+    Ok(envs)
+}
+
+/// genv's cleanup: an environment whose activating shells are all gone (and that has no
+/// Jupyter kernels) is no longer active.
+pub fn drop_inactive(envs: &mut Vec<Env>) {
+    for env in envs.iter_mut() {
         env.pids.retain(|pid| procfs::pid_exists(*pid));
     }
     envs.retain(|env| !env.pids.is_empty() || !env.kernel_ids.is_empty());
-    Ok(envs)
 }
 
 /// `devices.json`, with attachments of inactive environments dropped.

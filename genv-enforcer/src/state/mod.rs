@@ -17,7 +17,7 @@ mod hostile_tests;
 use std::io;
 use std::path::{Path, PathBuf};
 
-pub use dir::{DEFAULT_DIR, MAX_STATE_FILE, StateDir};
+pub use dir::{DEFAULT_DIR, MAX_STATE_FILE, StateDir, drop_inactive};
 pub use json::to_python_json;
 pub use lock::{GlobalLock, LockError, LockErrorKind};
 pub use memory::MemorySpec;
