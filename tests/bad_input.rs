@@ -222,13 +222,7 @@ fn missing_nvml_falls_back_to_gpu_nodes_held_open() {
     );
     // A GPU node with no driver behind it, made in a private directory: recognised by
     // its device number, not its path.
-    let gpu = node.dir.join("not-a-gpu-name");
-    let status = std::process::Command::new("mknod")
-        .arg(&gpu)
-        .args(["c", "195", "3"])
-        .status()
-        .unwrap();
-    assert!(status.success(), "mknod needs root");
+    let gpu = node.make_char_node("not-a-gpu-name", 195, 3);
     let gpu = gpu.to_str().unwrap();
     let rogue = node.spawn_with(None, &[], &["--hold", gpu], None);
     let member = node.spawn_with(Some("env-a"), &[], &["--hold", gpu], None);
@@ -343,13 +337,7 @@ fn without_nvml_a_node_mapped_with_gpu_node_is_a_gpu() {
         json!([device_record(0, &["env-a"])]),
     );
     // /dev/full's number, in a private node: nothing says it is a GPU but the flag.
-    let gpu = node.dir.join("stand-in");
-    let status = std::process::Command::new("mknod")
-        .arg(&gpu)
-        .args(["c", "1", "7"])
-        .status()
-        .unwrap();
-    assert!(status.success(), "mknod needs root");
+    let gpu = node.make_char_node("stand-in", 1, 7);
     let gpu = gpu.to_str().unwrap();
     let rogue = node.spawn_with(None, &[], &["--hold", gpu], None);
     let member = node.spawn_with(Some("env-a"), &[], &["--hold", gpu], None);
@@ -385,12 +373,8 @@ fn a_duplicated_entry_does_not_freeze_the_state_the_daemon_enforces() {
         json!([a.clone()]),
         json!([device_record(0, &["env-a"]), device_record(1, &[])]),
     );
-    let first = node.spawn(None, &[(0, 100)]);
     let mut daemon = Daemon::start(&node, &["--interval", "0.2", "--non-env-processes"]);
-    daemon.expect_line(
-        &format!("Process {first} is not running in a GPU environment"),
-        Duration::from_secs(20),
-    );
+    node.mark_cycle(&daemon);
     // A duplicate of env-a, and env-b activated since, attached to GPU 1.
     node.write_state(
         json!([a.clone(), a, env_record("env-b", 0, "root", None, shell_b)]),
@@ -402,11 +386,7 @@ fn a_duplicated_entry_does_not_freeze_the_state_the_daemon_enforces() {
         Duration::from_secs(20),
     );
     // Marker: a later cycle, which judged env-b's process too, terminated an outsider.
-    let second = node.spawn(None, &[(0, 100)]);
-    let seen = daemon.expect_line(
-        &format!("Process {second} is not running in a GPU environment"),
-        Duration::from_secs(20),
-    );
+    let seen = node.mark_cycle(&daemon);
     assert!(
         node.alive(member_b),
         "env-b's process was made an outsider: {seen:#?}"

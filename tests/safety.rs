@@ -225,24 +225,16 @@ fn rewriting_an_environments_owner_in_envs_json_is_reported_and_ignored() {
     let envs = |uid: u32| json!([env_record("alice-env", uid, "alice", None, shell)]);
     node.write_state(envs(ALICE), json!([device_record(0, &["alice-env"])]));
     let member = node.spawn_with(Some("alice-env"), &[(0, 100)], &[], Some(ALICE));
-    let first = node.spawn(None, &[(0, 100)]);
     let mut daemon = Daemon::start(&node, &["--interval", "0.2", "--non-env-processes"]);
     // Marker: a cycle that saw the member terminated an outsider.
-    daemon.expect_line(
-        &format!("Process {first} is not running in a GPU environment"),
-        Duration::from_secs(20),
-    );
+    node.mark_cycle(&daemon);
     node.write_state(envs(MALLORY), json!([device_record(0, &["alice-env"])]));
     daemon.expect_line(
         "belongs to uid 64202, but it was created by uid 64201: ignoring the change",
         Duration::from_secs(20),
     );
     // Marker: a later cycle, which judged the member again, terminated another outsider.
-    let second = node.spawn(None, &[(0, 100)]);
-    let seen = daemon.expect_line(
-        &format!("Process {second} is not running in a GPU environment"),
-        Duration::from_secs(20),
-    );
+    let seen = node.mark_cycle(&daemon);
     assert!(
         node.alive(member),
         "alice's process was made an outsider: {seen:#?}"

@@ -262,6 +262,30 @@ impl Node {
     }
 
     /// An environment's activating shell: alive, but not a GPU process.
+    /// A character node `major:minor` named `name` in the node's directory (`mknod`,
+    /// which needs root): a device recognised by its number, whatever its path.
+    pub fn make_char_node(&self, name: &str, major: u32, minor: u32) -> PathBuf {
+        let path = self.dir.join(name);
+        let status = Command::new("mknod")
+            .arg(&path)
+            .args(["c", &major.to_string(), &minor.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "mknod needs root");
+        path
+    }
+
+    /// Marker for a polling daemon run with `--non-env-processes`: a process outside any
+    /// environment on GPU 0, and the line terminating it, from a cycle that judged every
+    /// other process too. Every line seen meanwhile.
+    pub fn mark_cycle(&mut self, daemon: &Daemon) -> Vec<String> {
+        let outsider = self.spawn(None, &[(0, 100)]);
+        daemon.expect_line(
+            &format!("Process {outsider} is not running in a GPU environment"),
+            Duration::from_secs(20),
+        )
+    }
+
     pub fn shell(&mut self) -> u32 {
         self.spawn(None, &[])
     }
