@@ -39,7 +39,8 @@ pub const POLICY_MAP: &str = "POLICY";
 /// ring buffer had no room for the event.
 pub const DECISIONS_MAP: &str = "DECISIONS";
 
-/// Capacity of [`PROC_ENV_MAP`]: live processes the kernel side can place.
+/// Capacity of [`PROC_ENV_MAP`] in the object; the daemon sizes it at load time for as
+/// many processes as the machine can have (`kernel.pid_max`, `kernel.threads-max`).
 pub const MAX_PROCESSES: u32 = 1 << 17;
 /// Capacity of [`ENVS_MAP`].
 pub const MAX_ENVS: u32 = 4096;
@@ -71,9 +72,10 @@ pub mod kind {
 pub mod identity {
     /// No `GENV_ENVIRONMENT_ID` in its environment block (or one too long to be real).
     pub const NO_ENV: u64 = 0;
-    /// The block was too large to read within the program's bounds (over 4 KiB); the
-    /// daemon reads `/proc/<pid>/environ` and writes the answer. Counts as outside until
-    /// then.
+    /// The exec hook could not read the block (a page it could not read, more look-alike
+    /// entries than it can hold after the last assignment, or over 4 KiB on kernels
+    /// without `bpf_loop`); the daemon reads `/proc/<pid>/environ` and writes the
+    /// answer. Counts as outside until then.
     pub const UNRESOLVED: u64 = u64::MAX;
 }
 
@@ -128,7 +130,10 @@ pub mod decision {
     pub const KILLED: u32 = 1;
     /// `bpf_send_signal` failed: the open returned to a process that should have died.
     pub const KILL_FAILED: u32 = 2;
-    pub const SLOTS: u32 = 3;
+    /// A process's identity could not be recorded (`PROC_ENV` full): it counts as
+    /// outside until the daemon's resynchronisation records it.
+    pub const IDENTITY_LOST: u32 = 3;
+    pub const SLOTS: u32 = 4;
 }
 
 /// What the kernel side decided about a GPU open ([`RawEvent::verdict`]).
@@ -201,7 +206,8 @@ pub struct RawEvent {
     /// Kind-specific: the child's pid for `FORK`, the node's `dev_t` for `OPEN`,
     /// [`EXEC_UNRESOLVED`] for an `EXEC` whose identity the daemon must read.
     pub arg: u32,
-    /// The GPU index for `OPEN`.
+    /// The GPU index for `OPEN`; [`FORK_UNRESOLVED`] for a `FORK` whose child inherited
+    /// an unresolved identity.
     pub index: u32,
     /// One of [`hook`] for `OPEN`.
     pub hook: u32,
@@ -215,6 +221,11 @@ pub struct RawEvent {
 
 /// `RawEvent::arg` of an `EXEC` whose environment block could not be read in full.
 pub const EXEC_UNRESOLVED: u32 = 1;
+
+/// `RawEvent::index` of a `FORK` whose parent's identity was still unresolved: the
+/// child inherited that, and the daemon must read the child's too (resolving the
+/// parent later would not reach it).
+pub const FORK_UNRESOLVED: u32 = 1;
 
 /// Struct member offsets (bytes) in the running kernel, read from its BTF by the daemon,
 /// and tracepoint field offsets, read from tracefs. `ABSENT` marks a field this kernel
@@ -241,8 +252,12 @@ pub struct Offsets {
     pub sb_s_dev: u32,
     /// `ret` in the `syscalls/sys_exit_open*` tracepoints.
     pub sys_exit_ret: u32,
-    /// `group_dead` in `sched/sched_process_exit` (6.15 and later); `ABSENT` before.
-    pub exit_group_dead: u32,
+    /// `task_struct.signal` and `signal_struct.live` (an `atomic_t`): the exit hook
+    /// counts a thread group dead when no thread of it is live. (The tracepoint's own
+    /// `group_dead` exists only from 6.15; before, a leader that calls `pthread_exit`
+    /// while its other threads run looks like the whole process's exit.)
+    pub task_signal: u32,
+    pub signal_live: u32,
     /// `task_struct.thread_info.status` (x86: `TS_COMPAT` marks a 32-bit syscall);
     /// `ABSENT` where the architecture has none.
     pub task_ti_status: u32,
@@ -275,7 +290,8 @@ impl Offsets {
         inode_i_sb: 0,
         sb_s_dev: 0,
         sys_exit_ret: 0,
-        exit_group_dead: Self::ABSENT,
+        task_signal: 0,
+        signal_live: 0,
         task_ti_status: Self::ABSENT,
         regs_orig_ax: Self::ABSENT,
         task_group_leader: 0,

@@ -2,23 +2,34 @@
 //! (`PROC_ENV`) the open hook decides on: set at exec from the new environment block
 //! ([`crate::env_block`]), inherited at fork, dropped at exit.
 
+use aya_ebpf::helpers::bpf_get_current_task;
 use aya_ebpf::macros::{raw_tracepoint, tracepoint};
 use aya_ebpf::programs::{RawTracePointContext, TracePointContext};
-use genv_ebpf_common::{EXEC_UNRESOLVED, Offsets, RawEvent, identity, kind};
+use genv_ebpf_common::{EXEC_UNRESOLVED, FORK_UNRESOLVED, RawEvent, decision, identity, kind};
 
-use crate::env_block::environment_identity;
+use crate::env_block::{Scan, environment_identity};
 use crate::kernel::{current, read};
-use crate::maps::{PROC_ENV, Wake, emit, offsets};
+use crate::maps::{PROC_ENV, Wake, count_decision, emit, offsets};
 
 /// `sched/sched_process_exec`: the current task has a new program image and a new
-/// environment block, whose `GENV_ENVIRONMENT_ID` becomes its identity.
+/// environment block, whose `GENV_ENVIRONMENT_ID` becomes its identity. The whole block
+/// is read, in 4 KiB steps of `bpf_loop` (5.17 and later).
 #[tracepoint]
 pub fn proc_exec(_ctx: TracePointContext) -> u32 {
+    exec(environment_identity(&offsets(), Scan::Whole))
+}
+
+/// [`proc_exec`] for kernels without `bpf_loop`: blocks over 4 KiB are left to the
+/// daemon, which reads `/proc/<pid>/environ`.
+#[tracepoint]
+pub fn proc_exec_4k(_ctx: TracePointContext) -> u32 {
+    exec(environment_identity(&offsets(), Scan::First4K))
+}
+
+#[inline(always)]
+fn exec(identity: u64) -> u32 {
     let (pid, tid) = current();
-    let identity = environment_identity(&offsets());
-    // An update never fails for lack of room on an existing key; a new key may, and the
-    // process then counts as outside (the map is sized for far more processes).
-    let _ = PROC_ENV.insert(&pid, &identity, 0);
+    record(pid, identity);
     let arg = if identity == identity::UNRESOLVED {
         EXEC_UNRESOLVED
     } else {
@@ -55,35 +66,53 @@ pub fn proc_fork(ctx: RawTracePointContext) -> i32 {
         // The child runs the parent's image with the parent's environment block until
         // it execs: it inherits the parent's identity. It has not run yet.
         // SAFETY: a plain lookup; the value is copied out at once.
-        if let Some(identity) = unsafe { PROC_ENV.get(&parent) }.copied() {
-            let _ = PROC_ENV.insert(&(tgid as u32), &identity, 0);
+        let inherited = unsafe { PROC_ENV.get(&parent) }.copied();
+        if let Some(identity) = inherited {
+            record(tgid as u32, identity);
         }
+        // A child of a process whose identity the daemon has not read yet inherits
+        // "unresolved": the daemon must read the child's too, and soon.
+        let unresolved = inherited == Some(identity::UNRESOLVED);
         emit(
             RawEvent {
                 kind: kind::FORK,
                 pid: parent,
                 tid,
                 arg: tgid as u32,
+                index: if unresolved { FORK_UNRESOLVED } else { 0 },
                 ..RawEvent::default()
             },
-            Wake::Later,
+            if unresolved { Wake::Now } else { Wake::Later },
         );
     }
     0
 }
 
+/// Records `identity` for process `pid`. An update never fails for lack of room on an
+/// existing key; a new key may (the map is sized for every process the machine can
+/// have), and is counted: the daemon then resynchronises.
+#[inline(always)]
+fn record(pid: u32, identity: u64) {
+    if PROC_ENV.insert(&pid, &identity, 0).is_err() {
+        count_decision(decision::IDENTITY_LOST);
+    }
+}
+
 /// `sched/sched_process_exit`: reported once per process, when its thread group dies.
+/// Every exiting thread fires it, after `do_exit` took itself off `signal->live`: the
+/// group is dead when no thread is live. (A leader that calls `pthread_exit` exits
+/// first, while its other threads still run and still use the GPU.) Two threads
+/// exiting at once may both see 0: the removal is idempotent and the daemon ignores an
+/// exit it already had; the tgid cannot be reused before every thread is gone.
 #[tracepoint]
-pub fn proc_exit(ctx: TracePointContext) -> u32 {
+pub fn proc_exit(_ctx: TracePointContext) -> u32 {
     let (pid, tid) = current();
     let o = offsets();
-    let group_dead = if o.exit_group_dead == Offsets::ABSENT {
-        // Kernels before 6.15 do not say; the leader's exit stands for the group's.
-        pid == tid
-    } else {
-        // SAFETY: the offset comes from this tracepoint's format file.
-        unsafe { ctx.read_at::<u8>(o.exit_group_dead as usize) }.is_ok_and(|dead| dead != 0)
-    };
+    // SAFETY: a helper without arguments; the task is read only through probe reads.
+    let task = unsafe { bpf_get_current_task() } as *const u8;
+    let live = read::<*const u8>(task, o.task_signal).and_then(|s| read::<i32>(s, o.signal_live));
+    // Unreadable: fall back to the leader's exit standing for the group's.
+    let group_dead = live.map_or(pid == tid, |live| live == 0);
     if group_dead {
         let _ = PROC_ENV.remove(&pid);
         emit(

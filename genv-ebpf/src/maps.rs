@@ -49,8 +49,8 @@ pub static POLICY: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 pub static DECISIONS: PerCpuArray<u64> = PerCpuArray::with_max_entries(decision::SLOTS, 0);
 
-/// The environment blocks the exec hook reads itself: up to 4 KiB, which keeps the
-/// verifier within its budget (8 KiB did not); larger ones are left to the daemon.
+/// The environment block is read in chunks of 4 KiB, which keeps the verifier within its
+/// budget (8 KiB did not): one program pass without `bpf_loop`, one loop step with it.
 pub const ENV_SCAN_WORDS: usize = 512;
 pub const ENV_SCAN_BYTES: usize = ENV_SCAN_WORDS * 8;
 /// Zeroed words after the block: room for a prefix compare at the last position and
@@ -67,6 +67,11 @@ pub struct EnvScratch {
     /// not track, so that the scan's branches converge.
     pub positions: [u32; ENV_CANDIDATES],
     pub candidates: u32,
+    pub _pad: u32,
+    /// The block being walked (user address and length), and the identity so far.
+    pub start: u64,
+    pub len: u64,
+    pub found: u64,
 }
 
 /// Entries starting with `G` after the last `GENV_ENVIRONMENT_ID` the exec hook can

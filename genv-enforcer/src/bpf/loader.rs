@@ -11,11 +11,14 @@ use aya::programs::raw_trace_point::RawTracePointLinkId;
 use aya::programs::trace_point::TracePointLinkId;
 use aya::programs::{FEntry, Lsm, ProgramError, RawTracePoint, TracePoint};
 use aya::{Ebpf, EbpfLoader};
-use genv_ebpf_common::{EVENTS_MAP, GPU_NODES_MAP, LOST_MAP, MAX_GPU_NODES, OFFSETS_GLOBAL};
+use genv_ebpf_common::{
+    EVENTS_MAP, GPU_NODES_MAP, LOST_MAP, MAX_GPU_NODES, OFFSETS_GLOBAL, PROC_ENV_MAP,
+};
 
 use super::btf::Btf;
 use super::error::{LoadError, chain, map_error, program_error, take_map};
-use super::object::OBJECT;
+use super::lifecycle::{self, EnvScan};
+use super::object::{self, OBJECT};
 use super::offsets::{self, OffsetsError};
 use super::policy_maps::PolicyMaps;
 use super::tier::{Tier, TierChoice};
@@ -53,17 +56,20 @@ pub struct KernelPrograms {
     policy: PolicyMaps,
     /// Loaded and attached programs.
     programs: Vec<Attached>,
+    env_scan: EnvScan,
+    /// `PROC_ENV`'s capacity.
+    processes: u32,
 }
 
 /// An attached program: its name in the object, kernel id, and link (taken from the
 /// program when pinned).
-struct Attached {
-    name: &'static str,
-    id: u32,
-    link: Option<LinkId>,
+pub(super) struct Attached {
+    pub(super) name: &'static str,
+    pub(super) id: u32,
+    pub(super) link: Option<LinkId>,
 }
 
-enum LinkId {
+pub(super) enum LinkId {
     TracePoint(TracePointLinkId),
     RawTracePoint(RawTracePointLinkId),
     Lsm(LsmLinkId),
@@ -92,12 +98,22 @@ impl KernelPrograms {
         if let Some(bytes) = options.ring_bytes {
             loader.map_max_entries(EVENTS_MAP, bytes);
         }
+        // Sized for every process the machine can have, and allocated as processes come
+        // where the kernel allows (6.1): preallocated, the capacity costs ~50 bytes a
+        // process whether they exist or not, so there it stays bounded.
+        let lazy = match object::lazy_maps_supported() {
+            true => Some(object::with_lazy_map(OBJECT, PROC_ENV_MAP).map_err(LoadError::Object)?),
+            false => None,
+        };
+        let processes = lifecycle::process_capacity(lazy.is_some());
+        loader.map_max_entries(PROC_ENV_MAP, processes);
+        let bytes = lazy.as_ref().map_or(OBJECT, |o| o.bytes());
         let mut ebpf = loader
-            .load(OBJECT)
+            .load(bytes)
             .map_err(|e| LoadError::Object(chain(&e)))?;
         let mut programs = Vec::new();
 
-        attach_lifecycle(&mut ebpf, &mut programs)?;
+        let env_scan = lifecycle::attach(&mut ebpf, &mut programs)?;
 
         let mut refused = Vec::new();
         let mut chosen = None;
@@ -135,8 +151,19 @@ impl KernelPrograms {
             nodes,
             policy,
             programs,
+            env_scan,
+            processes,
         };
         Ok((kernel, events))
+    }
+
+    pub fn env_scan(&self) -> EnvScan {
+        self.env_scan
+    }
+
+    /// How many processes the identity map holds.
+    pub fn process_capacity(&self) -> u32 {
+        self.processes
     }
 
     pub fn tier(&self) -> Tier {
@@ -237,35 +264,7 @@ fn pin_all(
     Ok(())
 }
 
-/// exec, fork and exit: needed on every tier.
-fn attach_lifecycle(ebpf: &mut Ebpf, ids: &mut Vec<Attached>) -> Result<(), LoadError> {
-    for (program, category, name) in [
-        ("proc_exec", "sched", "sched_process_exec"),
-        ("proc_exit", "sched", "sched_process_exit"),
-    ] {
-        let error = program_error(program);
-        let tp: &mut TracePoint = program_mut(ebpf, program)?.try_into().map_err(&error)?;
-        tp.load().map_err(&error)?;
-        let link = LinkId::TracePoint(tp.attach(category, name).map_err(&error)?);
-        ids.push(Attached {
-            name: program,
-            id: tp.info().map_err(&error)?.id(),
-            link: Some(link),
-        });
-    }
-    let error = program_error("proc_fork");
-    let raw: &mut RawTracePoint = program_mut(ebpf, "proc_fork")?.try_into().map_err(&error)?;
-    raw.load().map_err(&error)?;
-    let link = LinkId::RawTracePoint(raw.attach("sched_process_fork").map_err(&error)?);
-    ids.push(Attached {
-        name: "proc_fork",
-        id: raw.info().map_err(&error)?.id(),
-        link: Some(link),
-    });
-    Ok(())
-}
-
-fn program_mut<'a>(
+pub(super) fn program_mut<'a>(
     ebpf: &'a mut Ebpf,
     program: &'static str,
 ) -> Result<&'a mut aya::programs::Program, LoadError> {

@@ -7,6 +7,7 @@
 
 pub mod btf;
 pub mod error;
+pub mod lifecycle;
 pub mod loader;
 mod object;
 pub mod offsets;

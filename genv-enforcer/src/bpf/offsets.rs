@@ -50,13 +50,8 @@ pub fn for_running_kernel(btf: &Btf, tracefs_root: &Path) -> Result<Offsets, Off
             "sys_exit_openat",
             "ret",
         )?,
-        exit_group_dead: tracefs::field_offset(
-            tracefs_root,
-            "sched",
-            "sched_process_exit",
-            "group_dead",
-        )?
-        .unwrap_or(Offsets::ABSENT),
+        task_signal: member("task_struct", "signal")?,
+        signal_live: member("signal_struct", "live")?,
         task_ti_status,
         regs_orig_ax: optional("pt_regs", "orig_ax"),
         task_group_leader: member("task_struct", "group_leader")?,

@@ -33,6 +33,8 @@ pub struct Decisions {
     pub killed: u64,
     /// `bpf_send_signal` failed: the open returned.
     pub kill_failed: u64,
+    /// Identities that could not be recorded (the map was full).
+    pub identity_lost: u64,
 }
 
 /// What `--deny` covers.
@@ -95,6 +97,19 @@ impl PolicyMaps {
         self.proc_env
             .insert(pid, identity, 0)
             .map_err(map_error(PROC_ENV_MAP))
+    }
+
+    /// Every process the kernel holds an identity for, with it.
+    pub fn identities(&self) -> Vec<(u32, u64)> {
+        self.proc_env.iter().filter_map(Result::ok).collect()
+    }
+
+    /// Drops a process's identity (one whose exit the kernel did not see).
+    pub fn forget_identity(&mut self, pid: u32) -> Result<(), LoadError> {
+        match self.proc_env.remove(&pid) {
+            Err(MapError::KeyNotFound) => Ok(()),
+            other => other.map_err(map_error(PROC_ENV_MAP)),
+        }
     }
 
     /// Makes the kernel's active environments exactly `wanted`.
@@ -167,6 +182,7 @@ impl PolicyMaps {
             refused: sum(decision::REFUSED),
             killed: sum(decision::KILLED),
             kill_failed: sum(decision::KILL_FAILED),
+            identity_lost: sum(decision::IDENTITY_LOST),
         }
     }
 }

@@ -167,7 +167,9 @@ impl Daemon {
         if schedule.status_due(Instant::now()) {
             self.status.updated = unix_now();
             if let Some(kernel) = &self.kernel {
-                kernel.report(&mut self.status);
+                if kernel.report(&mut self.status) {
+                    schedule.full_now(Instant::now());
+                }
             }
             instance.publish(&self.status);
             schedule.status_done(Instant::now());
@@ -227,7 +229,14 @@ impl Daemon {
                     kernel.resolve_identity(pid, self.settings.verbose);
                 }
             }
-            KernelEvent::Fork { .. } => counts.fork_events += 1,
+            KernelEvent::Fork {
+                child, unresolved, ..
+            } => {
+                counts.fork_events += 1;
+                if let (true, Some(kernel)) = (unresolved, self.kernel.as_mut()) {
+                    kernel.resolve_identity(child, self.settings.verbose);
+                }
+            }
             KernelEvent::Exit { pid } => {
                 counts.exit_events += 1;
                 self.enforcer.builder.forget(pid);

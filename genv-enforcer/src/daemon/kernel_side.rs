@@ -11,6 +11,7 @@ use super::event_driven::Settings;
 use super::status::Status;
 use crate::backends::devmap::DeviceMap;
 use crate::backends::{nvml, procfs};
+use crate::bpf::lifecycle::EnvScan;
 use crate::bpf::policy_maps::DenyPolicy;
 use crate::bpf::{KernelPrograms, LoadOptions, TierChoice, pins};
 use crate::intake::EventIntake;
@@ -86,6 +87,12 @@ impl KernelSide {
             }
         };
         describe_tier(&programs, status);
+        if programs.env_scan() == EnvScan::Whole {
+            eprintln!(
+                "[INFO] The exec hook reads whole environment blocks (bpf_loop); identity map for {} processes",
+                programs.process_capacity()
+            );
+        }
         let intake = EventIntake::new(events.ring, events.lost)
             .map_err(|e| anyhow::anyhow!("reading the kernel's events: {e}"))?;
         let mut side = Self {
@@ -148,6 +155,7 @@ impl KernelSide {
     ) {
         self.watch_nodes(status, device_map);
         self.mirror_state(settings, status, state);
+        self.resync_identities(settings, status);
         self.follow_nvml(settings);
     }
 
@@ -167,6 +175,32 @@ impl KernelSide {
     /// A process whose environment block the exec hook could not read in full.
     pub(super) fn resolve_identity(&mut self, pid: u32, verbose: bool) {
         prevention::resolve_identity(self.programs.policy_mut(), pid, verbose);
+    }
+
+    /// Every full cycle (and so after every loss of events): no identity stays
+    /// unresolved or missing. When the kernel could not record some (its map was full),
+    /// the identities of processes gone unseen are dropped first.
+    fn resync_identities(&mut self, settings: &Settings, status: &mut Status) {
+        let lost = self.programs.policy().decisions().identity_lost;
+        let prune = lost > status.counts.identity_lost_in_kernel;
+        if prune {
+            eprintln!(
+                "[WARNING] The kernel could not record {} process identities (its map of {} is full); dropping those of processes gone and recording them again",
+                lost - status.counts.identity_lost_in_kernel,
+                self.programs.process_capacity()
+            );
+            status.counts.identity_lost_in_kernel = lost;
+        }
+        let done =
+            prevention::resync_identities(self.programs.policy_mut(), prune, settings.verbose);
+        status.counts.identities_resolved += done.resolved as u64;
+        status.counts.identities_seeded += done.seeded as u64;
+        if done != Default::default() && settings.verbose {
+            eprintln!(
+                "[INFO] Identities resynchronised: {} read from /proc, {} recorded anew, {} of processes gone dropped",
+                done.resolved, done.seeded, done.pruned
+            );
+        }
     }
 
     /// Before the daemon exits: its process id leaves the exemptions, which pinned maps
@@ -191,13 +225,16 @@ impl KernelSide {
         prevention::holders::sweep(self.programs.policy(), map, gpus, settings.deny_root)
     }
 
-    /// The programs' run statistics and the kernel's own decision counts.
-    pub(super) fn report(&self, status: &mut Status) {
+    /// The programs' run statistics and the kernel's own decision counts; whether the
+    /// kernel could not record identities since the last resynchronisation (which then
+    /// is due at once).
+    pub(super) fn report(&self, status: &mut Status) -> bool {
         status.programs = self.programs.stats();
         let decided = self.programs.policy().decisions();
         status.counts.refused_in_kernel = decided.refused;
         status.counts.killed_in_kernel = decided.killed;
         status.counts.kill_failed_in_kernel = decided.kill_failed;
+        decided.identity_lost > status.counts.identity_lost_in_kernel
     }
 
     fn watch_nodes(&mut self, status: &mut Status, map: &DeviceMap) {

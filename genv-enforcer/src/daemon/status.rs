@@ -60,6 +60,14 @@ pub struct Counts {
     /// Processes outside environments killed for holding a GPU node opened by a
     /// process the kernel killed (a shared file table).
     pub killed_holders: u64,
+    /// Identities the kernel could not record (its map full); each leads to a
+    /// resynchronisation.
+    pub identity_lost_in_kernel: u64,
+    /// Unresolved identities the full cycle read from `/proc` (a lost exec event, a child
+    /// forked before its parent was resolved).
+    pub identities_resolved: u64,
+    /// Processes the kernel had no identity for, recorded by the full cycle.
+    pub identities_seeded: u64,
 }
 
 /// `genv-enforcer status`.

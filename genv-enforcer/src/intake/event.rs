@@ -1,20 +1,25 @@
 //! Kernel events, typed: a record with an unknown kind or hook is refused, not guessed.
 
-use genv_ebpf_common::{EXEC_UNRESOLVED, RawEvent, kind, split_kernel_dev, verdict};
+use genv_ebpf_common::{
+    EXEC_UNRESOLVED, FORK_UNRESOLVED, RawEvent, kind, split_kernel_dev, verdict,
+};
 
 use crate::bpf::Tier;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelEvent {
-    /// `unresolved`: the environment block was too large for the program to read; the
-    /// daemon must tell the kernel the process's identity.
+    /// `unresolved`: the program could not read the environment block; the daemon must
+    /// tell the kernel the process's identity.
     Exec {
         pid: u32,
         unresolved: bool,
     },
+    /// `unresolved`: the child inherited its parent's unresolved identity; the daemon
+    /// must tell the kernel the child's too.
     Fork {
         parent: u32,
         child: u32,
+        unresolved: bool,
     },
     Exit {
         pid: u32,
@@ -122,6 +127,7 @@ impl TryFrom<RawEvent> for KernelEvent {
             kind::FORK => KernelEvent::Fork {
                 parent: raw.pid,
                 child: raw.arg,
+                unresolved: raw.index == FORK_UNRESOLVED,
             },
             kind::EXIT => KernelEvent::Exit { pid: raw.pid },
             kind::OPEN => {

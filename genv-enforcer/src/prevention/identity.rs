@@ -42,18 +42,74 @@ pub fn seed_identities(maps: &mut PolicyMaps) -> usize {
 }
 
 /// The identity of a process whose environment block the exec hook could not read in
-/// full, from `/proc/<pid>/environ`.
-pub fn resolve_identity(maps: &mut PolicyMaps, pid: u32, verbose: bool) {
-    if let Ok(id) = procfs::environment_id(pid) {
-        if verbose {
-            eprintln!(
-                "[EVENT] Process {pid}'s environment block is too large for the kernel to read; its environment was read from /proc"
-            );
-        }
-        if let Err(e) = maps.set_identity(pid, identity_of(id.as_deref())) {
+/// full, from `/proc/<pid>/environ`; whether it was recorded.
+pub fn resolve_identity(maps: &mut PolicyMaps, pid: u32, verbose: bool) -> bool {
+    let Ok(id) = procfs::environment_id(pid) else {
+        return false; // gone: nothing to record
+    };
+    if verbose {
+        eprintln!(
+            "[EVENT] Process {pid}'s environment block could not be read in the kernel; its environment was read from /proc"
+        );
+    }
+    match maps.set_identity(pid, identity_of(id.as_deref())) {
+        Ok(()) => true,
+        Err(e) => {
             eprintln!("[WARNING] Cannot record process {pid}'s environment in the kernel: {e}");
+            false
         }
     }
+}
+
+/// What one resynchronisation of the kernel's identities did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Resync {
+    /// Unresolved identities read from `/proc` (a lost exec event, a child forked
+    /// before its parent was resolved).
+    pub resolved: usize,
+    /// Processes the kernel had no identity for (an insert that failed), seeded.
+    pub seeded: usize,
+    /// Identities of processes that no longer exist (only when `prune`).
+    pub pruned: usize,
+}
+
+/// Makes the kernel's identities whole again: no process stays unresolved or without
+/// an identity for longer than one full cycle, whatever events were lost. With `prune`
+/// (the map ran out of room), identities of processes gone without an exit the kernel
+/// saw are dropped first.
+pub fn resync_identities(maps: &mut PolicyMaps, prune: bool, verbose: bool) -> Resync {
+    let mut done = Resync::default();
+    let known = maps.identities();
+    let mut recorded = std::collections::HashSet::with_capacity(known.len());
+    for (pid, identity) in known {
+        let exists = std::path::Path::new(&format!("/proc/{pid}")).exists();
+        if prune && !exists && maps.forget_identity(pid).is_ok() {
+            done.pruned += 1;
+            // A new process may have taken the pid between the check and the removal:
+            // it is seeded below like any process without an identity.
+            continue;
+        }
+        recorded.insert(pid);
+        if identity == identity::UNRESOLVED && exists && resolve_identity(maps, pid, verbose) {
+            done.resolved += 1;
+        }
+    }
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return done;
+    };
+    for pid in dir
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| !recorded.contains(pid))
+    {
+        let Ok(id) = procfs::environment_id(pid) else {
+            continue; // gone, or a kernel thread
+        };
+        if maps.seed_identity(pid, identity_of(id.as_deref())).is_ok() {
+            done.seeded += 1;
+        }
+    }
+    done
 }
 
 #[cfg(test)]

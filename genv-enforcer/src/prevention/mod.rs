@@ -13,5 +13,5 @@ pub mod identity;
 pub mod mirror;
 
 pub use decisions::{decision_line, guarantee};
-pub use identity::{identity_of, resolve_identity, seed_identities};
+pub use identity::{identity_of, resolve_identity, resync_identities, seed_identities};
 pub use mirror::sync_environments;

@@ -342,6 +342,34 @@ fn attempt_loop(count: u32, path: &str) -> ! {
     std::process::exit(0)
 }
 
+/// Goes on in a child forked now, without exec (its parent's environment identity
+/// unresolved or not), which prints its pid before its opens; the parent waits, says
+/// how the child ended, and exits.
+fn fork_early() {
+    // SAFETY: single-threaded here; both sides go on with plain calls.
+    match unsafe { libc::fork() } {
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+            FORKED_EARLY.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        child => {
+            let mut status = 0;
+            unsafe { libc::waitpid(child, &mut status, 0) };
+            let mut out = std::io::stdout().lock();
+            if libc::WIFSIGNALED(status) {
+                writeln!(out, "child killed by signal {}", libc::WTERMSIG(status)).unwrap();
+            } else {
+                writeln!(out, "child exited {}", libc::WEXITSTATUS(status)).unwrap();
+            }
+            out.flush().unwrap();
+            std::process::exit(0);
+        }
+    }
+}
+
+static FORKED_EARLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Runs the opens in a child forked without exec; reports how it ended.
 fn open_in_forked_child(opens: &[Open]) {
     // SAFETY: the child only opens files, prints and exits.
@@ -367,10 +395,6 @@ fn open_in_forked_child(opens: &[Open]) {
 }
 
 fn main() {
-    let mut held: Vec<OwnedFd> = Vec::new();
-    let mut opens = Vec::new();
-    let mut wait_stdin = false;
-    let mut in_child = false;
     let all: Vec<String> = std::env::args().skip(1).collect();
     if std::env::var_os("GPU_PROCESS_REEXECUTED").is_none() {
         if let Some(at) = all.iter().position(|a| a == "--reexec-envp") {
@@ -389,6 +413,24 @@ fn main() {
             reexec(&value, &rest);
         }
     }
+    if let Some(at) = all.iter().position(|a| a == "--leader-exits") {
+        // The rest runs in a second thread; the leader thread exits now, as a program
+        // that calls pthread_exit from main does.
+        let mut rest = all.clone();
+        rest.remove(at);
+        std::thread::spawn(move || run(rest));
+        // The raw exit(2) ends this thread alone, without unwinding through Rust frames.
+        unsafe { libc::syscall(libc::SYS_exit, 0) };
+        unreachable!();
+    }
+    run(all)
+}
+
+fn run(all: Vec<String>) -> ! {
+    let mut held: Vec<OwnedFd> = Vec::new();
+    let mut opens = Vec::new();
+    let mut wait_stdin = false;
+    let mut in_child = false;
     let mut args = all.into_iter();
     let value = |args: &mut dyn Iterator<Item = String>, flag: &str| {
         args.next()
@@ -424,6 +466,7 @@ fn main() {
                 opens.push(Open::CloneFiles(value(&mut args, "--open-clone-files")))
             }
             "--fork" => in_child = true,
+            "--fork-early" => fork_early(),
             "--attempts" => {
                 let count = value(&mut args, "--attempts").parse().expect("a count");
                 attempt_loop(count, &value(&mut args, "--attempts"));
@@ -450,6 +493,9 @@ fn main() {
         let mut line = String::new();
         std::io::stdin().lock().read_line(&mut line).unwrap();
         REPORT.store(true, std::sync::atomic::Ordering::SeqCst);
+        if FORKED_EARLY.load(std::sync::atomic::Ordering::SeqCst) {
+            println!("pid {}", std::process::id());
+        }
         do_opens(&mut held);
         println!("opened");
         std::io::stdout().flush().unwrap();
