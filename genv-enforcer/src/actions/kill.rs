@@ -50,6 +50,17 @@ pub enum Outcome {
 /// Opens a pidfd for `pid` and checks it still names the process that started at
 /// `start_time` (when known).
 pub fn open(pid: u32, start_time: Option<u64>, protected: &Protected) -> Result<OwnedFd, Outcome> {
+    open_with(pid, start_time, protected, || {})
+}
+
+/// [`open`], running `between` after the pidfd is opened and before the start time is
+/// read: the window in which the pid may be reused under it (the tests reuse it there).
+pub(super) fn open_with(
+    pid: u32,
+    start_time: Option<u64>,
+    protected: &Protected,
+    between: impl FnOnce(),
+) -> Result<OwnedFd, Outcome> {
     if let Some(reason) = protected.reason(pid) {
         return Err(Outcome::Refused(reason));
     }
@@ -58,6 +69,7 @@ pub fn open(pid: u32, start_time: Option<u64>, protected: &Protected) -> Result<
         .and_then(Pid::from_raw)
         .ok_or(Outcome::Gone)?;
     let pidfd = pidfd_open(raw, PidfdFlags::empty()).map_err(|_| Outcome::Gone)?;
+    between();
     let stat = procfs::stat(pid).map_err(|_| Outcome::Gone)?;
     if stat.is_kernel_thread() {
         return Err(Outcome::Refused("it is a kernel thread"));
