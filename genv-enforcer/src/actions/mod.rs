@@ -169,3 +169,6 @@ impl Executor {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
