@@ -35,7 +35,9 @@ pub struct ProcStat {
     pub state: char,
     pub ppid: i32,
     pub flags: u32,
-    /// Clock ticks since boot: with the pid, a unique identity for the process.
+    /// Clock ticks since boot (10 ms): with the pid, it names one process, unless the
+    /// pid is reused within the tick its first process started in (a wrap of the whole
+    /// pid space in 10 ms, or root choosing the pid through `ns_last_pid`).
     pub start_time: u64,
     /// `startcode`, `endcode` and `startstack`: set anew by every `execve` (and, with
     /// ASLR, different on each), so a changed value means a new program image with a
