@@ -25,7 +25,7 @@ use super::status::Status;
 use super::watchlist::Watchlist;
 use crate::bpf::TierChoice;
 use crate::cycle::{CycleSummary, Enforcer, Scope};
-use crate::intake::{EventIntake, KernelEvent, UnknownEvent, Verdict};
+use crate::intake::{BadRecord, EventIntake, KernelEvent, Verdict};
 use crate::prevention;
 
 /// The event-driven mode's settings, validated (see `cli::config`).
@@ -122,7 +122,7 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
 #[derive(Default)]
 struct Batch {
     events: Vec<KernelEvent>,
-    unknown: Vec<UnknownEvent>,
+    unknown: Vec<BadRecord>,
 }
 
 struct Daemon {

@@ -110,6 +110,33 @@ pub struct UnknownEvent {
     pub verdict: u32,
 }
 
+/// A ring buffer record the daemon cannot take as an event.
+#[derive(Clone, Copy, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BadRecord {
+    /// Not one [`RawEvent`]: the programs write exactly one per record.
+    #[error(
+        "kernel record of {0} bytes, expected {size}: the daemon and its programs disagree",
+        size = size_of::<RawEvent>()
+    )]
+    Size(usize),
+    #[error(transparent)]
+    Unknown(#[from] UnknownEvent),
+}
+
+impl KernelEvent {
+    /// Decodes one ring buffer record, whatever its bytes: any length, any alignment.
+    pub fn from_record(bytes: &[u8]) -> Result<Self, BadRecord> {
+        if bytes.len() != size_of::<RawEvent>() {
+            return Err(BadRecord::Size(bytes.len()));
+        }
+        // SAFETY: exactly one RawEvent's bytes, and every bit pattern is a valid RawEvent
+        // (plain integers, no padding); read unaligned since the ring gives no alignment
+        // promise for our type.
+        let raw: RawEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+        Ok(Self::try_from(raw)?)
+    }
+}
+
 impl TryFrom<RawEvent> for KernelEvent {
     type Error = UnknownEvent;
 
@@ -204,5 +231,33 @@ mod tests {
             ..RawEvent::default()
         };
         assert!(KernelEvent::try_from(raw).is_err());
+    }
+
+    /// Written for `fuzz_tests::a_record_of_another_size_is_refused`: a record shorter
+    /// than a `RawEvent` was skipped without a word, and a longer one read as its first
+    /// 40 bytes. Either means the daemon and its programs were built apart: the daemon
+    /// now warns and resynchronises, as for an unknown kind.
+    #[test]
+    fn records_of_another_size_are_refused_not_skipped() {
+        // The record as the programs write it: kind, then pid, native-endian.
+        let mut bytes = [0u8; size_of::<RawEvent>()];
+        bytes[..4].copy_from_slice(&kind::EXIT.to_ne_bytes());
+        bytes[4..8].copy_from_slice(&7u32.to_ne_bytes());
+        assert_eq!(
+            KernelEvent::from_record(&bytes),
+            Ok(KernelEvent::Exit { pid: 7 })
+        );
+        assert_eq!(
+            KernelEvent::from_record(&bytes[..39]),
+            Err(BadRecord::Size(39))
+        );
+        let mut long = bytes.to_vec();
+        long.extend([0; 8]);
+        assert_eq!(KernelEvent::from_record(&long), Err(BadRecord::Size(48)));
+        assert_eq!(KernelEvent::from_record(&[]), Err(BadRecord::Size(0)));
+        assert_eq!(
+            BadRecord::Size(39).to_string(),
+            "kernel record of 39 bytes, expected 40: the daemon and its programs disagree"
+        );
     }
 }

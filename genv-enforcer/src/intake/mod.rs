@@ -4,5 +4,5 @@
 mod event;
 mod ring;
 
-pub use event::{GpuOpen, KernelEvent, UnknownEvent, Verdict};
+pub use event::{BadRecord, GpuOpen, KernelEvent, UnknownEvent, Verdict};
 pub use ring::EventIntake;

@@ -4,11 +4,10 @@
 use std::io;
 
 use aya::maps::{MapData, PerCpuArray, RingBuf};
-use genv_ebpf_common::RawEvent;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
-use super::{KernelEvent, UnknownEvent};
+use super::{BadRecord, KernelEvent};
 
 pub struct EventIntake {
     ring: AsyncFd<RingBuf<MapData>>,
@@ -33,7 +32,7 @@ impl EventIntake {
     pub async fn next_batch(
         &mut self,
         events: &mut Vec<KernelEvent>,
-        unknown: &mut Vec<UnknownEvent>,
+        unknown: &mut Vec<BadRecord>,
     ) -> io::Result<()> {
         let mut guard = self.ring.readable_mut().await?;
         drain(guard.get_inner_mut(), events, unknown);
@@ -44,7 +43,7 @@ impl EventIntake {
     /// Moves whatever the ring buffer holds into `events` without waiting: lifecycle
     /// events do not wake the daemon (see the programs' `Wake`), so it reads them at
     /// every wake-up.
-    pub fn drain_now(&mut self, events: &mut Vec<KernelEvent>, unknown: &mut Vec<UnknownEvent>) {
+    pub fn drain_now(&mut self, events: &mut Vec<KernelEvent>, unknown: &mut Vec<BadRecord>) {
         drain(self.ring.get_mut(), events, unknown);
     }
 
@@ -61,19 +60,9 @@ impl EventIntake {
     }
 }
 
-fn drain(
-    ring: &mut RingBuf<MapData>,
-    events: &mut Vec<KernelEvent>,
-    unknown: &mut Vec<UnknownEvent>,
-) {
+fn drain(ring: &mut RingBuf<MapData>, events: &mut Vec<KernelEvent>, unknown: &mut Vec<BadRecord>) {
     while let Some(item) = ring.next() {
-        if item.len() < size_of::<RawEvent>() {
-            continue;
-        }
-        // SAFETY: the record holds at least one RawEvent, written by our programs; read
-        // unaligned since the ring gives no alignment promise for our type.
-        let raw: RawEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
-        match KernelEvent::try_from(raw) {
+        match KernelEvent::from_record(&item) {
             Ok(event) => events.push(event),
             Err(e) => unknown.push(e),
         }
