@@ -3,7 +3,8 @@
 //!
 //! serde_json's pretty printer already matches Python's layout (`"key": value`, `[]` and
 //! `{}` for empty containers, no trailing newline); the one difference is that Python
-//! escapes every non-ASCII character (`ensure_ascii=True`), which this formatter adds.
+//! escapes every character outside printable ASCII (`ensure_ascii=True`: non-ASCII, and
+//! DEL, U+007F), which this formatter adds.
 
 use std::io::{self, Write};
 
@@ -39,7 +40,8 @@ impl Formatter for PythonFormatter<'_> {
         fragment: &str,
     ) -> io::Result<()> {
         for c in fragment.chars() {
-            if c.is_ascii() {
+            // serde_json escapes the control characters below the space itself.
+            if c.is_ascii() && c != '\x7f' {
                 writer.write_all(&[c as u8])?;
             } else {
                 let mut units = [0u16; 2];
@@ -75,5 +77,14 @@ mod tests {
         // python3 -c 'import json,sys; json.dump(v, sys.stdout, indent=2)' on the same value
         let expected = "{\n  \"devices\": [\n    {\n      \"index\": 0,\n      \"total_memory\": \"16384mi\",\n      \"attachments\": []\n    },\n    {\n      \"index\": 1,\n      \"x\": {},\n      \"u\": \"J\\u00fcrgen \\ud83d\\ude00\",\n      \"n\": null,\n      \"b\": true\n    }\n  ]\n}";
         assert_eq!(to_python_json(&value).unwrap(), expected);
+    }
+
+    /// Found by `fuzz_tests::json_text_is_pythons_json_dump_with_indent_2`: DEL is
+    /// ASCII, but Python's `ensure_ascii` escapes it (its raw range is `' '..='~'`).
+    #[test]
+    fn escapes_delete_as_python_does() {
+        // python3 -c 'import json; print(json.dumps({"a": "x\x7fy"}, indent=2))'
+        let text = to_python_json(&json!({"a": "x\u{7f}y~"})).unwrap();
+        assert_eq!(text, "{\n  \"a\": \"x\\u007fy~\"\n}");
     }
 }
