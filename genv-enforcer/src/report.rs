@@ -118,10 +118,9 @@ impl Report {
             path: path.to_owned(),
             message: message.to_owned(),
         };
-        let terminate = document
-            .get("terminate")
-            .and_then(|t| t.get("processes"))
-            .and_then(Value::as_array)
+        let terminate = model::member(&document, "", "terminate")?;
+        let terminate = model::member(terminate, "terminate", "processes")?
+            .as_array()
             .ok_or_else(|| shape("terminate.processes", "expected a list"))?;
         let terminate = terminate
             .iter()
@@ -130,22 +129,58 @@ impl Report {
                 crate::snapshot::parse_wire_process(p, &format!("terminate.processes[{i}]"))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let detach = document
-            .get("detach")
-            .and_then(Value::as_object)
+        let detach = model::member(&document, "", "detach")?
+            .as_object()
             .ok_or_else(|| shape("detach", "expected an object keyed by device index"))?;
         let detach = detach
             .iter()
             .map(|(index, envs)| {
+                let path = format!("detach[{index:?}]");
                 let index = index
                     .parse()
-                    .map_err(|_| shape(&format!("detach[{index:?}]"), "not a device index"))?;
+                    .map_err(|_| shape(&path, "not a device index"))?;
                 Ok(Detach {
                     index,
-                    envs: model::parse_envs(envs)?,
+                    envs: model::parse_envs_at(envs, &path)?,
                 })
             })
             .collect::<Result<Vec<_>, ShapeError>>()?;
         Ok(Self { terminate, detach })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn path(report: Value) -> String {
+        match Report::from_genv_json(&report.to_string()) {
+            Err(WireError::Shape(e)) => e.path,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Found by `fuzz_tests::mutated_reports_fail_where_they_depart_from_genvs_shape`: a
+    /// missing or malformed `terminate` was named `terminate.processes`, and an error in
+    /// a detached environment as if its entry were the whole document (`envs[0].uid`).
+    #[test]
+    fn report_errors_name_their_place_from_the_top() {
+        let detach = json!({});
+        assert_eq!(path(json!({"detach": detach})), "$");
+        assert_eq!(
+            path(json!({"terminate": null, "detach": detach})),
+            "terminate"
+        );
+        let terminate = json!({"processes": []});
+        assert_eq!(path(json!({"terminate": terminate})), "$");
+        let detach = json!({"0": {"envs": [{"eid": "a", "uid": "root"}]}});
+        let report = json!({"terminate": terminate, "detach": detach});
+        assert_eq!(path(report), "detach[\"0\"].envs[0].uid");
+        let report = json!({"terminate": terminate, "detach": {"0": []}});
+        assert_eq!(path(report), "detach[\"0\"]");
+        let report = json!({"terminate": terminate, "detach": {"x": {"envs": []}}});
+        assert_eq!(path(report), "detach[\"x\"]");
     }
 }

@@ -63,12 +63,8 @@ pub fn wire_process(process: &GpuProcess) -> Value {
 
 /// Reads one process of a snapshot or report, naming the field that does not fit.
 pub fn parse_wire_process(value: &Value, prefix: &str) -> Result<GpuProcess, ShapeError> {
-    serde_path_to_error::deserialize::<_, ProcessJson>(value)
+    model::decode_record::<ProcessJson>(value, prefix, &[], &["used_gpu_memory"])
         .map(GpuProcess::from)
-        .map_err(|e| ShapeError {
-            path: format!("{prefix}.{}", e.path()),
-            message: e.inner().to_string(),
-        })
 }
 
 impl From<ProcessJson> for GpuProcess {
@@ -140,34 +136,99 @@ impl Snapshot {
     /// Reads a whole snapshot printed by `genv usage snapshot` (genv's or ours).
     pub fn from_genv_json(text: &str) -> Result<Self, WireError> {
         let document: Value = serde_json::from_str(text)?;
-        let field = |key: &str| {
-            document.get(key).ok_or_else(|| ShapeError {
-                path: "$".into(),
-                message: format!("missing key {key:?}"),
-            })
-        };
-        let processes = field("processes")?
-            .get("processes")
-            .cloned()
-            .ok_or_else(|| ShapeError {
-                path: "processes".into(),
-                message: "missing key \"processes\"".into(),
-            })?;
-        let processes = processes
+        let processes = model::member(&document, "", "processes")?;
+        let processes = model::member(processes, "processes", "processes")?
             .as_array()
             .ok_or_else(|| ShapeError {
                 path: "processes.processes".into(),
                 message: "expected a list".into(),
-            })?
+            })?;
+        let processes = processes
             .iter()
             .enumerate()
             .map(|(i, p)| parse_wire_process(p, &format!("processes.processes[{i}]")))
             .collect::<Result<Vec<_>, _>>()?;
+        let envs = model::member(&document, "", "envs")?;
+        let devices = model::member(&document, "", "devices")?;
         Ok(Self {
             processes,
-            envs: Some(model::parse_envs(field("envs")?)?),
-            devices: Some(model::parse_devices(field("devices")?)?),
+            envs: Some(model::parse_envs_at(envs, "envs")?),
+            devices: Some(model::parse_devices_at(devices, "devices")?),
             memory_known: true,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn shape_error(text: &str) -> ShapeError {
+        match Snapshot::from_genv_json(text) {
+            Err(WireError::Shape(e)) => e,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn snapshot(processes: Value, envs: Value, devices: Value) -> String {
+        json!({"processes": processes, "envs": envs, "devices": devices}).to_string()
+    }
+
+    /// Found by `fuzz_tests::any_json_reads_as_a_snapshot_exactly_where_it_has_genvs_shape`:
+    /// a process that is not an object was named `processes.processes[0]..`.
+    #[test]
+    fn a_process_that_is_not_an_object_is_named_by_its_path() {
+        let err = parse_wire_process(&json!(5), "processes.processes[0]").unwrap_err();
+        assert_eq!(err.path, "processes.processes[0]");
+        let err = parse_wire_process(&json!({"pid": "x"}), "p").unwrap_err();
+        assert_eq!(err.path, "p.pid");
+    }
+
+    /// Found with `records_given_as_lists_are_refused` (`state::model`): a process, or a
+    /// usage within one, was read from a JSON list, fields by position.
+    #[test]
+    fn a_process_given_as_a_list_is_refused() {
+        let err = parse_wire_process(&json!([5, [], null]), "p").unwrap_err();
+        assert_eq!(
+            (err.path.as_str(), err.message.as_str()),
+            ("p", "expected an object, found a list")
+        );
+        let process = json!({"pid": 5, "used_gpu_memory": [[0, "1mi"]], "eid": null});
+        assert_eq!(
+            parse_wire_process(&process, "p").unwrap_err().path,
+            "p.used_gpu_memory[0]"
+        );
+    }
+
+    /// Found by `fuzz_tests::mutated_snapshots_fail_where_they_depart_from_genvs_shape`:
+    /// errors in the `envs` and `devices` parts were named as if each were the whole
+    /// document (`$: missing key "envs"` for `{"envs": {}}`, `devices[0].index`).
+    #[test]
+    fn snapshot_parts_name_their_fields_from_the_top() {
+        let processes = json!({"processes": []});
+        let devices = json!({"devices": []});
+        let err = shape_error(&snapshot(processes.clone(), json!({}), devices.clone()));
+        assert_eq!(
+            (err.path.as_str(), err.message.as_str()),
+            ("envs", "missing key \"envs\"")
+        );
+        let err = shape_error(&snapshot(processes.clone(), json!(null), devices.clone()));
+        assert_eq!(err.path, "envs");
+        let envs = json!({"envs": [{"eid": "a", "uid": -1}]});
+        let err = shape_error(&snapshot(processes.clone(), envs, devices));
+        assert_eq!(err.path, "envs.envs[0].uid");
+        let envs = json!({"envs": []});
+        let devices = json!({"devices": [{"index": null, "total_memory": "1g"}]});
+        let err = shape_error(&snapshot(processes.clone(), envs.clone(), devices));
+        assert_eq!(err.path, "devices.devices[0].index");
+        let err = shape_error(&snapshot(processes, envs, json!({"devices": 3})));
+        assert_eq!(err.path, "devices.devices");
+        let err = shape_error(&json!({"processes": []}).to_string());
+        assert_eq!(
+            (err.path.as_str(), err.message.as_str()),
+            ("processes", "expected an object with key \"processes\"")
+        );
     }
 }

@@ -94,6 +94,20 @@ fn shape_error(path: impl Into<String>, message: impl Into<String>) -> ShapeErro
     }
 }
 
+/// `path` as an error names it: `$` for the document itself.
+fn here(path: &str) -> &str {
+    if path.is_empty() { "$" } else { path }
+}
+
+/// The member `name` of what `path` names (`""`: the document).
+fn join(path: &str, name: &str) -> String {
+    if path.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{path}.{name}")
+    }
+}
+
 /// Deserializes `value`, reporting the exact field that failed under `prefix`.
 fn decode<T: serde::de::DeserializeOwned>(value: &Value, prefix: &str) -> Result<T, ShapeError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
@@ -107,20 +121,58 @@ fn decode<T: serde::de::DeserializeOwned>(value: &Value, prefix: &str) -> Result
     })
 }
 
-/// The top-level collection of a state file: a list (current) or an object keyed by id
-/// (legacy: `envs.json` of genv <= 0.9.0, `devices.json` of genv <= 0.8.0).
-fn collection<'a>(document: &'a Value, key: &str) -> Result<Collection<'a>, ShapeError> {
-    let Value::Object(top) = document else {
+/// Deserializes the record (an object) at `path`. serde would also read a record, and
+/// the records within it (the fields named in `records`, the elements of the lists
+/// named in `lists`), from a JSON list, fields by position: genv never writes that, and
+/// its reader fails on it, so it is refused here.
+pub(crate) fn decode_record<T: serde::de::DeserializeOwned>(
+    value: &Value,
+    path: &str,
+    records: &[&str],
+    lists: &[&str],
+) -> Result<T, ShapeError> {
+    let refuse = |path: String| Err(shape_error(path, "expected an object, found a list"));
+    if value.is_array() {
+        return refuse(path.to_owned());
+    }
+    for name in records {
+        if value.get(name).is_some_and(Value::is_array) {
+            return refuse(join(path, name));
+        }
+    }
+    for name in lists {
+        if let Some(Value::Array(items)) = value.get(name) {
+            if let Some(i) = items.iter().position(Value::is_array) {
+                return refuse(format!("{}[{i}]", join(path, name)));
+            }
+        }
+    }
+    decode(value, path)
+}
+
+/// The member `key` of the object at `path`.
+pub(crate) fn member<'a>(value: &'a Value, path: &str, key: &str) -> Result<&'a Value, ShapeError> {
+    let Value::Object(fields) = value else {
         return Err(shape_error(
-            "$",
+            here(path),
             format!("expected an object with key {key:?}"),
         ));
     };
-    match top.get(key) {
-        Some(Value::Array(items)) => Ok(Collection::Current(items)),
-        Some(Value::Object(items)) => Ok(Collection::Legacy(items)),
-        Some(_) => Err(shape_error(key, "expected a list (or, legacy, an object)")),
-        None => Err(shape_error("$", format!("missing key {key:?}"))),
+    fields
+        .get(key)
+        .ok_or_else(|| shape_error(here(path), format!("missing key {key:?}")))
+}
+
+/// The top-level collection of a state file: a list (current) or an object keyed by id
+/// (legacy: `envs.json` of genv <= 0.9.0, `devices.json` of genv <= 0.8.0).
+fn collection<'a>(document: &'a Value, at: &str, key: &str) -> Result<Collection<'a>, ShapeError> {
+    match member(document, at, key)? {
+        Value::Array(items) => Ok(Collection::Current(items)),
+        Value::Object(items) => Ok(Collection::Legacy(items)),
+        _ => Err(shape_error(
+            join(at, key),
+            "expected a list (or, legacy, an object)",
+        )),
     }
 }
 
@@ -130,16 +182,24 @@ enum Collection<'a> {
 }
 
 pub fn parse_envs(document: &Value) -> Result<Vec<Env>, ShapeError> {
-    match collection(document, "envs")? {
+    parse_envs_at(document, "")
+}
+
+/// [`parse_envs`] of a document found at `at` in a larger one (a snapshot, a report),
+/// naming fields from the top of that one.
+pub fn parse_envs_at(document: &Value, at: &str) -> Result<Vec<Env>, ShapeError> {
+    let envs = join(at, "envs");
+    let env = |item, path: String| decode_record(item, &path, &["config"], &[]);
+    match collection(document, at, "envs")? {
         Collection::Current(items) => items
             .iter()
             .enumerate()
-            .map(|(i, item)| decode(item, &format!("envs[{i}]")))
+            .map(|(i, item)| env(item, format!("{envs}[{i}]")))
             .collect(),
         // Legacy entries have the same fields as current ones.
         Collection::Legacy(items) => items
             .iter()
-            .map(|(eid, item)| decode(item, &format!("envs[{eid:?}]")))
+            .map(|(eid, item)| env(item, format!("{envs}[{eid:?}]")))
             .collect(),
     }
 }
@@ -161,41 +221,48 @@ struct LegacyAttachment {
 }
 
 pub fn parse_devices(document: &Value) -> Result<Vec<Device>, ShapeError> {
-    match collection(document, "devices")? {
+    parse_devices_at(document, "")
+}
+
+/// [`parse_devices`] of a document found at `at` in a larger one (a snapshot).
+pub fn parse_devices_at(document: &Value, at: &str) -> Result<Vec<Device>, ShapeError> {
+    let devices = join(at, "devices");
+    match collection(document, at, "devices")? {
         Collection::Current(items) => items
             .iter()
             .enumerate()
-            .map(|(i, item)| decode(item, &format!("devices[{i}]")))
+            .map(|(i, item)| decode_record(item, &format!("{devices}[{i}]"), &[], &["attachments"]))
             .collect(),
         Collection::Legacy(items) => items
             .iter()
-            .map(|(key, item)| {
-                let prefix = format!("devices[{key:?}]");
-                let index = key
-                    .parse::<u32>()
-                    .map_err(|_| shape_error(&prefix, "legacy device key is not an index"))?;
-                let legacy: LegacyDevice = decode(item, &prefix)?;
-                let attachments = legacy
-                    .eids
-                    .iter()
-                    .map(|(eid, value)| {
-                        let a: LegacyAttachment =
-                            decode(value, &format!("{prefix}.eids[{eid:?}]"))?;
-                        Ok(Attachment {
-                            eid: a.eid,
-                            gpu_memory: a.gpu_memory,
-                            time: a.attached,
-                        })
-                    })
-                    .collect::<Result<_, ShapeError>>()?;
-                Ok(Device {
-                    index,
-                    total_memory: legacy.total_memory,
-                    attachments,
-                })
-            })
+            .map(|(key, item)| legacy_device(key, item, &format!("{devices}[{key:?}]")))
             .collect(),
     }
+}
+
+fn legacy_device(key: &str, item: &Value, path: &str) -> Result<Device, ShapeError> {
+    let index = key
+        .parse::<u32>()
+        .map_err(|_| shape_error(path, "legacy device key is not an index"))?;
+    let legacy: LegacyDevice = decode_record(item, path, &[], &[])?;
+    let attachments = legacy
+        .eids
+        .iter()
+        .map(|(eid, value)| {
+            let a: LegacyAttachment =
+                decode_record(value, &format!("{path}.eids[{eid:?}]"), &[], &[])?;
+            Ok(Attachment {
+                eid: a.eid,
+                gpu_memory: a.gpu_memory,
+                time: a.attached,
+            })
+        })
+        .collect::<Result<_, ShapeError>>()?;
+    Ok(Device {
+        index,
+        total_memory: legacy.total_memory,
+        attachments,
+    })
 }
 
 /// Both files must agree on identity: two records with one key would make every rule
@@ -267,5 +334,41 @@ mod tests {
             "devices"
         );
         assert_eq!(parse_envs(&json!([])).unwrap_err().path, "$");
+    }
+
+    /// Found by `fuzz_tests::any_json_parses_exactly_where_it_has_genvs_shape`: serde
+    /// read a record from a JSON list, fields by position (`{"envs": [["21210", 0]]}`
+    /// was an environment), which genv neither writes nor reads.
+    #[test]
+    fn records_given_as_lists_are_refused() {
+        let refused = |result: Result<Vec<Env>, ShapeError>| result.unwrap_err();
+        let err = refused(parse_envs(&json!({"envs": [["21210", 0]]})));
+        assert_eq!(err.path, "envs[0]");
+        assert_eq!(err.message, "expected an object, found a list");
+        let env = json!({"eid": "a", "uid": 0, "config": ["n", "2g", 1]});
+        assert_eq!(
+            refused(parse_envs(&json!({"envs": [env]}))).path,
+            "envs[0].config"
+        );
+        assert_eq!(
+            refused(parse_envs(&json!({"envs": {"a": ["a", 0]}}))).path,
+            "envs[\"a\"]"
+        );
+        let err = |document| parse_devices(&document).unwrap_err().path;
+        assert_eq!(err(json!({"devices": [[0, "16384mi", []]]})), "devices[0]");
+        let device = json!({"index": 0, "total_memory": "1g", "attachments": [["e", null, "t"]]});
+        assert_eq!(
+            err(json!({"devices": [device]})),
+            "devices[0].attachments[0]"
+        );
+        assert_eq!(
+            err(json!({"devices": {"1": ["16384mi", {}]}})),
+            "devices[\"1\"]"
+        );
+        let eids = json!({"7": ["7", "1g", "01/01/2022 00:00:00"]});
+        assert_eq!(
+            err(json!({"devices": {"1": {"total_memory": "1g", "eids": eids}}})),
+            "devices[\"1\"].eids[\"7\"]"
+        );
     }
 }
