@@ -184,3 +184,69 @@ mod tests {
         assert_eq!(path(report), "detach[\"x\"]");
     }
 }
+
+#[cfg(test)]
+mod fuzz_tests {
+    //! Property tests of `genv usage execute`'s input, as `snapshot::fuzz_tests` tests
+    //! the snapshot's: a report reads back as it was sent, and a document reads exactly
+    //! where it has genv's shape, failing otherwise at a place where it departs from it.
+
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+    use proptest::sample::Index;
+
+    use super::*;
+    use crate::snapshot::fuzz_tests::{mutated, mutations, shape_of, wire_gpu_process};
+    use crate::state::arbitrary::{self, check};
+    use crate::state::genv_shape::{self, REPORT};
+
+    fn report() -> impl Strategy<Value = Report> {
+        let detach = vec((any::<u32>(), vec(arbitrary::env(), 0..3)), 0..3);
+        (vec(wire_gpu_process(), 0..4), detach).prop_map(|(terminate, mut detach)| {
+            // One entry per device, in the order first asked (as `build_one` makes them).
+            let mut seen = std::collections::HashSet::new();
+            detach.retain(|(index, _)| seen.insert(*index));
+            let detach = detach
+                .into_iter()
+                .map(|(index, envs)| Detach { index, envs })
+                .collect();
+            Report { terminate, detach }
+        })
+    }
+
+    #[test]
+    fn a_report_reads_back_as_it_was_sent() {
+        check(report(), |report| {
+            prop_assert_eq!(
+                Report::from_genv_json(&report.to_genv_json()).unwrap(),
+                report
+            );
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn mutated_reports_fail_where_they_depart_from_genvs_shape() {
+        check((report(), mutations()), |(report, mutations)| {
+            let document = serde_json::from_str(&report.to_genv_json()).unwrap();
+            let document = mutated(document, &mutations);
+            let parsed = shape_of(&document, Report::from_genv_json(&document.to_string()))?;
+            genv_shape::agrees(&REPORT, &document, &parsed)
+        });
+    }
+
+    #[test]
+    fn any_text_is_read_without_a_panic() {
+        let cut_short = (report(), any::<Index>()).prop_map(|(report, cut)| {
+            let text = report.to_genv_json();
+            text[..cut.index(text.len() + 1)].to_owned()
+        });
+        check(
+            prop_oneof![any::<String>(), cut_short],
+            |text| match Report::from_genv_json(&text) {
+                Ok(_) | Err(WireError::Syntax(_) | WireError::Shape(_)) => Ok(()),
+                Err(e) => Err(TestCaseError::fail(e.to_string())),
+            },
+        );
+    }
+}

@@ -4,5 +4,8 @@
 mod event;
 mod ring;
 
+#[cfg(test)]
+mod fuzz_tests;
+
 pub use event::{BadRecord, GpuOpen, KernelEvent, UnknownEvent, Verdict};
 pub use ring::EventIntake;

@@ -18,6 +18,9 @@ mod owners;
 mod process_table;
 mod wire;
 
+#[cfg(test)]
+pub(crate) mod fuzz_tests;
+
 pub use builder::SnapshotBuilder;
 pub use inspect::{ProcessInspector, Procfs};
 pub use process_table::EnvPolicy;

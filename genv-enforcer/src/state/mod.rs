@@ -14,6 +14,13 @@ mod safe_open;
 #[cfg(test)]
 mod hostile_tests;
 
+#[cfg(test)]
+pub(crate) mod arbitrary;
+#[cfg(test)]
+mod fuzz_tests;
+#[cfg(test)]
+pub(crate) mod genv_shape;
+
 use std::io;
 use std::path::{Path, PathBuf};
 

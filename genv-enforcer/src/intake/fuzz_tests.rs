@@ -1,0 +1,148 @@
+//! Property tests of the ring buffer records' decoding (how they run, and how to run
+//! them longer: `state::arbitrary`): any bytes, of any length and alignment, decode
+//! without a panic; only exactly one `RawEvent` of a known kind, hook and verdict is an
+//! event, and it is the event the programs meant.
+
+use genv_ebpf_common::{RawEvent, hook, kind, split_kernel_dev, verdict};
+use proptest::collection::vec;
+use proptest::prelude::*;
+
+use super::{BadRecord, KernelEvent, UnknownEvent};
+use crate::state::arbitrary::check;
+
+const SIZE: usize = size_of::<RawEvent>();
+
+/// The record's bytes as the programs write them: the fields in declaration order,
+/// native-endian (the programs are built for the host's endianness).
+fn record(raw: &RawEvent) -> Vec<u8> {
+    let fields = [
+        raw.kind,
+        raw.pid,
+        raw.tid,
+        raw.arg,
+        raw.index,
+        raw.hook,
+        raw.uid,
+        raw.verdict,
+    ];
+    let mut bytes: Vec<u8> = fields.iter().flat_map(|f| f.to_ne_bytes()).collect();
+    bytes.extend(raw.ktime_ns.to_ne_bytes());
+    bytes
+}
+
+/// A field that is sometimes one of the values the programs write, sometimes anything.
+fn field(known: &'static [u32]) -> impl Strategy<Value = u32> {
+    prop_oneof![3 => proptest::sample::select(known), 1 => any::<u32>()]
+}
+
+fn raw_event() -> impl Strategy<Value = RawEvent> {
+    let kinds = &[kind::EXEC, kind::FORK, kind::EXIT, kind::OPEN];
+    let hooks = &[hook::LSM, hook::FENTRY, hook::TRACEPOINT];
+    let verdicts = &[
+        verdict::ATTACHED,
+        verdict::NOT_ATTACHED,
+        verdict::OUTSIDE,
+        verdict::ALLOWED_EXE,
+        verdict::REFUSED,
+        verdict::KILLED,
+        verdict::ROOT,
+        verdict::EXEMPT,
+        verdict::KILL_FAILED,
+    ];
+    let ids = (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>());
+    let decided = (field(kinds), field(hooks), field(verdicts), any::<u32>());
+    (ids, decided, any::<u64>()).prop_map(
+        |((pid, tid, arg, index), (kind, hook, verdict, uid), ktime_ns)| RawEvent {
+            kind,
+            pid,
+            tid,
+            arg,
+            index,
+            hook,
+            uid,
+            verdict,
+            ktime_ns,
+        },
+    )
+}
+
+#[test]
+fn any_bytes_decode_without_a_panic_and_only_one_record_is_an_event() {
+    let length = prop_oneof![0..=2 * SIZE, Just(SIZE), Just(SIZE)];
+    let bytes = length.prop_flat_map(|n| vec(any::<u8>(), n));
+    check(bytes, |bytes| {
+        match KernelEvent::from_record(&bytes) {
+            Err(BadRecord::Size(n)) => prop_assert!(n == bytes.len() && n != SIZE),
+            Err(BadRecord::Unknown(_)) | Ok(_) => prop_assert_eq!(bytes.len(), SIZE),
+        }
+        Ok(())
+    });
+}
+
+/// A record the programs wrote, at any offset in the ring's memory, decodes to the
+/// event it describes: every field where the programs put it.
+#[test]
+fn a_record_decodes_to_the_event_it_describes_at_any_alignment() {
+    check((raw_event(), 0..8usize), |(raw, offset)| {
+        let mut memory = vec![0xa5; offset];
+        memory.extend(record(&raw));
+        let decoded = KernelEvent::from_record(&memory[offset..]);
+        prop_assert_eq!(decoded, KernelEvent::try_from(raw).map_err(BadRecord::from));
+        let unknown = UnknownEvent {
+            kind: raw.kind,
+            hook: raw.hook,
+            verdict: raw.verdict,
+        };
+        let expected = match raw.kind {
+            kind::EXEC => KernelEvent::Exec {
+                pid: raw.pid,
+                unresolved: raw.arg == genv_ebpf_common::EXEC_UNRESOLVED,
+            },
+            kind::FORK => KernelEvent::Fork {
+                parent: raw.pid,
+                child: raw.arg,
+            },
+            kind::EXIT => KernelEvent::Exit { pid: raw.pid },
+            kind::OPEN => match decoded {
+                Ok(KernelEvent::Open(open)) => {
+                    let (major, minor) = split_kernel_dev(raw.arg);
+                    prop_assert_eq!((open.pid, open.tid, open.uid), (raw.pid, raw.tid, raw.uid));
+                    prop_assert_eq!((open.major, open.minor), (major, minor));
+                    prop_assert_eq!((open.index, open.at_ns), (raw.index, raw.ktime_ns));
+                    return Ok(());
+                }
+                Ok(other) => return Err(TestCaseError::fail(format!("{other:?}"))),
+                Err(e) => {
+                    prop_assert_eq!(e, BadRecord::Unknown(unknown));
+                    return Ok(());
+                }
+            },
+            _ => {
+                prop_assert_eq!(decoded, Err(BadRecord::Unknown(unknown)));
+                return Ok(());
+            }
+        };
+        prop_assert_eq!(decoded, Ok(expected));
+        Ok(())
+    });
+}
+
+/// A record cut short or run long (the daemon and programs built apart) is refused,
+/// whatever it holds.
+#[test]
+fn a_record_of_another_size_is_refused() {
+    check((raw_event(), 0..2 * SIZE + 8), |(raw, length)| {
+        let mut bytes = record(&raw);
+        bytes.resize(length, 0);
+        let decoded = KernelEvent::from_record(&bytes);
+        if length == SIZE {
+            prop_assert_eq!(decoded, KernelEvent::try_from(raw).map_err(BadRecord::from));
+        } else {
+            prop_assert_eq!(decoded, Err(BadRecord::Size(length)));
+            let message = decoded.unwrap_err().to_string();
+            let expected = format!("{length} bytes, expected {SIZE}");
+            prop_assert!(message.contains(&expected), "{}", message);
+        }
+        Ok(())
+    });
+}
