@@ -101,6 +101,7 @@ fn a_record_decodes_to_the_event_it_describes_at_any_alignment() {
             kind::FORK => KernelEvent::Fork {
                 parent: raw.pid,
                 child: raw.arg,
+                unresolved: raw.index == genv_ebpf_common::FORK_UNRESOLVED,
             },
             kind::EXIT => KernelEvent::Exit { pid: raw.pid },
             kind::OPEN => match decoded {
