@@ -125,6 +125,37 @@ fn a_process_on_its_attached_device_survives() {
     );
 }
 
+/// A process that writes over its environment block (`setproctitle`, in Ray or
+/// gunicorn) keeps the environment it was started in: the kernel recorded it at exec,
+/// and `/proc/<pid>/environ` no longer says it.
+#[test]
+fn a_process_that_overwrites_its_environment_block_keeps_its_environment() {
+    let (mut node, gpu) = node();
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("E", 0, "root", None, shell)]),
+        json!([device_record(0, &["E"]), device_record(1, &[])]),
+    );
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    let args = ["--clobber-environ", "--open", path(&gpu)];
+    let worker = node.spawn_with(Some("E"), &[(0, 100)], &args, None);
+    let environ = std::fs::read(format!("/proc/{worker}/environ")).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&environ).contains("GENV_ENVIRONMENT_ID"),
+        "the block was not overwritten"
+    );
+    // A process outside, started after it, is terminated: the checks ran.
+    let rogue = node.spawn_with(None, &[(0, 100)], &["--open", path(&gpu)], None);
+    daemon.expect(&format!(
+        "Process {rogue} is not running in a GPU environment"
+    ));
+    let checks = daemon.count("open_checks");
+    daemon.wait_count_above("open_checks", checks + 3);
+    assert!(node.alive(worker), "{:#?}", daemon.lines());
+}
+
 #[test]
 fn detaching_a_device_terminates_its_processes_without_waiting_for_the_interval() {
     let (mut node, _gpu) = node();

@@ -4,9 +4,10 @@
 //! flag; and the kernel's own count of what it decided.
 
 use std::collections::{HashMap, HashSet};
+use std::os::fd::AsFd;
 
 use aya::Ebpf;
-use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap as BpfHashMap, IterableMap, Map, MapData, MapError, PerCpuArray};
 use genv_ebpf_common::{
     ALLOWED_EXES_MAP, DECISIONS_MAP, ENVS_MAP, EXEMPT_PIDS_MAP, EnvEntry, ExeKey, MAX_ALLOWED_EXES,
     MAX_ENVS, POLICY_MAP, PROC_ENV_MAP, decision, policy,
@@ -24,6 +25,17 @@ pub struct PolicyMaps {
     exempt: BpfHashMap<MapData, u32, u64>,
     policy: Array<MapData, u32>,
     decisions: PerCpuArray<MapData, u64>,
+}
+
+/// Reads the identity the kernel recorded for a process at its exec (or inherited at
+/// fork): the environment block as it was then, whatever the process wrote over it
+/// since (`setproctitle`).
+pub struct IdentityReader(BpfHashMap<MapData, u32, u64>);
+
+impl IdentityReader {
+    pub fn get(&self, pid: u32) -> Option<u64> {
+        self.0.get(&pid, 0).ok()
+    }
 }
 
 /// What the kernel decided, by its own per-CPU counters.
@@ -102,6 +114,24 @@ impl PolicyMaps {
     /// Every process the kernel holds an identity for, with it.
     pub fn identities(&self) -> Vec<(u32, u64)> {
         self.proc_env.iter().filter_map(Result::ok).collect()
+    }
+
+    /// A second, read-only hold on the identities: the snapshot reads them for every
+    /// GPU process, while these maps stay with the daemon's kernel side.
+    pub fn identity_reader(&self) -> Result<IdentityReader, LoadError> {
+        let fd = IterableMap::<u32, u64>::map(&self.proc_env)
+            .fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| LoadError::Map {
+                map: PROC_ENV_MAP,
+                message: e.to_string(),
+            })?;
+        let map = MapData::from_fd(fd)
+            .and_then(Map::from_map_data)
+            .and_then(BpfHashMap::try_from)
+            .map_err(map_error(PROC_ENV_MAP))?;
+        Ok(IdentityReader(map))
     }
 
     /// Drops a process's identity (one whose exit the kernel did not see).

@@ -18,6 +18,7 @@ use anyhow::Result;
 
 use super::StopSignals;
 use super::instance::Instance;
+use super::kernel_inspector::KernelInspector;
 use super::kernel_side::KernelSide;
 use super::schedule::Schedule;
 use super::state_watch::StateWatch;
@@ -54,7 +55,7 @@ const SETTLE: Duration = Duration::from_secs(2);
 /// How often the daemon wakes at least, to read lifecycle events (which do not wake it).
 const DRAIN_EVERY: Duration = Duration::from_millis(100);
 
-pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
+pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
     let mut stop = StopSignals::install()?;
     let instance = Instance::claim(&settings.run_dir)?;
     let mut status = Status {
@@ -65,6 +66,17 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
         ..Status::default()
     };
     let (kernel, mut intake) = KernelSide::start(&settings, &mut status)?.unzip();
+    if let Some(kernel) = &kernel {
+        // Environments as the kernel read them at exec, not as /proc shows them now.
+        match kernel.identity_reader() {
+            Ok(reader) => enforcer
+                .builder
+                .set_inspector(Box::new(KernelInspector::new(reader))),
+            Err(e) => eprintln!(
+                "[WARNING] Cannot read the kernel's identities ({e}); environments are read from /proc, which setproctitle can overwrite"
+            ),
+        }
+    }
     instance.publish(&status);
 
     let mut schedule = Schedule::new(Instant::now(), settings.interval, settings.memory_interval);

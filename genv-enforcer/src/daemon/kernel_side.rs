@@ -172,6 +172,11 @@ impl KernelSide {
         self.tools_beside = dir;
     }
 
+    /// A reader of the identities the kernel recorded, for the snapshot.
+    pub(super) fn identity_reader(&self) -> Result<crate::bpf::policy_maps::IdentityReader> {
+        Ok(self.programs.policy().identity_reader()?)
+    }
+
     /// A process whose environment block the exec hook could not read in full.
     pub(super) fn resolve_identity(&mut self, pid: u32, verbose: bool) {
         prevention::resolve_identity(self.programs.policy_mut(), pid, verbose);

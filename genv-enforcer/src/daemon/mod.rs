@@ -5,6 +5,7 @@
 
 pub mod event_driven;
 mod instance;
+mod kernel_inspector;
 mod kernel_side;
 pub mod polling;
 mod schedule;

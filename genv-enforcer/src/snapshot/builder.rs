@@ -73,6 +73,11 @@ impl SnapshotBuilder {
         self
     }
 
+    pub fn set_inspector(&mut self, inspector: Box<dyn ProcessInspector + Send>) {
+        self.inspector = inspector;
+        self.table = ProcessTable::default(); // what the old one read
+    }
+
     pub fn state(&self) -> &StateDir {
         &self.state
     }

@@ -19,6 +19,14 @@ pub trait ProcessInspector: Sync {
         self.stat(pid)
     }
     fn environment_id(&self, pid: u32) -> Result<Option<String>, EnvironError>;
+    /// The identity the kernel recorded for `pid` at its exec (`genv_ebpf_common::
+    /// identity`), where kernel programs run: unlike `/proc/<pid>/environ`, a process
+    /// cannot write over it (`setproctitle` does, in Ray or gunicorn). `None` without
+    /// programs, or for a process the kernel has no record of.
+    fn kernel_identity(&self, pid: u32) -> Option<u64> {
+        let _ = pid;
+        None
+    }
     fn real_uid(&self, pid: u32) -> io::Result<u32>;
     /// Processes holding GPU nodes open (by `map`), with the GPU indices they hold.
     fn gpu_node_holders(&self, map: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>>;

@@ -87,7 +87,12 @@ pub(crate) fn assemble_processes(
         });
         if !same_image {
             table.known.remove(&pid);
-            let claimed = match inspector.environment_id(pid) {
+            let recorded = inspector.kernel_identity(pid);
+            let claimed = match recorded.and_then(|id| claim_of_identity(id, envs)) {
+                Some(claimed) => Ok(claimed),
+                None => inspector.environment_id(pid),
+            };
+            let claimed = match claimed {
                 Ok(claimed) => claimed,
                 Err(EnvironError::Gone(_)) => continue,
                 Err(e) => {
@@ -126,6 +131,21 @@ pub(crate) fn assemble_processes(
         });
     }
     processes
+}
+
+/// The claim the kernel's exec-time record makes, where it names no environment or an
+/// active one; `None` (read `/proc` instead) when the kernel could not resolve it or
+/// it names an environment not active now, whose id only `/proc` can spell.
+fn claim_of_identity(identity: u64, envs: Option<&[Env]>) -> Option<Option<String>> {
+    use genv_ebpf_common::{MAX_ENV_ID, env_id_hash, identity as kernel};
+    match identity {
+        kernel::UNRESOLVED => None,
+        kernel::NO_ENV => Some(None),
+        hash => envs?
+            .iter()
+            .find(|e| e.eid.len() <= MAX_ENV_ID && env_id_hash(e.eid.as_bytes()) == hash)
+            .map(|e| Some(e.eid.clone())),
+    }
 }
 
 /// The environment a process counts as being in: `Some(None)` outside any,
@@ -290,6 +310,19 @@ mod tests {
             ]
         );
         assert_eq!(warnings.len(), 3, "{warnings:?}"); // forged, ghost, unreadable
+    }
+
+    #[test]
+    fn the_kernels_record_names_active_environments_and_no_environment() {
+        use genv_ebpf_common::{env_id_hash, identity};
+        let envs = [env("E", 1000)];
+        let claim = |id| claim_of_identity(id, Some(&envs));
+        assert_eq!(claim(env_id_hash(b"E")), Some(Some("E".to_owned())));
+        assert_eq!(claim(identity::NO_ENV), Some(None));
+        // Unresolved, or an environment not active: /proc spells it.
+        assert_eq!(claim(identity::UNRESOLVED), None);
+        assert_eq!(claim(env_id_hash(b"gone")), None);
+        assert_eq!(claim_of_identity(env_id_hash(b"E"), None), None);
     }
 
     #[test]

@@ -342,6 +342,29 @@ fn attempt_loop(count: u32, path: &str) -> ! {
     std::process::exit(0)
 }
 
+/// Writes over the environment block in place, as `setproctitle` does (Ray, gunicorn):
+/// `/proc/self/environ` then shows the title, not the variables.
+fn clobber_environ() {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 1..];
+    let fields: Vec<u64> = rest
+        .split_ascii_whitespace()
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    // proc(5): env_start and env_end are fields 50 and 51; `rest` starts at field 3.
+    let (start, end) = (fields[50 - 3] as usize, fields[51 - 3] as usize);
+    let title = b"gpu-process: worker\0";
+    // SAFETY: our own environment block, which nothing reads from here on.
+    unsafe {
+        std::ptr::write_bytes(start as *mut u8, 0, end - start);
+        std::ptr::copy_nonoverlapping(
+            title.as_ptr(),
+            start as *mut u8,
+            title.len().min(end - start),
+        );
+    }
+}
+
 /// Goes on in a child forked now, without exec (its parent's environment identity
 /// unresolved or not), which prints its pid before its opens; the parent waits, says
 /// how the child ended, and exits.
@@ -467,6 +490,7 @@ fn run(all: Vec<String>) -> ! {
             }
             "--fork" => in_child = true,
             "--fork-early" => fork_early(),
+            "--clobber-environ" => clobber_environ(),
             "--attempts" => {
                 let count = value(&mut args, "--attempts").parse().expect("a count");
                 attempt_loop(count, &value(&mut args, "--attempts"));
