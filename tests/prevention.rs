@@ -691,6 +691,52 @@ fn a_child_forked_before_its_parent_was_resolved_is_resolved_too() {
     assert_untouched(&mut node, parent, &lines, 1, "a child forked unresolved");
 }
 
+/// A `nohup` job outlives its environment's shells: genv drops the environment, and
+/// leaves the job alone. By default so does the enforcer, on the GPUs the environment
+/// had (reported); `--orphans terminate` counts it as outside.
+#[test]
+fn a_job_whose_environment_genv_dropped_is_left_running_unless_orphans_terminate() {
+    let _serial = serial();
+    for policy in ["leave", "terminate"] {
+        let mut node = Node::new(2);
+        set_mode(&node.dir, 0o755);
+        let gpu = make_gpu_node(&node.dir.join("nvidia0"));
+        let shell = node.shell();
+        let envs = json!([env_record("alice-env", ALICE, "alice", None, shell)]);
+        let devices = json!([device_record(0, &["alice-env"]), device_record(1, &[])]);
+        node.write_state(envs.clone(), devices.clone());
+        let Some(daemon) = deny(&node, &["--orphans", policy]) else {
+            return;
+        };
+        let open = ["--wait-stdin", "--open", path(&gpu)];
+        // Listed with a context where it is left running (the cycle reports it); without
+        // one where it goes, so that the kernel decides at its open.
+        let usage: &[(u32, u64)] = if policy == "leave" { &[(0, 100)] } else { &[] };
+        let job = node.spawn_with(Some("alice-env"), usage, &open, Some(ALICE));
+        // The shell exits; genv's next read of envs.json drops the environment (and its
+        // attachment). The rewrite wakes the daemon, whose cycle reads it so.
+        unsafe { libc::kill(shell as i32, libc::SIGKILL) };
+        node.wait_exit(shell, DEATH);
+        let cycles = daemon.count("full_cycles");
+        node.write_state(envs.clone(), devices.clone());
+        daemon.wait_count_above("full_cycles", cycles);
+        let lines = node.attempt(job);
+        if policy == "leave" {
+            daemon.expect(&format!(
+                "Process {job} of uid {ALICE} runs in environment alice-env, which genv dropped"
+            ));
+            assert_untouched(&mut node, job, &lines, 1, "a job left running");
+            let status = daemon.wait_status("the orphan in the status", |status| {
+                let orphans = status["orphans"].as_array()?.clone();
+                (!orphans.is_empty()).then_some(orphans)
+            });
+            assert_eq!(status[0]["pid"], job, "{status:?}");
+        } else {
+            assert_prevented(&mut node, &daemon, job, &lines, "--orphans terminate");
+        }
+    }
+}
+
 /// A leader thread that calls `pthread_exit` while its other threads go on: the process
 /// keeps its identity (before 6.15 the exit tracepoint fires for the leader as if the
 /// whole process ended).

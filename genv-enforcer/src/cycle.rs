@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::actions::Executor;
 use crate::report::Report;
 use crate::rules::{self, Finding, Rules, Survey};
-use crate::snapshot::{Snapshot, SnapshotBuilder};
+use crate::snapshot::{DroppedEnv, Orphan, Snapshot, SnapshotBuilder};
 use crate::state::{Device, Env, GlobalLock, LockError, LockErrorKind};
 
 pub struct Enforcer {
@@ -70,6 +70,10 @@ pub struct CycleSummary {
     /// genv's environments and devices as this check read them, under the lock; `None`
     /// when either file could not be read (the daemon mirrors them into the kernel).
     pub state: Option<(Vec<Env>, Vec<Device>)>,
+    /// Processes of environments genv dropped, left running (`--orphans leave`).
+    pub orphans: Vec<Orphan>,
+    /// The environments they run in (the kernel lets them open GPUs too).
+    pub dropped_envs: Vec<DroppedEnv>,
 }
 
 impl Enforcer {
@@ -120,11 +124,15 @@ impl Enforcer {
             terminated: report.terminate.iter().map(|p| p.pid).collect(),
             detached: report.detach.iter().map(|d| d.envs.len()).sum(),
             state: None,
+            orphans: Vec::new(),
+            dropped_envs: Vec::new(),
         };
         if !report.is_empty() {
             self.execute(&report);
         }
         summary.state = snapshot.envs.zip(snapshot.devices);
+        summary.orphans = snapshot.orphans;
+        summary.dropped_envs = snapshot.dropped_envs;
         summary
     }
 

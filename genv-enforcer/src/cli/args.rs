@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::backends::devmap::NodeOverride;
 use crate::backends::nvml::DEFAULT_LIBRARY;
 use crate::bpf::TierChoice;
-use crate::snapshot::SnapshotJson;
+use crate::snapshot::{OrphanPolicy, SnapshotJson};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -111,6 +111,12 @@ pub struct EnforceArgs {
     /// genv's behaviour: a process may claim another user's environment.
     #[arg(long)]
     pub allow_foreign_env: bool,
+
+    /// Processes of an environment genv dropped when its shells exited (a `nohup` job):
+    /// `leave` them running on the GPUs it had, reported (as genv leaves them), or
+    /// `terminate` them as outside any environment.
+    #[arg(long, value_enum, default_value_t = OrphanPolicy::Leave)]
+    pub orphans: OrphanPolicy,
 
     #[command(flatten)]
     pub execution: ExecutionArgs,

@@ -71,6 +71,7 @@ impl EnforceConfig {
             policy: EnvPolicy {
                 trust_unknown_env_ids: args.allow_unknown_env,
                 trust_foreign_env_ids: args.allow_foreign_env,
+                orphans: args.orphans,
             },
             execution: executor_config(&args.execution),
             state_dir: args.sources.genv_tmpdir.clone(),

@@ -320,9 +320,10 @@ impl Daemon {
                 &self.settings,
                 &mut self.status,
                 self.enforcer.builder.device_map(),
-                summary.state.take(),
+                &mut summary,
             );
         }
+        self.status.orphans = std::mem::take(&mut summary.orphans);
     }
 
     fn opened_check(&mut self, pids: &HashSet<u32>) {

@@ -14,8 +14,10 @@ use crate::backends::{nvml, procfs};
 use crate::bpf::lifecycle::EnvScan;
 use crate::bpf::policy_maps::DenyPolicy;
 use crate::bpf::{KernelPrograms, LoadOptions, TierChoice, pins};
+use crate::cycle::CycleSummary;
 use crate::intake::EventIntake;
 use crate::prevention;
+use crate::snapshot::DroppedEnv;
 use crate::state::{Device, Env};
 
 pub(super) struct KernelSide {
@@ -151,10 +153,11 @@ impl KernelSide {
         settings: &Settings,
         status: &mut Status,
         device_map: &DeviceMap,
-        state: Option<(Vec<Env>, Vec<Device>)>,
+        summary: &mut CycleSummary,
     ) {
         self.watch_nodes(status, device_map);
-        self.mirror_state(settings, status, state);
+        let state = summary.state.take();
+        self.mirror_state(settings, status, state, &summary.dropped_envs);
         self.resync_identities(settings, status);
         self.follow_nvml(settings);
     }
@@ -263,8 +266,9 @@ impl KernelSide {
         settings: &Settings,
         status: &mut Status,
         state: Option<(Vec<Env>, Vec<Device>)>,
+        dropped: &[DroppedEnv],
     ) {
-        let current = prevention::sync_environments(self.programs.policy_mut(), state);
+        let current = prevention::sync_environments(self.programs.policy_mut(), state, dropped);
         if !current || self.armed {
             return;
         }

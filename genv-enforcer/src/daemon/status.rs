@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::bpf::ProgramStats;
+use crate::snapshot::Orphan;
 
 pub const FILE: &str = "status.json";
 
@@ -33,6 +34,10 @@ pub struct Status {
     pub interval_s: f64,
     pub memory_interval_s: f64,
     pub counts: Counts,
+    /// GPU processes of environments genv dropped, left running (`--orphans leave`), as
+    /// the last full cycle saw them.
+    #[serde(default)]
+    pub orphans: Vec<Orphan>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -128,6 +133,12 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
         "actions: {} terminated, {} detached",
         c.terminated, c.detached
     );
+    for o in &status.orphans {
+        println!(
+            "orphan: process {} of uid {} in environment {}, which genv dropped (left running)",
+            o.pid, o.uid, o.eid
+        );
+    }
     println!(
         "in the kernel: {} refused, {} killed ({} and {} reported as events)",
         c.refused_in_kernel, c.killed_in_kernel, c.refused, c.killed

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use genv_ebpf_common::{EnvEntry, MAX_ENV_ID, MAX_ENVS, env_id_hash};
 
 use crate::bpf::policy_maps::PolicyMaps;
+use crate::snapshot::DroppedEnv;
 use crate::state::model::{Device, Env};
 
 /// What the kernel's `ENVS` map should hold, and what it cannot.
@@ -21,7 +22,9 @@ pub struct Mirror {
 /// Every active environment, keyed as the programs look it up: its owner's uid and the
 /// GPUs attached to it. The map holds `MAX_ENVS`: environments whose owner the kernel
 /// confirmed go first, so that a flood of forged entries cannot push real ones out.
-pub fn env_entries(envs: &[Env], devices: &[Device]) -> Mirror {
+/// Environments genv dropped whose processes are left running (`--orphans leave`) come
+/// last, with the GPUs they had.
+pub fn env_entries(envs: &[Env], devices: &[Device], dropped: &[DroppedEnv]) -> Mirror {
     let mut mirror = Mirror::default();
     let confirmed = envs.iter().filter(|e| e.verified);
     let others = envs.iter().filter(|e| !e.verified);
@@ -47,6 +50,28 @@ pub fn env_entries(envs: &[Env], devices: &[Device]) -> Mirror {
             },
         );
     }
+    for env in dropped {
+        let key = env_id_hash(env.eid.as_bytes());
+        if env.eid.len() > MAX_ENV_ID || mirror.entries.contains_key(&key) {
+            continue;
+        }
+        if mirror.entries.len() >= MAX_ENVS as usize {
+            break; // dropped ones are the first to do without
+        }
+        let attached = env
+            .attached
+            .iter()
+            .filter(|&&i| i < 64)
+            .fold(0u64, |mask, i| mask | (1 << i));
+        mirror.entries.insert(
+            key,
+            EnvEntry {
+                uid: env.uid,
+                _pad: 0,
+                attached,
+            },
+        );
+    }
     mirror
 }
 
@@ -54,12 +79,16 @@ pub fn env_entries(envs: &[Env], devices: &[Device]) -> Mirror {
 /// When a state file could not be read (`None`; the cycle said why), the kernel keeps
 /// what it had: a malformed file never turns environments' processes into outsiders.
 /// `true` if the mirror is current.
-pub fn sync_environments(maps: &mut PolicyMaps, state: Option<(Vec<Env>, Vec<Device>)>) -> bool {
+pub fn sync_environments(
+    maps: &mut PolicyMaps,
+    state: Option<(Vec<Env>, Vec<Device>)>,
+    dropped: &[DroppedEnv],
+) -> bool {
     let Some((envs, devices)) = state else {
         eprintln!("[WARNING] The kernel keeps its previous list of environments");
         return false;
     };
-    let mirror = env_entries(&envs, &devices);
+    let mirror = env_entries(&envs, &devices, dropped);
     for eid in &mirror.too_long {
         eprintln!(
             "[WARNING] Environment id {eid:?} is longer than {MAX_ENV_ID} bytes: the kernel \
@@ -106,12 +135,31 @@ mod tests {
     }
 
     #[test]
+    fn dropped_environments_come_last_with_the_gpus_they_had() {
+        let dropped = |eid: &str| DroppedEnv {
+            eid: eid.into(),
+            uid: 1002,
+            attached: vec![2, 3],
+        };
+        let mirror = env_entries(
+            &[env("a", 1000)],
+            &[device(0, &["a"])],
+            &[dropped("gone"), dropped("a")],
+        );
+        let gone = mirror.entries[&env_id_hash(b"gone")];
+        assert_eq!((gone.uid, gone.attached), (1002, 0b1100));
+        // Active again: genv's current state wins.
+        assert_eq!(mirror.entries[&env_id_hash(b"a")].uid, 1000);
+    }
+
+    #[test]
     fn environments_carry_their_owner_and_attached_gpus() {
         let Mirror {
             entries, too_long, ..
         } = env_entries(
             &[env("a", 1000), env("b", 1001)],
             &[device(0, &["a"]), device(1, &["a", "b"]), device(2, &[])],
+            &[],
         );
         assert!(too_long.is_empty());
         let a = entries[&env_id_hash(b"a")];
@@ -124,7 +172,7 @@ mod tests {
     #[test]
     fn an_eid_longer_than_the_programs_read_is_left_out_and_named() {
         let long = "x".repeat(MAX_ENV_ID + 1);
-        let mirror = env_entries(&[env(&long, 0)], &[]);
+        let mirror = env_entries(&[env(&long, 0)], &[], &[]);
         assert!(mirror.entries.is_empty());
         assert_eq!(mirror.too_long, [long]);
     }
@@ -137,7 +185,7 @@ mod tests {
         let mut real = env("real", 1001);
         real.verified = true;
         envs.push(real);
-        let mirror = env_entries(&envs, &[]);
+        let mirror = env_entries(&envs, &[], &[]);
         assert_eq!(mirror.entries.len(), MAX_ENVS as usize);
         assert!(mirror.entries.contains_key(&env_id_hash(b"real")));
         assert_eq!(mirror.over_capacity.len(), 11);

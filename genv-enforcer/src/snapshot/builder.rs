@@ -6,6 +6,7 @@
 use std::ffi::OsString;
 
 use super::inspect::{ProcessInspector, Procfs};
+use super::orphans::OrphanPolicy;
 use super::owners::StateGuard;
 use super::process_table::{EnvPolicy, ProcessTable, assemble_processes};
 use super::{Snapshot, Warning};
@@ -207,6 +208,9 @@ impl SnapshotBuilder {
             }
         });
 
+        if let Some(envs) = &envs {
+            self.table.dropped.update(envs, devices.as_deref());
+        }
         let processes = assemble_processes(
             &contexts,
             envs.as_deref(),
@@ -215,11 +219,17 @@ impl SnapshotBuilder {
             &mut self.table,
             &mut warnings,
         );
+        let leave = self.policy.orphans == OrphanPolicy::Leave;
         let snapshot = Snapshot {
             processes,
             envs,
             devices,
             memory_known,
+            orphans: std::mem::take(&mut self.table.orphans),
+            dropped_envs: match leave {
+                true => self.table.dropped.all_dropped(),
+                false => Vec::new(),
+            },
         };
         (snapshot, warnings)
     }

@@ -41,6 +41,7 @@ fn snapshot() -> impl Strategy<Value = Snapshot> {
             envs: Some(envs),
             devices: Some(devices),
             memory_known: true,
+            ..Snapshot::default()
         },
     )
 }

@@ -14,6 +14,7 @@ macro_rules! warning {
 mod builder;
 mod inspect;
 pub mod order;
+mod orphans;
 mod owners;
 mod process_table;
 mod wire;
@@ -23,6 +24,7 @@ pub(crate) mod fuzz_tests;
 
 pub use builder::SnapshotBuilder;
 pub use inspect::{ProcessInspector, Procfs};
+pub use orphans::{DroppedEnv, Orphan, OrphanPolicy};
 pub use process_table::EnvPolicy;
 pub use wire::{SnapshotJson, WireError, parse_wire_process, wire_process};
 
@@ -49,6 +51,11 @@ pub struct Snapshot {
     pub devices: Option<Vec<Device>>,
     /// `false` when processes came from a `/proc` scan, which knows no memory figures.
     pub memory_known: bool,
+    /// Processes of environments genv dropped, left running (`--orphans leave`).
+    pub orphans: Vec<Orphan>,
+    /// The environments genv dropped that orphans may still run in (`--orphans leave`;
+    /// empty with `terminate`): the kernel lets their processes open GPUs too.
+    pub dropped_envs: Vec<DroppedEnv>,
 }
 
 /// A process using one or more GPUs.

@@ -8,9 +8,10 @@ use std::io;
 
 use super::inspect::{ProcessInspector, handle_budget, read_stats};
 use super::order::python_set_order;
+use super::orphans::{DroppedEnvs, Orphan, OrphanPolicy};
 use super::{GpuProcess, Usage, Warning};
 use crate::backends::nvml::ComputeContext;
-use crate::backends::procfs::{EnvironError, StatFile};
+use crate::backends::procfs::{EnvironError, ProcStat, StatFile};
 use crate::state::Env;
 
 /// How far a process's `GENV_ENVIRONMENT_ID` is believed. genv believes it always; by
@@ -23,6 +24,8 @@ pub struct EnvPolicy {
     pub trust_unknown_env_ids: bool,
     /// genv's behaviour: any user's process may claim any environment.
     pub trust_foreign_env_ids: bool,
+    /// Processes of an environment genv dropped (`--orphans`).
+    pub orphans: OrphanPolicy,
 }
 
 /// What was read of a process's program image: its claimed environment and real uid.
@@ -34,6 +37,8 @@ struct Known {
     exec_fingerprint: [u64; 3],
     claimed: Option<String>,
     uid: Option<u32>,
+    /// Said to be an orphan already (said once per process).
+    said_orphan: bool,
 }
 
 /// Known processes, kept across cycles; only GPU processes of the last cycle stay.
@@ -41,6 +46,10 @@ struct Known {
 pub(crate) struct ProcessTable {
     known: HashMap<u32, Known>,
     stat_files: HashMap<u32, Option<StatFile>>,
+    /// Environments genv dropped, as they last were.
+    pub(crate) dropped: DroppedEnvs,
+    /// The last assembly's orphans.
+    pub(crate) orphans: Vec<Orphan>,
 }
 
 impl ProcessTable {
@@ -71,6 +80,7 @@ pub(crate) fn assemble_processes(
     }
     let order = python_set_order(contexts.iter().map(|c| c.pid));
     table.known.retain(|pid, _| usage.contains_key(pid));
+    table.orphans.clear();
     table.stat_files.retain(|pid, _| usage.contains_key(pid));
     let stats = read_stats(&order, inspector, &mut table.stat_files, handle_budget());
     let mut processes = Vec::with_capacity(order.len());
@@ -82,35 +92,8 @@ pub(crate) fn assemble_processes(
         if stat.is_kernel_thread() {
             continue;
         }
-        let same_image = table.known.get(&pid).is_some_and(|k| {
-            k.start_time == stat.start_time && k.exec_fingerprint == stat.exec_fingerprint
-        });
-        if !same_image {
-            table.known.remove(&pid);
-            let recorded = inspector.kernel_identity(pid);
-            let claimed = match recorded.and_then(|id| claim_of_identity(id, envs)) {
-                Some(claimed) => Ok(claimed),
-                None => inspector.environment_id(pid),
-            };
-            let claimed = match claimed {
-                Ok(claimed) => claimed,
-                Err(EnvironError::Gone(_)) => continue,
-                Err(e) => {
-                    warnings.push(warning!(
-                        "{e}: cannot tell its environment, leaving process {pid} alone"
-                    ));
-                    continue;
-                }
-            };
-            table.known.insert(
-                pid,
-                Known {
-                    start_time: stat.start_time,
-                    exec_fingerprint: stat.exec_fingerprint,
-                    claimed,
-                    uid: None,
-                },
-            );
+        if !refresh_known(table, pid, &stat, inspector, envs, warnings) {
+            continue;
         }
         let known = table.known.get_mut(&pid).expect("just checked or inserted");
         let mut uid = || match known.uid {
@@ -120,6 +103,29 @@ pub(crate) fn assemble_processes(
                 .inspect(|uid| known.uid = Some(*uid)),
         };
         let claimed = known.claimed.clone();
+        let gpus = usage.get(&pid).map(Vec::as_slice).unwrap_or_default();
+        let orphan = match (policy.orphans, claimed.as_deref(), envs) {
+            (OrphanPolicy::Leave, Some(eid), Some(envs)) if !envs.iter().any(|e| e.eid == eid) => {
+                orphan_of(&table.dropped, eid, gpus, &mut uid)
+            }
+            _ => None,
+        };
+        if let Some(orphan) = orphan {
+            if !std::mem::replace(&mut known.said_orphan, true) {
+                warnings.push(warning!(
+                    "Process {pid} of uid {} runs in environment {}, which genv dropped when its shells exited: left running on the GPUs it had (--orphans terminate to stop such processes)",
+                    orphan.uid, orphan.eid
+                ));
+            }
+            table.orphans.push(Orphan { pid, ..orphan });
+            processes.push(GpuProcess {
+                pid,
+                start_time: Some(stat.start_time),
+                used_gpu_memory: usage.remove(&pid).unwrap_or_default(),
+                eid: claimed,
+            });
+            continue;
+        }
         let Some(eid) = resolve_env(pid, claimed, envs, &mut uid, policy, warnings) else {
             continue;
         };
@@ -131,6 +137,73 @@ pub(crate) fn assemble_processes(
         });
     }
     processes
+}
+
+/// Reads what a process claims once per program image (the kernel's exec-time record
+/// where there is one, else `/proc`); `false` when it cannot be told (gone, or its
+/// environment unreadable: said).
+fn refresh_known(
+    table: &mut ProcessTable,
+    pid: u32,
+    stat: &ProcStat,
+    inspector: &dyn ProcessInspector,
+    envs: Option<&[Env]>,
+    warnings: &mut Vec<Warning>,
+) -> bool {
+    let same_image = table.known.get(&pid).is_some_and(|k| {
+        k.start_time == stat.start_time && k.exec_fingerprint == stat.exec_fingerprint
+    });
+    if same_image {
+        return true;
+    }
+    table.known.remove(&pid);
+    let recorded = inspector.kernel_identity(pid);
+    let claimed = match recorded.and_then(|id| claim_of_identity(id, envs)) {
+        Some(claimed) => Ok(claimed),
+        None => inspector.environment_id(pid),
+    };
+    let claimed = match claimed {
+        Ok(claimed) => claimed,
+        Err(EnvironError::Gone(_)) => return false,
+        Err(e) => {
+            warnings.push(warning!(
+                "{e}: cannot tell its environment, leaving process {pid} alone"
+            ));
+            return false;
+        }
+    };
+    table.known.insert(
+        pid,
+        Known {
+            start_time: stat.start_time,
+            exec_fingerprint: stat.exec_fingerprint,
+            claimed,
+            uid: None,
+            said_orphan: false,
+        },
+    );
+    true
+}
+
+/// An orphan: a process of its own environment (its uid, or root) that genv dropped,
+/// on GPUs that environment had attached. Anywhere else it is no orphan, and the rules
+/// judge it as the claim of an environment not active.
+fn orphan_of(
+    dropped: &DroppedEnvs,
+    eid: &str,
+    gpus: &[Usage],
+    uid: &mut dyn FnMut() -> io::Result<u32>,
+) -> Option<Orphan> {
+    let env = dropped.dropped(eid)?;
+    if !gpus.iter().all(|u| env.attached.contains(&u.index)) {
+        return None;
+    }
+    let uid = uid().ok()?;
+    (uid == env.uid || uid == 0).then(|| Orphan {
+        pid: 0,
+        uid,
+        eid: eid.to_owned(),
+    })
 }
 
 /// The claim the kernel's exec-time record makes, where it names no environment or an
@@ -313,6 +386,75 @@ mod tests {
     }
 
     #[test]
+    fn an_environment_genv_dropped_leaves_its_own_processes_on_its_own_gpus() {
+        let mut procs = FakeProcs::default();
+        procs
+            .procs
+            .insert(20, (1000, Ok(Some("gone".into())), false)); // the job, GPU 1
+        procs
+            .procs
+            .insert(21, (1000, Ok(Some("gone".into())), false)); // on GPU 0 too
+        procs
+            .procs
+            .insert(22, (1001, Ok(Some("gone".into())), false)); // another user
+        let contexts = vec![ctx(20, 1), ctx(21, 0), ctx(21, 1), ctx(22, 1)];
+        let devices = |eids: &[&str]| {
+            let attachments = eids
+                .iter()
+                .map(|eid| crate::state::model::Attachment {
+                    eid: (*eid).to_owned(),
+                    gpu_memory: None,
+                    time: String::new(),
+                })
+                .collect();
+            let attached = crate::state::Device {
+                index: 1,
+                total_memory: "16384m".into(),
+                attachments,
+            };
+            vec![attached]
+        };
+        let run = |orphans: OrphanPolicy| {
+            let mut table = ProcessTable::default();
+            table
+                .dropped
+                .update(&[env("gone", 1000)], Some(&devices(&["gone"])));
+            table.dropped.update(&[], Some(&devices(&[])));
+            let policy = EnvPolicy {
+                orphans,
+                ..EnvPolicy::default()
+            };
+            let mut warnings = Vec::new();
+            let processes = assemble_processes(
+                &contexts,
+                Some(&[]),
+                &procs,
+                policy,
+                &mut table,
+                &mut warnings,
+            );
+            let listed: Vec<(u32, Option<String>)> =
+                processes.iter().map(|p| (p.pid, p.eid.clone())).collect();
+            (listed, table.orphans.clone(), warnings.len())
+        };
+        let (listed, orphans, warned) = run(OrphanPolicy::Leave);
+        let gone = Some("gone".to_owned());
+        assert_eq!(listed, vec![(20, gone.clone()), (21, None), (22, None)]);
+        assert_eq!(
+            orphans,
+            vec![Orphan {
+                pid: 20,
+                uid: 1000,
+                eid: "gone".into()
+            }]
+        );
+        assert_eq!(warned, 3, "the orphan said once, the two outsiders");
+        let (listed, orphans, _) = run(OrphanPolicy::Terminate);
+        assert_eq!(listed, vec![(20, None), (21, None), (22, None)]);
+        assert!(orphans.is_empty());
+    }
+
+    #[test]
     fn the_kernels_record_names_active_environments_and_no_environment() {
         use genv_ebpf_common::{env_id_hash, identity};
         let envs = [env("E", 1000)];
@@ -331,6 +473,7 @@ mod tests {
         let policy = EnvPolicy {
             trust_unknown_env_ids: true,
             trust_foreign_env_ids: true,
+            ..EnvPolicy::default()
         };
         let processes = assemble_processes(
             &contexts,

@@ -155,6 +155,9 @@ impl Snapshot {
             envs: Some(model::parse_envs_at(envs, "envs")?),
             devices: Some(model::parse_devices_at(devices, "devices")?),
             memory_known: true,
+            // genv's wire format carries neither; a remote host's own enforcer judges them.
+            orphans: Vec::new(),
+            dropped_envs: Vec::new(),
         })
     }
 }
