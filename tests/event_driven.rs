@@ -51,6 +51,45 @@ fn a_process_outside_any_environment_is_terminated_when_it_opens_a_gpu() {
     assert_eq!(node.wait_exit(rogue, DEATH), Some(SIGTERM));
 }
 
+/// A program may open the nodes long before it creates its context (loading data
+/// first): past the quick checks' window, it is still checked every second until it has
+/// one, not left to the next full cycle (an hour away here).
+#[test]
+fn a_context_created_long_after_the_open_is_answered_before_the_full_cycle() {
+    let (mut node, gpu) = node();
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    let rogue = node.spawn_with(None, &[], &["--open", path(&gpu)], None);
+    daemon.expect(&format!("[EVENT] Process {rogue} (thread {rogue}) "));
+    // Past the window of quick checks, with no context all along.
+    std::thread::sleep(genv_enforcer_window() + Duration::from_secs(1));
+    assert!(
+        node.alive(rogue),
+        "terminated without a context: {:#?}",
+        daemon.lines()
+    );
+    let cycles = daemon.count("full_cycles");
+    node.add_context(rogue, 0, 100);
+    daemon.expect(&format!(
+        "Process {rogue} is not running in a GPU environment"
+    ));
+    assert_eq!(
+        node.wait_exit(rogue, Duration::from_secs(30)),
+        Some(libc::SIGTERM)
+    );
+    assert_eq!(
+        daemon.count("full_cycles"),
+        cycles,
+        "the full cycle found it"
+    );
+}
+
+/// The daemon's window of quick checks after an open (`daemon::watchlist::WINDOW`).
+fn genv_enforcer_window() -> Duration {
+    Duration::from_secs(10)
+}
+
 #[test]
 fn an_open_attempt_that_fails_is_still_seen() {
     if !tier_sees_failed_opens() {

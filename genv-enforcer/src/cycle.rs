@@ -70,6 +70,8 @@ pub struct CycleSummary {
     /// genv's environments and devices as this check read them, under the lock; `None`
     /// when either file could not be read (the daemon mirrors them into the kernel).
     pub state: Option<(Vec<Env>, Vec<Device>)>,
+    /// The GPU processes the check saw (with a compute context), in scope.
+    pub gpu_pids: Vec<u32>,
     /// Processes of environments genv dropped, left running (`--orphans leave`).
     pub orphans: Vec<Orphan>,
     /// The environments they run in (the kernel lets them open GPUs too).
@@ -124,12 +126,14 @@ impl Enforcer {
             terminated: report.terminate.iter().map(|p| p.pid).collect(),
             detached: report.detach.iter().map(|d| d.envs.len()).sum(),
             state: None,
+            gpu_pids: Vec::new(),
             orphans: Vec::new(),
             dropped_envs: Vec::new(),
         };
         if !report.is_empty() {
             self.execute(&report);
         }
+        summary.gpu_pids = snapshot.processes.iter().map(|p| p.pid).collect();
         summary.state = snapshot.envs.zip(snapshot.devices);
         summary.orphans = snapshot.orphans;
         summary.dropped_envs = snapshot.dropped_envs;

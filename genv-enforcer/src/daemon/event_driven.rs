@@ -330,6 +330,9 @@ impl Daemon {
         let settled = self.settled(Instant::now());
         let summary = self.enforcer.check(Scope::Opened(pids), &settled);
         self.status.counts.open_checks += 1;
+        for pid in &summary.gpu_pids {
+            self.watchlist.computing(*pid);
+        }
         self.count(&summary);
         let now_ns = monotonic_ns();
         for pid in &summary.terminated {
