@@ -46,6 +46,9 @@ pub fn run(target: &Path) -> Result<String> {
     result
 }
 
+/// Execs per environment-block size in the `proc_exec` rows.
+const LARGE_EXECS: usize = 500;
+
 fn measure(target: &Path, dir: &Path) -> Result<String> {
     let gpu = dir.join("nvidia0");
     sim::make_test_node(&gpu)?;
@@ -64,6 +67,7 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
     write_bench_nvml(&nvml, json!([]))?;
     let load = BackgroundLoad::run()?;
     let status = fresh_status(&run_dir)?;
+    let large = large_block_execs(&run_dir, &status)?;
     unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
     daemon.wait()?;
     let host_loop = attempt_loop(target, dir, &gpu, &nvml)?;
@@ -94,6 +98,7 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
         );
     }
     table += &programs_table(&load, &status)?;
+    table += &large;
     table += &format!(
         "\n## `--deny`: {ATTEMPTS} open attempts by a process outside any environment\n\n\
          One process of an unprivileged user (root is let through unless `--deny-root`) forks {ATTEMPTS} children one after the other; each opens the test GPU node once and, if the \
@@ -187,6 +192,50 @@ impl BackgroundLoad {
             env_bytes: environment.iter().map(|(k, v)| k.len() + v.len() + 2).sum(),
         })
     }
+}
+
+/// `proc_exec`'s cost per exec with environment blocks over one 4 KiB chunk, read whole
+/// in `bpf_loop` steps: the difference of the kernel's statistics around each batch.
+fn large_block_execs(run_dir: &Path, before: &Value) -> Result<String> {
+    let exec_stats = |status: &Value| -> (u64, u64) {
+        let programs = status["programs"].as_array().cloned().unwrap_or_default();
+        programs
+            .iter()
+            .find(|p| p["name"] == "proc_exec" || p["name"] == "proc_exec_4k")
+            .map(|p| {
+                let runs = p["runs"].as_u64().unwrap_or(0);
+                (runs, p["run_time_ns"].as_u64().unwrap_or(0))
+            })
+            .unwrap_or((0, 0))
+    };
+    let mut rows = format!(
+        "\n`proc_exec` with larger environment blocks ({LARGE_EXECS} execs of `/bin/true` each, \
+         `GENV_ENVIRONMENT_ID` last):\n\n| block | ns/exec |\n|---|---|\n"
+    );
+    let mut last = exec_stats(before);
+    for kib in [16, 64] {
+        let pad = "x".repeat(kib * 1024);
+        for _ in 0..LARGE_EXECS {
+            let status = Command::new("/bin/true")
+                .env_clear()
+                .env("PAD", &pad)
+                .env("GENV_ENVIRONMENT_ID", "bench-env")
+                .status()?;
+            if !status.success() {
+                bail!("/bin/true failed");
+            }
+        }
+        let now = exec_stats(&fresh_status(run_dir)?);
+        let (runs, ns) = (now.0 - last.0, now.1 - last.1);
+        let per_run = if runs > 0 {
+            ns as f64 / runs as f64
+        } else {
+            0.0
+        };
+        rows += &format!("| {kib} KiB | {per_run:.0} |\n");
+        last = now;
+    }
+    Ok(rows)
 }
 
 /// The daemon's status file, once it has been rewritten after now (it says the second
