@@ -90,6 +90,32 @@ fn genv_enforcer_window() -> Duration {
     Duration::from_secs(10)
 }
 
+/// The kernel reports the host's pids: a daemon in a pid namespace of its own would
+/// signal the wrong processes, so it refuses to start, saying why.
+#[test]
+fn the_daemon_refuses_a_pid_namespace_of_its_own() {
+    let node = Node::new(1);
+    // Bounded: a daemon that started anyway would run until killed.
+    let mut command = std::process::Command::new("timeout");
+    command.args(["20", "unshare", "--pid", "--fork", "--mount-proc"]);
+    command.arg(node.enforcer().get_program());
+    command.envs(
+        node.enforcer()
+            .get_envs()
+            .filter_map(|(k, v)| Some((k, v?))),
+    );
+    let out = command
+        .args(["enforce", "--event-driven"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--event-driven needs the host's pid namespace"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn an_open_attempt_that_fails_is_still_seen() {
     if !tier_sees_failed_opens() {

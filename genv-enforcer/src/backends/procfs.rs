@@ -165,6 +165,19 @@ pub enum EnvironError {
 
 /// The value of `GENV_ENVIRONMENT_ID` in the process's initial environment, read as genv
 /// reads it (the last assignment wins).
+/// The inode of the initial pid namespace (`PROC_PID_INIT_INO`, a constant of the
+/// kernel's ABI since namespaces got inodes).
+const INITIAL_PID_NAMESPACE: &str = "pid:[4026531836]";
+
+/// This process's pid namespace (`/proc/self/ns/pid`) when it is not the initial one,
+/// whatever `/proc` is mounted (a remounted `/proc` shows only the inner pids);
+/// `None` in the initial one, or where it cannot be told.
+pub fn nested_pid_namespace() -> Option<String> {
+    let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
+    let link = link.to_string_lossy();
+    (link != INITIAL_PID_NAMESPACE).then(|| link.into_owned())
+}
+
 pub fn environment_id(pid: u32) -> Result<Option<String>, EnvironError> {
     let bytes = read_all(&format!("/proc/{pid}/environ")).map_err(|e| match e.kind() {
         io::ErrorKind::NotFound => EnvironError::Gone(pid),

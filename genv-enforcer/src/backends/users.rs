@@ -1,34 +1,85 @@
 //! User names from uids (`getpwuid_r`), cached: the passwd database may be NSS-backed
-//! (LDAP, sssd), and a refusal storm must not turn into a lookup storm.
+//! (LDAP, sssd), and a refusal storm must not turn into a lookup storm. A lookup that
+//! does not answer within [`LOOKUP_WAIT`] goes on in its own thread: the name is shown as
+//! the uid meanwhile, and the daemon's event loop never waits on a slow directory.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
+use std::time::Duration;
 
 /// Answers kept at most; a node has far fewer users.
 const MAX_CACHED: usize = 4096;
+/// How long a caller waits for a lookup not cached yet.
+pub const LOOKUP_WAIT: Duration = Duration::from_millis(100);
 
 /// The user's name, or `None` where the uid has no passwd entry (a container's uid,
-/// a deleted user). Answers, found or not, are kept for the daemon's life.
+/// a deleted user) or the lookup has not answered yet. Answers, found or not, are kept
+/// for the daemon's life.
 pub fn name_of(uid: u32) -> Option<String> {
-    static CACHE: OnceLock<Mutex<HashMap<u32, Option<String>>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(known) = cache.lock().ok().and_then(|c| c.get(&uid).cloned()) {
-        return known;
-    }
-    let found = lookup(uid);
-    if let Ok(mut cache) = cache.lock() {
-        // Bounded: uids come from files anyone can write.
-        if cache.len() >= MAX_CACHED {
-            cache.clear();
-        }
-        cache.insert(uid, found.clone());
-    }
-    found
+    static NAMES: OnceLock<Names> = OnceLock::new();
+    NAMES
+        .get_or_init(|| Names::new(lookup))
+        .name_of(uid, LOOKUP_WAIT)
 }
 
 /// The user's name, or the uid as text.
 pub fn display_name(uid: u32) -> String {
     name_of(uid).unwrap_or_else(|| uid.to_string())
+}
+
+#[derive(Clone)]
+enum Entry {
+    Known(Option<String>),
+    /// A lookup runs in its own thread; it fills the entry when it answers.
+    Pending,
+}
+
+type Lookup = fn(u32) -> Option<String>;
+
+struct Names {
+    cache: Arc<Mutex<HashMap<u32, Entry>>>,
+    lookup: Lookup,
+}
+
+impl Names {
+    fn new(lookup: Lookup) -> Self {
+        Self {
+            cache: Default::default(),
+            lookup,
+        }
+    }
+
+    fn name_of(&self, uid: u32, wait: Duration) -> Option<String> {
+        {
+            let mut cache = self.cache.lock().ok()?;
+            match cache.get(&uid) {
+                Some(Entry::Known(known)) => return known.clone(),
+                Some(Entry::Pending) => return None,
+                None => {}
+            }
+            // Bounded: uids come from files anyone can write.
+            if cache.len() >= MAX_CACHED {
+                cache.retain(|_, entry| matches!(entry, Entry::Pending));
+            }
+            cache.insert(uid, Entry::Pending);
+        }
+        let (tx, rx) = mpsc::channel();
+        let (cache, lookup) = (Arc::clone(&self.cache), self.lookup);
+        let spawned = std::thread::Builder::new()
+            .name("getpwuid".into())
+            .spawn(move || {
+                let found = lookup(uid);
+                if let Ok(mut cache) = cache.lock() {
+                    cache.insert(uid, Entry::Known(found.clone()));
+                }
+                let _ = tx.send(found);
+            });
+        if spawned.is_err() {
+            let _ = self.cache.lock().map(|mut c| c.remove(&uid));
+            return None;
+        }
+        rx.recv_timeout(wait).ok().flatten()
+    }
 }
 
 fn lookup(uid: u32) -> Option<String> {
@@ -56,6 +107,7 @@ fn lookup(uid: u32) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     #[test]
     fn root_has_a_name_and_an_unknown_uid_shows_as_a_number() {
@@ -63,5 +115,33 @@ mod tests {
         assert_eq!(name_of(4_000_000), None);
         assert_eq!(display_name(4_000_000), "4000000");
         assert_eq!(display_name(0), "root");
+    }
+
+    #[test]
+    fn a_directory_that_does_not_answer_never_holds_the_caller() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static RELEASED: AtomicBool = AtomicBool::new(false);
+        /// A directory that answers only once the test lets it.
+        fn stuck(uid: u32) -> Option<String> {
+            while !RELEASED.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Some(format!("user{uid}"))
+        }
+        let names = Names::new(stuck);
+        // The lookup cannot answer yet: both calls come back without it.
+        assert_eq!(names.name_of(7, Duration::from_millis(20)), None, "not yet");
+        assert_eq!(
+            names.name_of(7, Duration::from_millis(20)),
+            None,
+            "still pending"
+        );
+        RELEASED.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while names.name_of(7, Duration::ZERO).is_none() {
+            assert!(Instant::now() < deadline, "the answer never arrived");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(names.name_of(7, Duration::ZERO).as_deref(), Some("user7"));
     }
 }

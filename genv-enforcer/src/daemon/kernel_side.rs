@@ -49,6 +49,14 @@ impl KernelSide {
             );
             return Ok(None);
         }
+        if let Some(namespace) = procfs::nested_pid_namespace() {
+            bail!(
+                "--event-driven needs the host's pid namespace: the kernel programs report \
+                 the host's pids, and this daemon runs in a pid namespace of its own \
+                 ({namespace}); run it in the host's (docker --pid=host, Kubernetes \
+                 hostPID: true), or with --bpf-tier none"
+            );
+        }
         let pin_generation = match settings.keep_pinned {
             true => Some(pins::prepare_generation(&settings.pin_dir).map_err(|e| {
                 anyhow::anyhow!(
