@@ -20,6 +20,20 @@ use crate::prevention;
 use crate::snapshot::DroppedEnv;
 use crate::state::{Device, Env};
 
+/// The programs report the host's pids: in a pid namespace of its own, the daemon would
+/// look up, and signal, other processes than the ones the kernel named.
+fn refuse_nested_pid_namespace() -> Result<()> {
+    if let Some(namespace) = procfs::nested_pid_namespace() {
+        bail!(
+            "--event-driven needs the host's pid namespace: the kernel programs report \
+             the host's pids, and this daemon runs in a pid namespace of its own \
+             ({namespace}); run it in the host's (docker --pid=host, Kubernetes \
+             hostPID: true), or with --bpf-tier none"
+        );
+    }
+    Ok(())
+}
+
 pub(super) struct KernelSide {
     programs: KernelPrograms,
     device_map: Option<DeviceMap>,
@@ -49,14 +63,7 @@ impl KernelSide {
             );
             return Ok(None);
         }
-        if let Some(namespace) = procfs::nested_pid_namespace() {
-            bail!(
-                "--event-driven needs the host's pid namespace: the kernel programs report \
-                 the host's pids, and this daemon runs in a pid namespace of its own \
-                 ({namespace}); run it in the host's (docker --pid=host, Kubernetes \
-                 hostPID: true), or with --bpf-tier none"
-            );
-        }
+        refuse_nested_pid_namespace()?;
         let pin_generation = match settings.keep_pinned {
             true => Some(pins::prepare_generation(&settings.pin_dir).map_err(|e| {
                 anyhow::anyhow!(
