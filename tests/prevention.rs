@@ -737,6 +737,29 @@ fn a_job_whose_environment_genv_dropped_is_left_running_unless_orphans_terminate
     }
 }
 
+/// An identity map too small for the machine's processes (here forced with
+/// `GENV_ENFORCER_PROCESS_CAPACITY`): the kernel counts what it could not record, the
+/// status shows it, and the daemon resynchronises at once, saying so.
+#[test]
+fn identities_the_kernel_could_not_record_are_counted_and_resynchronised() {
+    let _serial = serial();
+    let (mut node, _) = node();
+    node.enforcer_env
+        .push(("GENV_ENFORCER_PROCESS_CAPACITY".into(), "16".into()));
+    let Some(daemon) = deny(&node, &[]) else {
+        return;
+    };
+    let cycles = daemon.count("full_cycles");
+    // More new processes than the map has room for, alive at once.
+    for _ in 0..24 {
+        node.shell();
+    }
+    let lost = daemon.wait_count("identity_lost_in_kernel");
+    assert!(lost > 0);
+    daemon.expect("process identities (its map of 16 is full)");
+    daemon.wait_count_above("full_cycles", cycles);
+}
+
 /// A leader thread that calls `pthread_exit` while its other threads go on: the process
 /// keeps its identity (before 6.15 the exit tracepoint fires for the leader as if the
 /// whole process ended).

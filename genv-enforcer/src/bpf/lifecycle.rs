@@ -72,10 +72,20 @@ fn attach_tracepoint(
     Ok(())
 }
 
+/// Sets `PROC_ENV`'s capacity instead (at least 16): to see what happens when it is
+/// full (the tests), or to bound the kernel memory it may take.
+pub const PROCESS_CAPACITY_VARIABLE: &str = "GENV_ENFORCER_PROCESS_CAPACITY";
+
 /// `PROC_ENV`'s capacity: every process the machine can have at once, which is bounded
 /// by both the pid space and the number of tasks (`kernel.threads-max`, derived from the
 /// memory). Preallocated (before 6.1), at most 2^18 (about 13 MiB of kernel memory).
 pub(super) fn process_capacity(lazy: bool) -> u32 {
+    if let Some(set) = std::env::var(PROCESS_CAPACITY_VARIABLE)
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    {
+        return set.max(16);
+    }
     let read = |name: &str| -> Option<u32> {
         std::fs::read_to_string(format!("/proc/sys/kernel/{name}"))
             .ok()?
