@@ -1,12 +1,17 @@
-//! The guest kernel: Debian's generic `linux-image-*-amd64`, whichever ABI the
-//! `linux-image-amd64` metapackage points at today (Debian bumps the ABI number with
-//! security updates, so no version is written down here).
+//! The guest kernels: Debian bookworm's two generic kernels, each the
+//! `linux-image-*-amd64` package its metapackage points at today ([`KERNELS`]:
+//! `linux-image-amd64` for 6.1, `linux-image-6.12-amd64` for 6.12). Debian bumps the ABI
+//! number with security updates, so no ABI is written down here; the resolved package
+//! must still be of the series its metapackage is listed for.
 //!
-//! From the package we keep two things, cached under `target/vm/<package>/`:
-//! - `vmlinux`, the uncompressed kernel pulled out of `vmlinuz`: QEMU boots it through
-//!   its PVH entry point, which skips the decompressor (slow under TCG);
+//! From each package we keep two things, cached under `target/vm/<package>/`:
+//! - `vmlinux`, the uncompressed kernel pulled out of `vmlinuz` (xz on 6.1, zstd on
+//!   6.12): QEMU boots it through its PVH entry point, which skips the decompressor (slow
+//!   under TCG);
 //! - the modules the guest's init loads before it can see the host (9p, its virtio
-//!   transport, the virtio PCI driver, overlayfs), with their dependencies, in load order.
+//!   transport, the virtio PCI driver, overlayfs), with their dependencies, in load order,
+//!   decompressed (6.12 ships `.ko.xz`). What the package lists in `modules.builtin` is
+//!   in the kernel already and is not loaded (6.12 builds the virtio PCI driver in).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -20,6 +25,27 @@ use crate::run;
 /// The modules init needs, by name; their dependencies come from each `.ko`'s modinfo.
 const NEEDED_MODULES: [&str; 4] = ["virtio_pci", "9pnet_virtio", "9p", "overlay"];
 
+/// One kernel series the harness boots, and the metapackage that follows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Series {
+    /// What `--kernel` calls it, and what the console says: `6.1`, `6.12`.
+    pub version: &'static str,
+    /// The metapackage whose dependency is the kernel package to boot.
+    pub metapackage: &'static str,
+}
+
+/// Debian bookworm's kernels, in the order `cargo xtask vm-test` boots them.
+pub const KERNELS: [Series; 2] = [
+    Series {
+        version: "6.1",
+        metapackage: "linux-image-amd64",
+    },
+    Series {
+        version: "6.12",
+        metapackage: "linux-image-6.12-amd64",
+    },
+];
+
 pub struct Kernel {
     /// The package, e.g. `linux-image-6.1.0-56-amd64`.
     pub package: String,
@@ -29,8 +55,17 @@ pub struct Kernel {
 }
 
 /// The kernel's pieces, downloaded and extracted on first use.
-pub fn prepare(cache: &Path) -> Result<Kernel> {
-    let package = current_package()?;
+pub fn prepare(cache: &Path, series: Series) -> Result<Kernel> {
+    prepare_package(cache, series).with_context(|| {
+        format!(
+            "preparing the {} kernel (package {})",
+            series.version, series.metapackage
+        )
+    })
+}
+
+fn prepare_package(cache: &Path, series: Series) -> Result<Kernel> {
+    let package = current_package(series)?;
     let dir = cache.join(&package);
     let vmlinux = dir.join("vmlinux");
     let order = dir.join("modules.order");
@@ -43,14 +78,17 @@ pub fn prepare(cache: &Path) -> Result<Kernel> {
         run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&unpacked))?;
         let vmlinuz = find(&unpacked.join("boot"), |name| name.starts_with("vmlinuz-"))?;
         extract_vmlinux(&vmlinuz, &vmlinux)?;
-        let modules = load_order(&modules_by_name(&unpacked.join("lib/modules"))?)?;
+        // linux-image-6.12.117+deb12-amd64 keeps them under 6.12.117+deb12-amd64/.
+        let release = package.strip_prefix("linux-image-").unwrap_or(&package);
+        let tree = unpacked.join("lib/modules").join(release);
+        let modules = load_order(&modules_by_name(&tree)?, &builtin(&tree)?)?;
         let kept = dir.join("modules");
         std::fs::create_dir_all(&kept)?;
         let mut listed = String::new();
-        for module in modules {
-            let name = module.file_name().unwrap();
-            std::fs::copy(&module, kept.join(name))?;
-            listed.push_str(&format!("{}\n", name.to_string_lossy()));
+        for (name, module) in modules {
+            let file = format!("{name}.ko");
+            std::fs::write(kept.join(&file), read_module(&module)?)?;
+            listed.push_str(&format!("{file}\n"));
         }
         std::fs::remove_dir_all(&unpacked)?;
         std::fs::remove_file(&deb)?;
@@ -69,11 +107,12 @@ pub fn prepare(cache: &Path) -> Result<Kernel> {
     })
 }
 
-/// The package `linux-image-amd64` depends on today.
-fn current_package() -> Result<String> {
+/// The package the series' metapackage depends on today, which must be of that series.
+fn current_package(series: Series) -> Result<String> {
+    let metapackage = series.metapackage;
     let depends = || -> Result<Option<String>> {
         let out = Command::new("apt-cache")
-            .args(["depends", "linux-image-amd64"])
+            .args(["depends", metapackage])
             .output()
             .context("running apt-cache (the VM kernel comes from Debian's archive)")?;
         Ok(String::from_utf8_lossy(&out.stdout)
@@ -82,11 +121,24 @@ fn current_package() -> Result<String> {
             .find(|dep| dep.starts_with("linux-image-"))
             .map(str::to_owned))
     };
-    if let Some(package) = depends()? {
-        return Ok(package);
+    let package = match depends()? {
+        Some(package) => package,
+        None => {
+            run(Command::new("apt-get").arg("update"))?;
+            depends()?.with_context(|| {
+                format!("apt-cache knows no {metapackage} to take the kernel from")
+            })?
+        }
+    };
+    // linux-image-6.1.0-56-amd64, linux-image-6.12.117+deb12-amd64.
+    let series_prefix = format!("linux-image-{}.", series.version);
+    if !package.starts_with(&series_prefix) {
+        bail!(
+            "{metapackage} depends on {package}, not a {} kernel",
+            series.version
+        );
     }
-    run(Command::new("apt-get").arg("update"))?;
-    depends()?.context("apt-cache knows no linux-image-amd64 to take the kernel from")
+    Ok(package)
 }
 
 fn download(package: &str, dir: &Path) -> Result<PathBuf> {
@@ -124,8 +176,9 @@ fn find(dir: &Path, matches: impl Fn(&str) -> bool) -> Result<PathBuf> {
 
 /// Pulls the compressed payload out of a bzImage (boot protocol 2.08+: its offset and
 /// length are in the setup header) and decompresses it with the matching tool. Debian
-/// compresses with xz; the kernel appends the uncompressed size after the stream, hence
-/// `--single-stream`.
+/// compresses 6.1 with xz and 6.12 with zstd. The kernel's build appends the uncompressed
+/// size (32 bits) after every stream but gzip's, which carries its own: it is cut off
+/// before decompressing (zstd refuses trailing bytes) and checked against the output.
 fn extract_vmlinux(vmlinuz: &Path, out: &Path) -> Result<()> {
     let image = std::fs::read(vmlinuz)?;
     let u16_at = |at: usize| u16::from_le_bytes([image[at], image[at + 1]]);
@@ -143,31 +196,45 @@ fn extract_vmlinux(vmlinuz: &Path, out: &Path) -> Result<()> {
     let start = (setup_sectors + 1) * 512 + u32_at(0x248) as usize;
     let payload = image
         .get(start..start + u32_at(0x24c) as usize)
+        .filter(|payload| payload.len() > 4)
         .context("the payload lies outside the image")?;
-    let (tool, args): (&str, &[&str]) = match payload {
-        [0xfd, b'7', b'z', b'X', b'Z', 0, ..] => ("xz", &["-dc", "--single-stream"]),
-        [0x28, 0xb5, 0x2f, 0xfd, ..] => ("zstd", &["-dcq"]),
-        [0x1f, 0x8b, ..] => ("gzip", &["-dc"]),
+    let (stream, size) = payload.split_at(payload.len() - 4);
+    let size = u32::from_le_bytes(size.try_into().unwrap()) as u64;
+    let (tool, stream, size) = match payload {
+        [0xfd, b'7', b'z', b'X', b'Z', 0, ..] => ("xz", stream, Some(size)),
+        [0x28, 0xb5, 0x2f, 0xfd, ..] => ("zstd", stream, Some(size)),
+        [0x1f, 0x8b, ..] => ("gzip", payload, None),
         _ => bail!("{}: unknown compression", vmlinuz.display()),
     };
     let mut child = Command::new(tool)
-        .args(args)
+        .args(["-dc"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::fs::File::create(out)?)
         .spawn()
         .with_context(|| format!("running {tool}"))?;
-    // zstd and gzip stop at the end of their frame; the trailing size is ignored.
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), payload).ok();
+    let written = std::io::Write::write_all(&mut child.stdin.take().unwrap(), stream);
     let status = child.wait()?;
-    let elf = std::fs::read(out).map(|b| b.starts_with(b"\x7fELF"))?;
-    if !elf {
+    let kernel = std::fs::read(out)?;
+    let whole = size.is_none_or(|size| kernel.len() as u64 == size);
+    if written.is_err() || !status.success() || !whole || !kernel.starts_with(b"\x7fELF") {
         bail!(
-            "{tool} ({status}) did not turn {} into an ELF kernel",
-            vmlinuz.display()
+            "{tool} ({status}) did not turn {} into an ELF kernel ({} bytes{})",
+            vmlinuz.display(),
+            kernel.len(),
+            size.map(|size| format!(", {size} expected"))
+                .unwrap_or_default()
         );
     }
     Ok(())
 }
+
+/// How a module file may be named: plain, or compressed with the tool that unpacks it.
+const MODULE_SUFFIXES: [(&str, Option<&str>); 4] = [
+    (".ko", None),
+    (".ko.xz", Some("xz")),
+    (".ko.zst", Some("zstd")),
+    (".ko.gz", Some("gzip")),
+];
 
 /// Every module under `root`, by its name (`-` and `_` are the same to the kernel).
 fn modules_by_name(root: &Path) -> Result<BTreeMap<String, PathBuf>> {
@@ -179,7 +246,10 @@ fn modules_by_name(root: &Path) -> Result<BTreeMap<String, PathBuf>> {
             if path.is_dir() {
                 dirs.push(path);
             } else if let Some(name) = path.file_name().and_then(|n| n.to_str()) {
-                if let Some(stem) = name.strip_suffix(".ko") {
+                let stem = MODULE_SUFFIXES
+                    .iter()
+                    .find_map(|(suffix, _)| name.strip_suffix(suffix));
+                if let Some(stem) = stem {
                     found.insert(stem.replace('-', "_"), path.clone());
                 }
             }
@@ -188,37 +258,85 @@ fn modules_by_name(root: &Path) -> Result<BTreeMap<String, PathBuf>> {
     Ok(found)
 }
 
-/// [`NEEDED_MODULES`] and their dependencies, each after what it depends on.
-fn load_order(modules: &BTreeMap<String, PathBuf>) -> Result<Vec<PathBuf>> {
+/// The modules built into the kernel, by name, from the package's `modules.builtin`
+/// (one path a line, `kernel/drivers/virtio/virtio_pci.ko`, whatever the compression).
+fn builtin(tree: &Path) -> Result<BTreeSet<String>> {
+    let list = tree.join("modules.builtin");
+    let text = std::fs::read_to_string(&list).with_context(|| format!("{}", list.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|line| line.rsplit('/').next()?.strip_suffix(".ko"))
+        .map(|stem| stem.replace('-', "_"))
+        .collect())
+}
+
+/// [`NEEDED_MODULES`] and their dependencies that are not built in, each after what it
+/// depends on: (name, file).
+fn load_order(
+    modules: &BTreeMap<String, PathBuf>,
+    builtin: &BTreeSet<String>,
+) -> Result<Vec<(String, PathBuf)>> {
     fn visit(
         name: &str,
         modules: &BTreeMap<String, PathBuf>,
         done: &mut BTreeSet<String>,
-        order: &mut Vec<PathBuf>,
+        order: &mut Vec<(String, PathBuf)>,
     ) -> Result<()> {
         if done.contains(name) {
             return Ok(());
         }
-        let path = modules
-            .get(name)
-            .with_context(|| format!("the kernel package has no module {name}"))?;
+        let path = modules.get(name).with_context(|| {
+            format!("the kernel package has no module {name}, and does not build it in")
+        })?;
         for dep in depends(path)? {
             visit(&dep, modules, done, order)?;
         }
         done.insert(name.to_owned());
-        order.push(path.clone());
+        order.push((name.to_owned(), path.clone()));
         Ok(())
     }
-    let (mut done, mut order) = (BTreeSet::new(), Vec::new());
+    let (mut done, mut order) = (builtin.clone(), Vec::new());
     for name in NEEDED_MODULES {
         visit(name, modules, &mut done, &mut order)?;
     }
     Ok(order)
 }
 
+/// A module file's ELF bytes, decompressed if it is compressed (the guest's busybox
+/// `insmod` hands the kernel the file as it is).
+fn read_module(module: &Path) -> Result<Vec<u8>> {
+    let name = module.file_name().unwrap_or_default().to_string_lossy();
+    let tool = MODULE_SUFFIXES
+        .iter()
+        .find(|(suffix, _)| name.ends_with(suffix))
+        .and_then(|(_, tool)| *tool);
+    let bytes = match tool {
+        None => std::fs::read(module)?,
+        Some(tool) => {
+            let out = Command::new(tool)
+                .arg("-dc")
+                .arg(module)
+                .output()
+                .with_context(|| format!("running {tool}"))?;
+            if !out.status.success() {
+                bail!(
+                    "{tool} -dc {} failed: {}",
+                    module.display(),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            out.stdout
+        }
+    };
+    if !bytes.starts_with(b"\x7fELF") {
+        bail!("{} is not an ELF module", module.display());
+    }
+    Ok(bytes)
+}
+
 /// A module's `depends=` entry in its `.modinfo` section.
 fn depends(module: &Path) -> Result<Vec<String>> {
-    let bytes = std::fs::read(module)?;
+    let bytes = read_module(module)?;
     let file = object::File::parse(&*bytes).with_context(|| format!("{}", module.display()))?;
     let modinfo = file
         .section_by_name(".modinfo")

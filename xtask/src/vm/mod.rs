@@ -134,7 +134,7 @@ pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
     let cache = root.join("target/vm");
     std::fs::create_dir_all(&cache)?;
     ensure_packages()?;
-    let kernel = kernel::prepare(&cache)?;
+    let kernel = kernel::prepare(&cache, kernel::KERNELS[0])?;
     let suites = build_suites()?;
 
     let script = cache.join("guest.sh");
@@ -162,7 +162,8 @@ pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
 
 const BUSYBOX: &str = "/bin/busybox";
 
-/// QEMU and a static busybox from the distribution; xz to unpack the kernel.
+/// QEMU and a static busybox from the distribution; xz and zstd to unpack the kernels
+/// (6.1's image and 6.12's modules are xz, 6.12's image zstd).
 fn ensure_packages() -> Result<()> {
     let have = |path: &str| Path::new(path).exists();
     let static_busybox = have(BUSYBOX)
@@ -171,20 +172,24 @@ fn ensure_packages() -> Result<()> {
             .output()
             .map(|o| String::from_utf8_lossy(&o.stdout).contains("statically linked"))
             .unwrap_or(true);
-    if have("/usr/bin/qemu-system-x86_64") && static_busybox && have("/usr/bin/xz") {
+    if have("/usr/bin/qemu-system-x86_64")
+        && static_busybox
+        && have("/usr/bin/xz")
+        && have("/usr/bin/zstd")
+    {
         return Ok(());
     }
     let install = || {
         Command::new("apt-get")
             .args(["install", "-y", "--no-install-recommends"])
-            .args(["qemu-system-x86", "busybox-static", "xz-utils"])
+            .args(["qemu-system-x86", "busybox-static", "xz-utils", "zstd"])
             .env("DEBIAN_FRONTEND", "noninteractive")
             .status()
     };
     if !install()?.success() {
         run(Command::new("apt-get").arg("update"))?;
         if !install()?.success() {
-            bail!("apt-get install qemu-system-x86 busybox-static xz-utils failed");
+            bail!("apt-get install qemu-system-x86 busybox-static xz-utils zstd failed");
         }
     }
     Ok(())
