@@ -3,10 +3,11 @@
 //! - `test`: the whole suite, on a fresh machine of this kind: checks formatting and
 //!   lints, builds every artefact the end-to-end tests run (the enforcer, the fake NVML,
 //!   the helper process), then runs every test on the host (the tier-dependent ones on
-//!   the tracepoint tier), then the tier-dependent ones on the LSM and fentry tiers in a
-//!   VM, then the VM harness's refusal check. The real genv 1.4.3 is installed from PyPI
+//!   the tracepoint tier), then the tier-dependent ones on every VM tier (LSM, fentry)
+//!   in a VM, on each of Debian bookworm's kernels (6.1, then 6.12), then the VM
+//!   harness's refusal check (on 6.1). The real genv 1.4.3 is installed from PyPI
 //!   into `target/genv-venv` on first use.
-//! - `vm-test`: the tier-dependent suites in a Debian kernel under QEMU ([`vm`]).
+//! - `vm-test`: the tier-dependent suites in Debian's kernels under QEMU ([`vm`]).
 //! - `demo`: the event-driven enforcer on a simulated GPU node with no GPU: the fake
 //!   NVML, a genv environment, intruders opening a GPU node, and how fast they end.
 //! - `build-ebpf`: the kernel programs' object alone (the enforcer's build script builds
@@ -36,8 +37,8 @@ fn main() -> Result<()> {
         Some("build-ebpf") => toolchain::build_ebpf(&root()),
         Some("vm-test") => vm_test(&args[1..]),
         _ => bail!(
-            "usage: cargo xtask <test [-- cargo test args] | vm-test [--tiers LIST] [--lsm LIST] \
-             [-- test args] | demo | bench | build-ebpf>"
+            "usage: cargo xtask <test [-- cargo test args] | vm-test [--kernel 6.1|6.12|all] \
+             [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench | build-ebpf>"
         ),
     }
 }
@@ -85,7 +86,7 @@ fn test(extra: &[String]) -> Result<()> {
     ]))?;
     run(&mut cargo(&["build", "--workspace"]))?;
     // The host runs the tier-dependent suites on the tracepoint tier (the one this
-    // machine's kernel loads); the VM runs them on the LSM and fentry tiers.
+    // machine's kernel loads); the VM runs them on the others, on every kernel.
     let mut test = cargo(&["test", "--workspace"]);
     test.args(extra.iter().skip_while(|a| *a == "--"));
     if std::env::var_os("GENV_TEST_BPF_TIER").is_none() {
@@ -96,14 +97,21 @@ fn test(extra: &[String]) -> Result<()> {
         eprintln!("xtask: test arguments given: the VM suites were not run (cargo xtask vm-test)");
         return Ok(());
     }
+    // Every kernel, every VM tier.
     let outcome = vm::test(&root(), &vm::Options::parse(&[])?)?;
-    if !outcome.passed {
-        bail!("the VM suites failed (see their output above)");
+    if !outcome.passed() {
+        bail!(
+            "the VM suites failed: {} (see their output above)",
+            outcome.failures().join("; ")
+        );
     }
     vm::refusal_check(&root())?;
+    let kernels: Vec<&str> = vm::KERNELS.iter().map(|k| k.version).collect();
     eprintln!(
-        "xtask: all passed: the tier suites on tracepoint (host), lsm and fentry (VM), \
-         and the harness's refusal check"
+        "xtask: all passed: the tier suites on tracepoint (host), on {} in the VM on \
+         kernels {} each, and the harness's refusal check",
+        vm::VM_TIERS.join(", "),
+        kernels.join(" and ")
     );
     Ok(())
 }
@@ -111,8 +119,11 @@ fn test(extra: &[String]) -> Result<()> {
 fn vm_test(args: &[String]) -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
     let outcome = vm::test(&root(), &vm::Options::parse(args)?)?;
-    if !outcome.passed {
-        bail!("vm-test: a tier failed (see its tests' output above)");
+    if !outcome.passed() {
+        bail!(
+            "vm-test: failed: {} (see the tests' output above)",
+            outcome.failures().join("; ")
+        );
     }
     Ok(())
 }

@@ -1,21 +1,22 @@
 //! `cargo xtask vm-test`: the tier-dependent tests on the kernel tiers this machine's
-//! kernel refuses (LSM, fentry), in a Debian kernel under QEMU, against the binaries
-//! built here.
+//! kernel refuses ([`VM_TIERS`]: LSM, fentry), on both of Debian bookworm's kernels
+//! (6.1 and 6.12, [`KERNELS`]) under QEMU, against the binaries built here.
 //!
-//! One boot runs every requested tier's suites in turn (`GENV_TEST_BPF_TIER=<tier>`,
-//! `GENV_REQUIRE_BPF=1`: a tier the kernel refuses fails its tests). QEMU runs under TCG:
+//! Each kernel is booted once, and that boot runs every requested tier's suites in turn
+//! (`GENV_TEST_BPF_TIER=<tier>`, `GENV_REQUIRE_BPF=1`: a tier the kernel refuses fails its
+//! tests); then the next kernel. The console names the kernel and tier of each section,
+//! and a failure names both. QEMU runs under TCG:
 //! `/dev/kvm` here is nested and a stock kernel hangs at boot under it; TCG makes the
 //! guest slow (an open costs ~50 µs instead of ~1 µs) but behaves like the real thing,
 //! which is what these tests check. Overheads are measured on the host, never here.
 
 mod initramfs;
 mod kernel;
+mod qemu;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
@@ -24,14 +25,35 @@ use crate::{cargo, run};
 /// The test binaries whose scenarios depend on the tier.
 const TIER_SUITES: [&str; 2] = ["event_driven", "prevention"];
 
+/// The tiers the VM runs those suites on unless `--tiers` says otherwise, in order: the
+/// ones this machine's kernel refuses (the host runs the tracepoint tier). A new tier
+/// goes here and in [`KNOWN_TIERS`]; `cargo xtask test` then runs it on every kernel.
+pub const VM_TIERS: &[&str] = &["lsm", "fentry"];
+
+/// What `--tiers` accepts.
+const KNOWN_TIERS: &[&str] = &["lsm", "fentry", "tracepoint"];
+
+pub use kernel::{KERNELS, Series};
+
 /// Debian's own kernel would pick AppArmor first and no BPF LSM; this is the list the
 /// LSM tier needs, with what a hardened distribution would also have.
 pub const LSM_WITH_BPF: &str = "lockdown,capability,landlock,yama,bpf";
 
-/// How long a whole VM run may take before it is killed (CI has 90 minutes in all).
-const DEADLINE: Duration = Duration::from_secs(40 * 60);
+/// How long one VM run (one kernel's boot, every tier) may take before it is killed:
+/// [`BOOT_ALLOWANCE`] plus [`PER_TIER`] for each tier it runs, 29 minutes for two tiers.
+/// Measured on 2 cores, a tier's two suites take 4.5 minutes on 6.1 and 6 to 8 on 6.12
+/// (the whole 6.12 run 14 minutes, about half the deadline). CI has 90 minutes in all,
+/// for the host's suites and every kernel, and the deadline keeps a hung guest inside
+/// them.
+fn deadline(tiers: usize) -> Duration {
+    BOOT_ALLOWANCE + PER_TIER * tiers as u32
+}
+const BOOT_ALLOWANCE: Duration = Duration::from_secs(5 * 60);
+const PER_TIER: Duration = Duration::from_secs(12 * 60);
 
 pub struct Options {
+    /// Kernels to boot, in order; each runs every tier.
+    pub kernels: Vec<Series>,
     /// Tiers to run the suites on, in order.
     pub tiers: Vec<String>,
     /// The kernel's `lsm=` list.
@@ -43,13 +65,18 @@ pub struct Options {
 impl Options {
     pub fn parse(args: &[String]) -> Result<Self> {
         let mut options = Options {
-            tiers: vec!["lsm".into(), "fentry".into()],
+            kernels: KERNELS.to_vec(),
+            tiers: VM_TIERS.iter().map(|&t| t.to_owned()).collect(),
             lsm: LSM_WITH_BPF.into(),
             test_args: Vec::new(),
         };
         let mut args = args.iter();
         while let Some(arg) = args.next() {
             match arg.as_str() {
+                "--kernel" => {
+                    let which = args.next().context("--kernel needs 6.1, 6.12 or all")?;
+                    options.kernels = kernels_named(which)?;
+                }
                 "--tiers" => {
                     let list = args
                         .next()
@@ -58,9 +85,9 @@ impl Options {
                     if let Some(bad) = options
                         .tiers
                         .iter()
-                        .find(|t| !["lsm", "fentry", "tracepoint"].contains(&t.as_str()))
+                        .find(|t| !KNOWN_TIERS.contains(&t.as_str()))
                     {
-                        bail!("--tiers: unknown tier {bad:?} (lsm, fentry, tracepoint)");
+                        bail!("--tiers: unknown tier {bad:?} ({})", KNOWN_TIERS.join(", "));
                     }
                 }
                 "--lsm" => {
@@ -72,7 +99,8 @@ impl Options {
                 "--" => options.test_args.extend(args.by_ref().cloned()),
                 other => bail!(
                     "vm-test: unknown argument {other:?} \
-                     (usage: cargo xtask vm-test [--tiers lsm,fentry] [--lsm LIST] [-- TEST ARGS])"
+                     (usage: cargo xtask vm-test [--kernel 6.1|6.12|all] [--tiers lsm,fentry] \
+                     [--lsm LIST] [-- TEST ARGS])"
                 ),
             }
         }
@@ -80,18 +108,40 @@ impl Options {
     }
 }
 
+/// `--kernel`'s value: one of [`KERNELS`] by its version, or `all`.
+fn kernels_named(which: &str) -> Result<Vec<Series>> {
+    if which == "all" {
+        return Ok(KERNELS.to_vec());
+    }
+    match KERNELS.iter().find(|k| k.version == which) {
+        Some(&kernel) => Ok(vec![kernel]),
+        None => {
+            let versions: Vec<&str> = KERNELS.iter().map(|k| k.version).collect();
+            bail!(
+                "--kernel: unknown kernel {which:?} ({}, all)",
+                versions.join(", ")
+            )
+        }
+    }
+}
+
 /// The harness's own check, run by `cargo xtask test` after the suites: boot without
 /// the BPF LSM, ask for the LSM tier, and require that the run fail, saying why. A
 /// harness that quietly fell back to another tier would pass here and fail this check.
+/// It checks the harness, not the kernel, so one kernel is enough: the first of
+/// [`KERNELS`] (6.1, what `linux-image-amd64` installs).
 pub fn refusal_check(root: &Path) -> Result<()> {
     let without_bpf = LSM_WITH_BPF.trim_end_matches(",bpf");
+    let kernel = KERNELS[0];
     eprintln!(
-        "vm-test: refusal check: booting with lsm={without_bpf}; the lsm tier must fail \
-         loudly (the failure below is expected)"
+        "vm-test: refusal check on kernel {}: booting with lsm={without_bpf}; the lsm tier \
+         must fail loudly (the failure below is expected)",
+        kernel.version
     );
     let outcome = test(
         root,
         &Options {
+            kernels: vec![kernel],
             tiers: vec!["lsm".into()],
             lsm: without_bpf.into(),
             test_args: vec![
@@ -101,14 +151,13 @@ pub fn refusal_check(root: &Path) -> Result<()> {
         },
     )?;
     let said_why = outcome
-        .console
-        .iter()
+        .console()
         .any(|line| line.contains("BPF LSM is not active"));
-    if outcome.passed || !said_why {
+    if outcome.passed() || !said_why {
         bail!(
             "refusal check: a kernel without the BPF LSM {} (expected a failed run naming \
              the inactive BPF LSM)",
-            if outcome.passed {
+            if outcome.passed() {
                 "passed the lsm tier's tests"
             } else {
                 "failed without saying why"
@@ -119,14 +168,89 @@ pub fn refusal_check(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// What one boot showed.
+/// What the boots showed, one run per kernel, in order.
 pub struct Outcome {
-    pub passed: bool,
-    /// Every line the guest printed.
-    pub console: Vec<String>,
+    pub runs: Vec<Run>,
 }
 
-/// Boots the VM, runs the suites, and says whether every tier passed.
+/// One kernel's boot.
+pub struct Run {
+    pub kernel: Series,
+    /// The package booted, e.g. `linux-image-6.12.117+deb12-amd64`.
+    pub package: String,
+    /// The guest script's exit status (0: every tier passed).
+    pub status: i32,
+    /// Each tier that reported its end, in order: (tier, passed, how long it took).
+    pub tiers: Vec<(String, bool, Duration)>,
+    /// The tiers the run was asked for.
+    pub asked: Vec<String>,
+    /// Every line the guest printed.
+    pub console: Vec<String>,
+    pub booted: Duration,
+    pub total: Duration,
+}
+
+impl Outcome {
+    pub fn passed(&self) -> bool {
+        self.runs.iter().all(|run| run.status == 0)
+    }
+
+    /// Every line every guest printed.
+    pub fn console(&self) -> impl Iterator<Item = &String> {
+        self.runs.iter().flat_map(|run| &run.console)
+    }
+
+    /// What failed, each naming its kernel and tier.
+    pub fn failures(&self) -> Vec<String> {
+        let mut failures = Vec::new();
+        for run in &self.runs {
+            let version = run.kernel.version;
+            let before = failures.len();
+            for tier in &run.asked {
+                match run.tiers.iter().find(|(t, ..)| t == tier) {
+                    Some((_, true, _)) => {}
+                    Some((_, false, _)) => failures.push(format!("kernel {version}, tier {tier}")),
+                    None => failures.push(format!(
+                        "kernel {version}, tier {tier} (never finished; the guest exited {})",
+                        run.status
+                    )),
+                }
+            }
+            if run.status != 0 && failures.len() == before {
+                failures.push(format!(
+                    "kernel {version} (the guest exited {})",
+                    run.status
+                ));
+            }
+        }
+        failures
+    }
+}
+
+impl Run {
+    /// One line: the kernel, its boot, and each tier's result and time.
+    fn summary(&self) -> String {
+        let tiers: Vec<String> = self
+            .tiers
+            .iter()
+            .map(|(tier, passed, took)| {
+                let result = if *passed { "passed" } else { "FAILED" };
+                format!("{tier}: {result} in {took:.0?}")
+            })
+            .collect();
+        format!(
+            "kernel {} ({}): boot {:.1?}, suites {:.0?} ({}), total {:.0?}",
+            self.kernel.version,
+            self.package,
+            self.booted,
+            self.total.saturating_sub(self.booted),
+            tiers.join("; "),
+            self.total
+        )
+    }
+}
+
+/// Boots each kernel in turn, runs the suites on every tier in it, and reports.
 pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("vm-test needs root (apt-get, and the tests inside make nodes and signal)");
@@ -134,12 +258,41 @@ pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
     let cache = root.join("target/vm");
     std::fs::create_dir_all(&cache)?;
     ensure_packages()?;
-    let kernel = kernel::prepare(&cache, kernel::KERNELS[0])?;
+    // Prepared before the build, so that a kernel Debian no longer has fails at once.
+    let mut kernels = Vec::new();
+    for &series in &options.kernels {
+        kernels.push((series, kernel::prepare(&cache, series)?));
+    }
     let suites = build_suites()?;
+    let mut outcome = Outcome { runs: Vec::new() };
+    for (series, kernel) in &kernels {
+        let run = test_on(root, *series, kernel, &suites, options)
+            .with_context(|| format!("the VM on kernel {} ({})", series.version, kernel.package))?;
+        eprintln!("vm-test: {}", run.summary());
+        outcome.runs.push(run);
+    }
+    if outcome.runs.len() > 1 {
+        eprintln!("vm-test: all kernels:");
+        for run in &outcome.runs {
+            eprintln!("vm-test:   {}", run.summary());
+        }
+    }
+    Ok(outcome)
+}
 
-    let script = cache.join("guest.sh");
-    std::fs::write(&script, guest_script(root, &suites, options))?;
-    let initramfs = cache.join("initramfs.cpio");
+/// One kernel's boot: its initramfs, its guest script, every tier.
+fn test_on(
+    root: &Path,
+    series: Series,
+    kernel: &kernel::Kernel,
+    suites: &[PathBuf],
+    options: &Options,
+) -> Result<Run> {
+    // Both inside the work tree, which the guest mounts at the same path.
+    let dir = kernel.vmlinux.parent().unwrap();
+    let script = dir.join("guest.sh");
+    std::fs::write(&script, guest_script(root, series, suites, options))?;
+    let initramfs = dir.join("initramfs.cpio");
     let init = initramfs::Init {
         modules: kernel
             .modules
@@ -152,12 +305,36 @@ pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
     initramfs::write(&initramfs, Path::new(BUSYBOX), &kernel.modules, &init)?;
 
     eprintln!(
-        "vm-test: booting {} (lsm={}) under QEMU/TCG; tiers: {}",
+        "vm-test: kernel {}: booting {} (lsm={}) under QEMU/TCG; tiers: {}",
+        series.version,
         kernel.package,
         options.lsm,
         options.tiers.join(", ")
     );
-    boot(root, &kernel, &initramfs, &options.lsm)
+    let console = qemu::boot(
+        root,
+        kernel,
+        &initramfs,
+        &options.lsm,
+        series,
+        deadline(options.tiers.len()),
+    )?;
+    let (Some(status), Some(booted)) = (console.status, console.booted) else {
+        bail!(
+            "the VM stopped after {:.0?} without reporting a result; its console is above",
+            console.total
+        );
+    };
+    Ok(Run {
+        kernel: series,
+        package: kernel.package.clone(),
+        status,
+        tiers: console.tiers,
+        asked: options.tiers.clone(),
+        console: console.lines,
+        booted,
+        total: console.total,
+    })
 }
 
 const BUSYBOX: &str = "/bin/busybox";
@@ -230,9 +407,9 @@ fn build_suites() -> Result<Vec<PathBuf>> {
     Ok(found)
 }
 
-/// The guest's script: every suite on every tier, with a marker line around each so the
-/// host can time them and tell which tier failed.
-fn guest_script(root: &Path, suites: &[PathBuf], options: &Options) -> String {
+/// The guest's script: every suite on every tier, with a marker line around each tier,
+/// naming the kernel, so the host can time them and tell which kernel and tier failed.
+fn guest_script(root: &Path, series: Series, suites: &[PathBuf], options: &Options) -> String {
     let quote = |s: &str| format!("'{}'", s.replace('\'', r"'\''"));
     let test_args: Vec<String> = options.test_args.iter().map(|a| quote(a)).collect();
     let mut script = format!(
@@ -245,167 +422,27 @@ fn guest_script(root: &Path, suites: &[PathBuf], options: &Options) -> String {
         tests = quote(&root.join("tests").display().to_string()),
     );
     for tier in &options.tiers {
-        script.push_str(&format!(
-            "echo 'genv-vm: tier {tier}: start'\nstatus=passed\n"
-        ));
+        let marker = format!("{}{tier}", tier_marker(series));
+        script.push_str(&format!("echo '{marker}: start'\nstatus=passed\n"));
         for suite in suites {
+            let name = suite.file_name().unwrap_or_default().to_string_lossy();
+            let name = name.split('-').next().unwrap_or_default();
             script.push_str(&format!(
-                "GENV_TEST_BPF_TIER={tier} {} --color=never {} || status=FAILED\n",
+                "GENV_TEST_BPF_TIER={tier} {} --color=never {} \
+                 || {{ status=FAILED; echo '{marker}: suite {name} failed'; }}\n",
                 quote(&suite.display().to_string()),
                 test_args.join(" ")
             ));
         }
         script.push_str(&format!(
-            "echo \"genv-vm: tier {tier}: $status\"\n[ $status = passed ] || failed=1\n"
+            "echo \"{marker}: $status\"\n[ $status = passed ] || failed=1\n"
         ));
     }
     script.push_str("exit $failed\n");
     script
 }
 
-fn boot(root: &Path, kernel: &kernel::Kernel, initramfs: &Path, lsm: &str) -> Result<Outcome> {
-    let started = Instant::now();
-    let mut child = qemu_command(root, kernel, initramfs, lsm)
-        .spawn()
-        .context("starting qemu-system-x86_64")?;
-    let stdout = child.stdout.take().unwrap();
-    let (lines, receive) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if lines.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut console = Console::default();
-    loop {
-        let left = DEADLINE.saturating_sub(started.elapsed());
-        match receive.recv_timeout(left) {
-            Ok(line) => console.take(line.trim_end_matches('\r'), started),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                let _ = child.kill();
-                bail!("the VM ran past {DEADLINE:?}; killed");
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
-        }
-    }
-    let exit = child.wait()?;
-    let total = started.elapsed();
-    match console.booted {
-        Some(boot) => eprintln!(
-            "vm-test: boot {boot:.1?}, suites {:.1?} ({}), total {total:.1?}",
-            total - boot,
-            console.timings.join("; ")
-        ),
-        None => eprintln!("vm-test: the guest never reached its script ({total:.1?})"),
-    }
-    let Some(status) = console.status else {
-        bail!("the VM stopped (qemu: {exit}) without reporting a result; its console is above");
-    };
-    Ok(Outcome {
-        passed: status == 0,
-        console: console.lines,
-    })
-}
-
-/// The guest's console as it streams: printed, kept, and read for the init's markers
-/// (booted, each tier's start and end, the exit status).
-struct Console {
-    lines: Vec<String>,
-    status: Option<i32>,
-    booted: Option<Duration>,
-    tier_started: Instant,
-    timings: Vec<String>,
-}
-
-impl Default for Console {
-    fn default() -> Self {
-        Self {
-            lines: Vec::new(),
-            status: None,
-            booted: None,
-            tier_started: Instant::now(),
-            timings: Vec::new(),
-        }
-    }
-}
-
-impl Console {
-    fn take(&mut self, line: &str, started: Instant) {
-        println!("{line}");
-        if line.starts_with("genv-vm: booted") {
-            self.booted = Some(started.elapsed());
-        }
-        if let Some(rest) = line.strip_prefix("genv-vm: tier ") {
-            if rest.ends_with(": start") {
-                self.tier_started = Instant::now();
-            } else {
-                let took = self.tier_started.elapsed();
-                self.timings.push(format!("{rest} in {took:.0?}"));
-            }
-        }
-        if let Some(code) = line.strip_prefix(initramfs::EXIT_MARKER) {
-            self.status = code.trim().parse::<i32>().ok();
-        }
-        self.lines.push(line.to_owned());
-    }
-}
-
-/// QEMU under TCG, booting `kernel` with the initramfs, the host's root shared
-/// read-only and the work tree read-write over virtio-9p, the console on stdio.
-fn qemu_command(root: &Path, kernel: &kernel::Kernel, initramfs: &Path, lsm: &str) -> Command {
-    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let share = |id: &str, path: &Path, extra: &str| {
-        [
-            "-fsdev".to_owned(),
-            format!(
-                "local,id={id},path={},security_model=none{extra}",
-                path.display()
-            ),
-            "-device".to_owned(),
-            format!("virtio-9p-pci,fsdev={id},mount_tag={id}"),
-        ]
-    };
-    let mut qemu = Command::new("qemu-system-x86_64");
-    qemu.args([
-        "-machine",
-        "pc",
-        "-accel",
-        "tcg,thread=multi",
-        "-cpu",
-        "max",
-    ])
-    .args(["-smp", &cpus.to_string(), "-m", "4G"])
-    .args([
-        "-nodefaults",
-        "-no-user-config",
-        "-no-reboot",
-        "-display",
-        "none",
-    ])
-    .args([
-        "-chardev",
-        "stdio,id=console,signal=off",
-        "-serial",
-        "chardev:console",
-    ])
-    .arg("-kernel")
-    .arg(&kernel.vmlinux)
-    .arg("-initrd")
-    .arg(initramfs)
-    .args([
-        "-append",
-        &format!("console=ttyS0 lsm={lsm} panic=-1 quiet mitigations=off"),
-    ])
-    // multidevs=remap: the host's root spans several filesystems.
-    .args(share(
-        "hostroot",
-        Path::new("/"),
-        ",readonly=on,multidevs=remap",
-    ))
-    .args(share("work", root, ""))
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
-    qemu
+/// How the guest script's tier lines begin: `genv-vm: kernel 6.12, tier ` and the tier.
+fn tier_marker(series: Series) -> String {
+    format!("genv-vm: kernel {}, tier ", series.version)
 }
