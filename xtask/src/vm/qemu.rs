@@ -3,6 +3,7 @@
 //! start and end, the exit status).
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -182,5 +183,20 @@ fn qemu_command(root: &Path, kernel: &kernel::Kernel, initramfs: &Path, lsm: &st
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
     .stderr(Stdio::inherit());
+    // QEMU goes when this process goes (killed, or ^C), instead of running its guest on
+    // for up to the deadline with no one reading it.
+    let parent = std::process::id();
+    // SAFETY: prctl and getppid are async-signal-safe; nothing else runs in the child.
+    unsafe {
+        qemu.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::other("vm-test exited while starting QEMU"));
+            }
+            Ok(())
+        });
+    }
     qemu
 }
