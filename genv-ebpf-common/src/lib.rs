@@ -116,7 +116,7 @@ pub const fn avoid_sentinels(hash: u64) -> u64 {
 /// Flags in [`POLICY_MAP`].
 pub mod policy {
     /// `--deny`: a process outside any environment may not use a GPU node: refused
-    /// (LSM) or killed in the syscall (fentry, tracepoint).
+    /// (LSM, fmod_ret) or killed in the syscall (fentry, tracepoint).
     pub const DENY: u32 = 1;
     /// `--deny-root`: root's processes outside any environment are denied too. Off by
     /// default: the container runtime's hooks, MPS, Xorg, persistenced and DCGM run as
@@ -147,7 +147,8 @@ pub mod verdict {
     pub const OUTSIDE: u32 = 3;
     /// Outside any environment, run by an allow-listed executable.
     pub const ALLOWED_EXE: u32 = 4;
-    /// Outside any environment: the open failed with EPERM (LSM tier, `--deny`).
+    /// Outside any environment: the open failed with EPERM (LSM and fmod_ret tiers,
+    /// `--deny`).
     pub const REFUSED: u32 = 5;
     /// Outside any environment: SIGKILL sent from the program, before the open
     /// returned (fentry and tracepoint tiers, `--deny`).
@@ -191,6 +192,15 @@ pub mod hook {
     pub const FENTRY: u32 = 2;
     /// `sys_exit_open*` tracepoints: successful `open`/`openat`/`openat2` only.
     pub const TRACEPOINT: u32 = 3;
+    /// fmod_ret on `security_file_open`: every attempt, before the driver sees it; its
+    /// return value replaces the function's, so it can refuse where BPF LSM is off.
+    pub const FMOD_RET: u32 = 4;
+
+    /// Whether a program on this hook refuses an open (EPERM) rather than killing the
+    /// opener.
+    pub const fn refuses(hook: u32) -> bool {
+        matches!(hook, LSM | FMOD_RET)
+    }
 }
 
 /// One event, as the programs write it.

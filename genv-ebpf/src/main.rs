@@ -4,8 +4,8 @@
 //!   group), so that the daemon's process table follows the system without `/proc` scans,
 //!   and each process's environment identity, read at exec by [`env_block`];
 //! - [`open`]: opens of watched GPU device nodes, recognised by the inode's device
-//!   number, never by path, in three tiers: BPF LSM `file_open`, fentry on
-//!   `security_file_open`, and the `open*` syscall exit tracepoints;
+//!   number, never by path, in four tiers: BPF LSM `file_open`, fmod_ret and fentry
+//!   on `security_file_open`, and the `open*` syscall exit tracepoints;
 //! - [`maps`]: what they share with the daemon.
 //!
 //! The kernel's struct layout is not compiled in: the daemon reads member offsets from

@@ -1,12 +1,16 @@
-//! Opens of GPU device nodes, in the three tiers the daemon chooses from. Every tier
+//! Opens of GPU device nodes, in the four tiers the daemon chooses from. Every tier
 //! decides by the inode (character device, number in `GPU_NODES`), so symlinks, hard
 //! links, private `mknod`s and `/proc/<pid>/fd` re-opens are all the same node.
 
 use aya_ebpf::helpers::{
     bpf_get_current_task, bpf_get_current_uid_gid, bpf_probe_read_kernel, bpf_send_signal,
 };
+use core::ffi::c_void;
+
 use aya_ebpf::macros::{fentry, lsm, raw_tracepoint, tracepoint};
-use aya_ebpf::programs::{FEntryContext, LsmContext, RawTracePointContext, TracePointContext};
+use aya_ebpf::programs::{
+    FEntryContext, FExitContext, LsmContext, RawTracePointContext, TracePointContext,
+};
 use genv_ebpf_common::{ExeKey, Offsets, RawEvent, USER_HZ, decision, hook, kind, policy, verdict};
 
 use crate::kernel::{current, read};
@@ -48,9 +52,9 @@ fn gpu_of(file: *const u8, o: &Offsets) -> Option<(u32, u32)> {
 /// identity (`PROC_ENV`), the environment it names (`ENVS`: active, and owned by the
 /// process's uid unless that is root), then the enforcer's own processes
 /// (`EXEMPT_PIDS`) and the allow-list. With `--deny`, a process outside any environment
-/// (root's only with `--deny-root`) is refused on the LSM tier (the caller returns
-/// -EPERM on `REFUSED`) and sent SIGKILL here on the others, so the open never returns
-/// to it.
+/// (root's only with `--deny-root`) is refused on the LSM and fmod_ret tiers (the caller
+/// returns -EPERM on `REFUSED`) and sent SIGKILL here on the others, so the open never
+/// returns to it.
 #[inline(always)]
 fn decide(file: *const u8, o: &Offsets, tier: u32) -> u32 {
     let Some((rdev, index)) = gpu_of(file, o) else {
@@ -69,7 +73,7 @@ fn decide(file: *const u8, o: &Offsets, tier: u32) -> u32 {
         None if exe_allowed(o) => verdict::ALLOWED_EXE,
         None if flags & policy::DENY == 0 => verdict::OUTSIDE,
         None if uid == 0 && flags & policy::DENY_ROOT == 0 => verdict::ROOT,
-        None if tier == hook::LSM => {
+        None if hook::refuses(tier) => {
             count_decision(decision::REFUSED);
             verdict::REFUSED
         }
@@ -164,15 +168,39 @@ pub fn open_lsm(ctx: LsmContext) -> i32 {
     }
 }
 
-/// Tier 2, fentry on `security_file_open`: the same call site as the LSM hook, where
-/// BPF LSM is not enabled.
+/// Tier 2, fmod_ret on `security_file_open`: the same call site as the LSM hook, and
+/// the same refusal, where BPF LSM is not enabled (the verifier lets fmod_ret programs
+/// change the return value of any `security_*` function). A nonzero return skips the
+/// function (every LSM's hook) and the later fmod_ret programs, and `do_dentry_open`
+/// fails with it; 0 lets the real function run.
+///
+/// aya 0.14 has no fmod_ret programs, and aya-obj refuses an object holding an
+/// `fmod_ret/` section, so this is written without a macro in a section aya-obj reads
+/// as fexit and never loads: the daemon loads it itself as `BPF_MODIFY_RETURN`
+/// (`bpf/fmod_ret.rs`). The context is the function's arguments followed by the return
+/// value so far: `file`, then 0 (the trampoline runs no fmod_ret program after a nonzero
+/// one). `decide` is inlined, so the program has no subprograms (which would need BTF
+/// function records the daemon does not pass).
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fexit/security_file_open")]
+pub fn open_fmod_ret(ctx: *mut c_void) -> i32 {
+    let ctx = FExitContext::new(ctx);
+    match decide(ctx.arg(0), &offsets(), hook::FMOD_RET) {
+        verdict::REFUSED => -EPERM,
+        _ => 0,
+    }
+}
+
+/// Tier 3, fentry on `security_file_open`: the same call site, where the kernel runs
+/// tracing programs but not fmod_ret ones (before 5.7, or where a policy refuses them);
+/// it cannot refuse, so `decide` kills.
 #[fentry(function = "security_file_open")]
 pub fn open_fentry(ctx: FEntryContext) -> u32 {
     decide(ctx.arg(0), &offsets(), hook::FENTRY);
     0
 }
 
-/// Tier 3: the `open`, `openat`, `openat2`, `creat` and `open_by_handle_at` syscall
+/// Tier 4: the `open`, `openat`, `openat2`, `creat` and `open_by_handle_at` syscall
 /// exits, native and 32-bit. Only successful opens return a descriptor; it is resolved
 /// through the task's file table to its inode.
 #[inline(always)]
@@ -228,7 +256,7 @@ const TS_COMPAT: u32 = 0x0002;
 /// openat, open_by_handle_at, openat2.
 const COMPAT_OPENS: [u64; 5] = [5, 8, 295, 342, 437];
 
-/// Tier 3, 32-bit opens: `raw_syscalls:sys_exit(regs, ret)`, which fires for every
+/// Tier 4, 32-bit opens: `raw_syscalls:sys_exit(regs, ret)`, which fires for every
 /// syscall exit; it returns at once unless the task is in a 32-bit syscall.
 #[raw_tracepoint(tracepoint = "sys_exit")]
 pub fn open_exit_compat(ctx: RawTracePointContext) -> i32 {
