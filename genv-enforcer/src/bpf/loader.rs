@@ -17,6 +17,7 @@ use genv_ebpf_common::{
 
 use super::btf::Btf;
 use super::error::{LoadError, chain, map_error, program_error, take_map};
+use super::fmod_ret;
 use super::lifecycle::{self, EnvScan};
 use super::object::{self, OBJECT};
 use super::offsets::{self, OffsetsError};
@@ -74,6 +75,8 @@ pub(super) enum LinkId {
     RawTracePoint(RawTracePointLinkId),
     Lsm(LsmLinkId),
     FEntry(FEntryLinkId),
+    /// The fmod_ret program's, which aya does not hold.
+    FmodRet(fmod_ret::Link),
 }
 
 /// One program's counters, as the kernel keeps them while `kernel.bpf_stats_enabled`
@@ -118,7 +121,9 @@ impl KernelPrograms {
         let mut refused = Vec::new();
         let mut chosen = None;
         for &tier in options.choice.candidates() {
-            match attach_open_tier(&mut ebpf, tier, &mut programs, options.compat_opens) {
+            let attached =
+                attach_open_tier(&mut ebpf, bytes, tier, &mut programs, options.compat_opens);
+            match attached {
                 Ok(()) => {
                     chosen = Some(tier);
                     break;
@@ -180,11 +185,16 @@ impl KernelPrograms {
             .iter()
             .map(|&Attached { name, id, .. }| {
                 let info = self.ebpf.program(name).and_then(|p| p.info().ok());
+                let (runs, run_time_ns) = match info {
+                    Some(info) => (info.run_count(), info.run_time().as_nanos() as u64),
+                    // Loaded outside aya (fmod_ret): asked of the kernel by id.
+                    None => fmod_ret::run_stats(id).unwrap_or_default(),
+                };
                 ProgramStats {
                     name: name.to_owned(),
                     id,
-                    runs: info.as_ref().map_or(0, |i| i.run_count()),
-                    run_time_ns: info.map_or(0, |i| i.run_time().as_nanos() as u64),
+                    runs,
+                    run_time_ns,
                 }
             })
             .collect()
@@ -228,26 +238,39 @@ fn pin_all(
             path: path.clone(),
             message,
         };
-        let program = program_mut(ebpf, attached.name)?;
         let Some(link) = attached.link.take() else {
             continue; // pinned already
         };
+        let name = attached.name;
         let fd_link: FdLink = match link {
+            // Not aya's: pinned through its own descriptor.
+            LinkId::FmodRet(link) => {
+                link.pin(&path).map_err(|e| error(e.to_string()))?;
+                continue;
+            }
             LinkId::TracePoint(id) => {
-                let p: &mut TracePoint = program.try_into().map_err(|e| error(chain(&e)))?;
+                let p: &mut TracePoint = program_mut(ebpf, name)?
+                    .try_into()
+                    .map_err(|e| error(chain(&e)))?;
                 let link = p.take_link(id).map_err(|e| error(chain(&e)))?;
                 FdLink::try_from(link).map_err(|e| error(chain(&e)))?
             }
             LinkId::RawTracePoint(id) => {
-                let p: &mut RawTracePoint = program.try_into().map_err(|e| error(chain(&e)))?;
+                let p: &mut RawTracePoint = program_mut(ebpf, name)?
+                    .try_into()
+                    .map_err(|e| error(chain(&e)))?;
                 p.take_link(id).map_err(|e| error(chain(&e)))?.into()
             }
             LinkId::Lsm(id) => {
-                let p: &mut Lsm = program.try_into().map_err(|e| error(chain(&e)))?;
+                let p: &mut Lsm = program_mut(ebpf, name)?
+                    .try_into()
+                    .map_err(|e| error(chain(&e)))?;
                 p.take_link(id).map_err(|e| error(chain(&e)))?.into()
             }
             LinkId::FEntry(id) => {
-                let p: &mut FEntry = program.try_into().map_err(|e| error(chain(&e)))?;
+                let p: &mut FEntry = program_mut(ebpf, name)?
+                    .try_into()
+                    .map_err(|e| error(chain(&e)))?;
                 p.take_link(id).map_err(|e| error(chain(&e)))?.into()
             }
         };
@@ -325,9 +348,11 @@ fn active_lsms() -> Option<String> {
     std::fs::read_to_string(list).ok()
 }
 
-/// Loads and attaches one open tier; the reason it was refused otherwise.
+/// Loads and attaches one open tier (`object`: the bytes `ebpf` was loaded from); the
+/// reason it was refused otherwise.
 fn attach_open_tier(
     ebpf: &mut Ebpf,
+    object: &[u8],
     tier: Tier,
     ids: &mut Vec<Attached>,
     compat_opens: bool,
@@ -355,6 +380,14 @@ fn attach_open_tier(
                 name: "open_lsm",
                 id: lsm.info().map_err(describe)?.id(),
                 link: Some(link),
+            });
+        }
+        Tier::FmodRet => {
+            let (id, link) = fmod_ret::load_and_attach(ebpf, object).map_err(|e| e.to_string())?;
+            ids.push(Attached {
+                name: fmod_ret::PROGRAM,
+                id,
+                link: Some(LinkId::FmodRet(link)),
             });
         }
         Tier::Fentry => {

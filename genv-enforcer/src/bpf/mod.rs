@@ -1,12 +1,14 @@
 //! The kernel side's userspace half: the embedded programs ([`object`]), the struct and
 //! tracepoint offsets they need from the running kernel ([`btf`], [`tracefs`],
-//! [`offsets`]), the tiers ([`tier`]), the loader that picks one ([`loader`]), the
+//! [`offsets`]), the tiers ([`tier`]), the loader that picks one ([`loader`]; the
+//! fmod_ret tier's program, which aya cannot load, is loaded by `fmod_ret`), the
 //! handles of the maps the programs decide from ([`policy_maps`]) and the pins that keep
 //! them ([`pins`]). What those maps should hold is [`crate::prevention`]'s business; the
 //! events the programs emit are read by [`crate::intake`].
 
 pub mod btf;
 pub mod error;
+mod fmod_ret;
 pub mod lifecycle;
 pub mod loader;
 mod object;

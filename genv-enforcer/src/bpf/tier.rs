@@ -10,6 +10,9 @@ pub enum Tier {
     /// BPF LSM `file_open`: every open attempt (failed ones, io_uring, `openat2`),
     /// before the driver; can refuse the open.
     Lsm,
+    /// fmod_ret on `security_file_open`: every attempt, before the driver; can refuse
+    /// the open (its return value replaces the function's), without the BPF LSM.
+    FmodRet,
     /// fentry on `security_file_open`: every attempt, before the driver; cannot refuse.
     Fentry,
     /// `sys_exit_open*` tracepoints: successful `open`/`openat`/`openat2` only, after
@@ -18,11 +21,12 @@ pub enum Tier {
 }
 
 impl Tier {
-    pub const BEST_FIRST: [Tier; 3] = [Tier::Lsm, Tier::Fentry, Tier::Tracepoint];
+    pub const BEST_FIRST: [Tier; 4] = [Tier::Lsm, Tier::FmodRet, Tier::Fentry, Tier::Tracepoint];
 
     pub fn name(self) -> &'static str {
         match self {
             Tier::Lsm => "lsm",
+            Tier::FmodRet => "fmod_ret",
             Tier::Fentry => "fentry",
             Tier::Tracepoint => "tracepoint",
         }
@@ -32,17 +36,35 @@ impl Tier {
     pub fn from_hook(value: u32) -> Option<Tier> {
         match value {
             hook::LSM => Some(Tier::Lsm),
+            hook::FMOD_RET => Some(Tier::FmodRet),
             hook::FENTRY => Some(Tier::Fentry),
             hook::TRACEPOINT => Some(Tier::Tracepoint),
             _ => None,
         }
     }
 
-    /// How an event line words what this tier saw: the LSM and fentry hooks run before
-    /// the driver's open, which may still fail; the tracepoints after a successful one.
+    /// Whether the tier refuses an open (EPERM) under `--deny`; the others kill the
+    /// opener in the syscall.
+    pub fn refuses(self) -> bool {
+        hook::refuses(self.hook())
+    }
+
+    /// The `hook` field of this tier's events.
+    pub fn hook(self) -> u32 {
+        match self {
+            Tier::Lsm => hook::LSM,
+            Tier::FmodRet => hook::FMOD_RET,
+            Tier::Fentry => hook::FENTRY,
+            Tier::Tracepoint => hook::TRACEPOINT,
+        }
+    }
+
+    /// How an event line words what this tier saw: the LSM, fmod_ret and fentry hooks
+    /// run before the driver's open, which may still fail; the tracepoints after a
+    /// successful one.
     pub fn open_verb(self) -> &'static str {
         match self {
-            Tier::Lsm | Tier::Fentry => "is opening",
+            Tier::Lsm | Tier::FmodRet | Tier::Fentry => "is opening",
             Tier::Tracepoint => "opened",
         }
     }
@@ -51,6 +73,7 @@ impl Tier {
     pub fn sees(self) -> &'static str {
         match self {
             Tier::Lsm => "every open attempt of a GPU node (BPF LSM file_open)",
+            Tier::FmodRet => "every open attempt of a GPU node (fmod_ret on security_file_open)",
             Tier::Fentry => "every open attempt of a GPU node (fentry on security_file_open)",
             Tier::Tracepoint => {
                 "successful open/openat/openat2/creat/open_by_handle_at of a GPU node (syscall exit tracepoints; 32-bit ones with --deny)"
@@ -70,6 +93,8 @@ impl fmt::Display for Tier {
 pub enum TierChoice {
     Auto,
     Lsm,
+    #[value(name = "fmod_ret")]
+    FmodRet,
     Fentry,
     Tracepoint,
     None,
@@ -81,6 +106,7 @@ impl TierChoice {
         match self {
             TierChoice::Auto => "auto",
             TierChoice::Lsm => "lsm",
+            TierChoice::FmodRet => "fmod_ret",
             TierChoice::Fentry => "fentry",
             TierChoice::Tracepoint => "tracepoint",
             TierChoice::None => "none",
@@ -92,9 +118,38 @@ impl TierChoice {
         match self {
             TierChoice::Auto => &Tier::BEST_FIRST,
             TierChoice::Lsm => &[Tier::Lsm],
+            TierChoice::FmodRet => &[Tier::FmodRet],
             TierChoice::Fentry => &[Tier::Fentry],
             TierChoice::Tracepoint => &[Tier::Tracepoint],
             TierChoice::None => &[],
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::ValueEnum;
+
+    #[test]
+    fn tiers_round_trip_through_their_hooks_and_names() {
+        for tier in Tier::BEST_FIRST {
+            assert_eq!(Tier::from_hook(tier.hook()), Some(tier));
+            let choice = TierChoice::from_str(tier.name(), false).unwrap();
+            assert_eq!(choice.name(), tier.name());
+            assert_eq!(choice.candidates(), &[tier]);
+        }
+        assert_eq!(Tier::from_hook(hook::NONE), None);
+    }
+
+    #[test]
+    fn the_refusing_tiers_come_first() {
+        let refusing: Vec<&str> = Tier::BEST_FIRST
+            .iter()
+            .filter(|t| t.refuses())
+            .map(|t| t.name())
+            .collect();
+        assert_eq!(refusing, ["lsm", "fmod_ret"]);
+        assert!(Tier::BEST_FIRST[..2].iter().all(|t| t.refuses()));
     }
 }

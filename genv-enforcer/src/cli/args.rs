@@ -161,9 +161,10 @@ pub struct EventArgs {
     pub verbose: bool,
 
     /// Decide in the kernel, at the open: a GPU node opened by a process outside any
-    /// environment is refused with EPERM (lsm tier) or the process is killed before the
-    /// open returns (fentry and tracepoint tiers). It is --non-env-processes, enforced
-    /// before the process gets the GPU; processes inside environments are never refused.
+    /// environment is refused with EPERM (lsm and fmod_ret tiers) or the process is
+    /// killed before the open returns (fentry and tracepoint tiers). It is
+    /// --non-env-processes, enforced before the process gets the GPU; processes inside
+    /// environments are never refused.
     #[arg(long)]
     pub deny: bool,
 

@@ -38,7 +38,8 @@ pub struct Settings {
     pub ring_bytes: Option<u32>,
     pub run_dir: PathBuf,
     pub verbose: bool,
-    /// `--deny`: refuse (LSM) or kill in the syscall (other tiers) outside processes.
+    /// `--deny`: refuse (lsm, fmod_ret) or kill in the syscall (other tiers) outside
+    /// processes.
     pub deny: bool,
     /// `--allow-exe`, beyond the defaults.
     pub allow_exes: Vec<PathBuf>,

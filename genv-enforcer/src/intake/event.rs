@@ -27,7 +27,7 @@ pub enum KernelEvent {
     Open(GpuOpen),
 }
 
-/// A process opened (or, on the LSM and fentry tiers, tried to open) a GPU node.
+/// A process opened (or, on the LSM, fmod_ret and fentry tiers, tried to open) a GPU node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuOpen {
     pub pid: u32,

@@ -37,7 +37,7 @@ fn field(known: &'static [u32]) -> impl Strategy<Value = u32> {
 
 fn raw_event() -> impl Strategy<Value = RawEvent> {
     let kinds = &[kind::EXEC, kind::FORK, kind::EXIT, kind::OPEN];
-    let hooks = &[hook::LSM, hook::FENTRY, hook::TRACEPOINT];
+    let hooks = &[hook::LSM, hook::FMOD_RET, hook::FENTRY, hook::TRACEPOINT];
     let verdicts = &[
         verdict::ATTACHED,
         verdict::NOT_ATTACHED,

@@ -13,12 +13,12 @@ pub fn guarantee(tier: Option<Tier>, deny: DenyPolicy) -> String {
         false => "; root's processes are let through (--deny-root to include them)",
     };
     match (tier, deny.deny) {
-        (Some(Tier::Lsm), true) => {
-            format!("refused in the kernel: the open fails with EPERM (--deny, lsm tier){whose}")
+        (Some(tier), true) if tier.refuses() => {
+            format!("refused in the kernel: the open fails with EPERM (--deny, {tier} tier){whose}")
         }
         (Some(tier), true) => format!(
             "killed in the syscall: SIGKILL from the {tier} program, before open() returns \
-             (--deny; the kernel has no BPF LSM for refusing){whose}"
+             (--deny; no refusing tier, BPF LSM or fmod_ret, is loaded){whose}"
         ),
         (Some(_), false) => {
             "reacted to in userspace, milliseconds after the open (no --deny)".into()
@@ -175,6 +175,12 @@ mod tests {
         };
         let everyone = DenyPolicy { root: true, ..deny };
         assert!(guarantee(Some(Tier::Lsm), deny).starts_with("refused in the kernel"));
+        let fmod_ret = guarantee(Some(Tier::FmodRet), deny);
+        assert!(
+            fmod_ret.starts_with("refused in the kernel: the open fails with EPERM")
+                && fmod_ret.contains("fmod_ret tier"),
+            "{fmod_ret}"
+        );
         assert!(guarantee(Some(Tier::Lsm), deny).contains("--deny-root"));
         assert!(!guarantee(Some(Tier::Lsm), everyone).contains("root"));
         assert!(guarantee(Some(Tier::Fentry), deny).starts_with("killed in the syscall"));

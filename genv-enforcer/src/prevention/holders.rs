@@ -6,7 +6,7 @@
 //! environment, killed too, through a pidfd checked against its start time.
 //!
 //! Until this sweep runs (milliseconds), such a sharer can use the descriptor: only the
-//! refusal tier (LSM) closes that window.
+//! refusal tiers (lsm, fmod_ret) close that window.
 
 use std::collections::HashSet;
 use std::path::Path;
