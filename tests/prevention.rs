@@ -1,9 +1,9 @@
-//! `--deny`: the kernel decides at the open. On the LSM tier a process outside any
-//! environment gets EPERM; on the fentry and tracepoint tiers it is killed before the
-//! open returns (it prints `returned …` the instant an open returns to it, and prints
-//! nothing). Processes inside environments, and allow-listed executables, are never
-//! refused. Real programs, real processes, real uids; the tier comes from
-//! `GENV_TEST_BPF_TIER` (tracepoint on the host, LSM and fentry in the VM).
+//! `--deny`: the kernel decides at the open. On the refusing tiers (LSM, fmod_ret) a
+//! process outside any environment gets EPERM; on the fentry and tracepoint tiers it is
+//! killed before the open returns (it prints `returned …` the instant an open returns to
+//! it, and prints nothing). Processes inside environments, and allow-listed executables,
+//! are never refused. Real programs, real processes, real uids; the tier comes from
+//! `GENV_TEST_BPF_TIER` (tracepoint on the host, LSM, fmod_ret and fentry in the VM).
 //!
 //! The programs decide for the whole machine, from the environments of the daemon that
 //! loaded them: two `--deny` daemons of two tests would kill each other's processes. The
@@ -14,8 +14,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use genv_enforcer_tests::events::{
-    EventDaemon, make_gpu_node, make_gpu_node_for, pinned_map_get, pinned_map_put,
-    tier_sees_failed_opens, ways_in,
+    EventDaemon, holders_of, make_gpu_node, make_gpu_node_for, pinned_map_get, pinned_map_put,
+    tier_refuses, tier_sees_failed_opens, ways_in,
 };
 use genv_enforcer_tests::{Node, device_record, env_record};
 use serde_json::json;
@@ -85,8 +85,8 @@ fn attempt(
     (pid, node.attempt(pid))
 }
 
-/// The kernel prevented every open `pid` made: EPERM on the LSM tier (and the process
-/// lives on), killed inside the syscall elsewhere (no open ever returned to it).
+/// The kernel prevented every open `pid` made: EPERM on the refusing tiers (and the
+/// process lives on), killed inside the syscall elsewhere (no open ever returned to it).
 fn assert_prevented(node: &mut Node, daemon: &EventDaemon, pid: u32, lines: &[String], how: &str) {
     // Not opens of the node for use: an O_PATH descriptor (which cannot reach the
     // driver; the /proc/self/fd way in starts with one) and the directory of openat.
@@ -95,7 +95,7 @@ fn assert_prevented(node: &mut Node, daemon: &EventDaemon, pid: u32, lines: &[St
         .filter(|l| !l.starts_with("returned ok O_PATH") && !l.starts_with("returned ok open dir"))
         .cloned()
         .collect();
-    if daemon.tier == "lsm" {
+    if tier_refuses(&daemon.tier) {
         assert!(
             !lines.is_empty() && lines.iter().all(|l| !l.starts_with("returned ok")),
             "{how}: an open succeeded: {lines:?}"
@@ -113,6 +113,26 @@ fn assert_prevented(node: &mut Node, daemon: &EventDaemon, pid: u32, lines: &[St
         );
         assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGKILL), "{how}");
         daemon.expect(&format!("Killed process {pid} of user "));
+    }
+}
+
+/// No process outside both environments of [`node`] holds either test GPU node: an
+/// environment counts only with the uid that owns it (or root's), as the kernel judges.
+fn assert_no_outsider_holds(gpus: &[PathBuf], how: &str) {
+    for gpu in gpus {
+        let outsiders: Vec<_> = holders_of(gpu)
+            .into_iter()
+            .filter(|h| match h.eid.as_deref() {
+                Some("alice-env") => h.uid != ALICE && h.uid != 0,
+                Some("bob-env") => h.uid != BOB && h.uid != 0,
+                _ => true,
+            })
+            .collect();
+        assert!(
+            outsiders.is_empty(),
+            "{how}: {} is held outside any environment by {outsiders:?}",
+            gpu.display()
+        );
     }
 }
 
@@ -137,7 +157,7 @@ fn a_process_outside_any_environment_never_gets_the_gpu() {
     };
     let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &["--open", path(&gpu)]);
     assert_prevented(&mut node, &daemon, rogue, &lines, "no environment");
-    let counter = if daemon.tier == "lsm" {
+    let counter = if tier_refuses(&daemon.tier) {
         "refused_in_kernel"
     } else {
         "killed_in_kernel"
@@ -171,7 +191,7 @@ fn a_child_forked_without_exec_has_its_parents_identity() {
     };
     let args = ["--fork", "--open", path(&gpu)];
     let (parent, lines) = attempt(&mut node, None, Some(OUTSIDER), &args);
-    if daemon.tier == "lsm" {
+    if tier_refuses(&daemon.tier) {
         assert!(
             lines.iter().any(|l| l.starts_with("returned EPERM")),
             "{lines:?}"
@@ -221,8 +241,8 @@ fn an_exec_with_a_changed_environment_is_read_again() {
 #[test]
 fn every_way_to_the_node_is_prevented() {
     let _serial = serial();
-    let (mut node, [gpu, _]) = node();
-    let ways = ways_in(&node.dir.clone(), &gpu, Some(OUTSIDER));
+    let (mut node, gpus) = node();
+    let ways = ways_in(&node.dir.clone(), &gpus[0], Some(OUTSIDER));
     let Some(daemon) = deny(&node, &[]) else {
         return;
     };
@@ -230,6 +250,7 @@ fn every_way_to_the_node_is_prevented() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &args);
         assert_prevented(&mut node, &daemon, rogue, &lines, way);
+        assert_no_outsider_holds(&gpus, way);
     }
 }
 
@@ -252,7 +273,7 @@ fn an_open_through_io_uring_is_prevented() {
         Some(OUTSIDER),
         &["--open-uring", path(&gpu)],
     );
-    if daemon.tier == "lsm" {
+    if tier_refuses(&daemon.tier) {
         assert!(
             lines
                 .iter()
@@ -404,7 +425,7 @@ fn pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() {
     // No daemon: the kernel still decides, from the environments last mirrored.
     let open = ["--open", path(&gpu)];
     let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &open);
-    if tier == "lsm" {
+    if tier_refuses(&tier) {
         assert!(
             lines.iter().any(|l| l.starts_with("returned EPERM")),
             "{lines:?}"
@@ -485,7 +506,7 @@ fn ten_thousand_attempts_from_outside_never_get_the_gpu() {
     );
     assert_eq!(attempts, 10_000);
     assert_eq!(succeeded, 0, "{said}");
-    if daemon.tier == "lsm" {
+    if tier_refuses(&daemon.tier) {
         assert_eq!((returned, killed), (10_000, 0), "{said}");
     } else {
         assert_eq!((returned, killed), (0, 10_000), "{said}");
@@ -894,7 +915,7 @@ fn the_enforcer_is_exempt_by_process_not_by_executable() {
         .spawn()
         .unwrap();
     let user = node.adopt(child, &[]);
-    if daemon.tier == "lsm" {
+    if tier_refuses(&daemon.tier) {
         daemon.expect(&format!("Refused process {user} of user "));
     } else {
         assert_eq!(node.wait_exit(user, DEATH), Some(libc::SIGKILL));
@@ -942,7 +963,7 @@ fn an_upgraded_daemon_survives_its_predecessors_pinned_programs() {
 /// On the kill tiers SIGKILL reaches the opener's thread group only: a process sharing
 /// its file table (`clone(CLONE_FILES)`; a sibling that `dup`s the descriptor away is
 /// the same case) would keep the GPU. The daemon kills every such holder outside an
-/// environment; on the LSM tier the open is refused and nobody holds anything.
+/// environment; on the refusing tiers the open is refused and nobody holds anything.
 #[test]
 fn a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
     let _serial = serial();
@@ -953,7 +974,7 @@ fn a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
     let args = ["--open-clone-files", path(&gpu)];
     let (sharer, lines) = attempt(&mut node, None, Some(OUTSIDER), &args);
     if tier_sees_failed_opens() {
-        // LSM and fentry in the VM: the node has no driver behind it, so the child's
+        // LSM, fmod_ret and fentry in the VM: the node has no driver behind it, so the child's
         // open fails whatever is decided (refused, or killed and ENXIO), and nothing is
         // left to share. (On a real GPU the fentry tier installs the descriptor before
         // the child dies: the case the tracepoint tier shows here.)
@@ -963,7 +984,7 @@ fn a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
                 .any(|l| l.starts_with("returned none clone(CLONE_FILES)")),
             "{lines:?}"
         );
-        let verb = if daemon.tier == "lsm" {
+        let verb = if tier_refuses(&daemon.tier) {
             "Refused"
         } else {
             "Killed"
@@ -984,25 +1005,7 @@ fn a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
         assert!(daemon.wait_count("killed_holders") >= 1);
     }
     // Nobody outside an environment holds the node now.
-    let holders: Vec<String> = std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
-                fds.filter_map(Result::ok).any(|fd| {
-                    std::fs::metadata(fd.path()).is_ok_and(|m| {
-                        std::os::unix::fs::MetadataExt::rdev(&m)
-                            == std::os::unix::fs::MetadataExt::rdev(
-                                &std::fs::metadata(&gpu).unwrap(),
-                            )
-                            && std::os::unix::fs::FileTypeExt::is_char_device(&m.file_type())
-                    })
-                })
-            })
-        })
-        .map(|pid| pid.to_string())
-        .collect();
-    assert!(holders.is_empty(), "still held by {holders:?}");
+    assert_no_outsider_holds(&[gpu], "after the sharer");
 }
 
 /// A daemon killed outright (no chance to clean up) leaves its exemption in the pinned
@@ -1033,7 +1036,7 @@ fn a_crashed_daemons_exemption_names_no_later_process() {
         pinned_map_put(&exempt, pid, start);
         (pid, node.attempt(pid))
     };
-    if tier == "lsm" {
+    if tier_refuses(&tier) {
         assert!(
             lines.iter().any(|l| l.starts_with("returned EPERM")),
             "{lines:?}"

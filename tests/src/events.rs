@@ -5,8 +5,8 @@
 //! - the tracepoint tier sees only opens that succeed, and no NVIDIA node opens without
 //!   the driver, so the daemon is told (`--gpu-node 1:7=0`) that `/dev/full`'s number is
 //!   GPU 0;
-//! - the LSM and fentry tiers see the attempt before the driver is asked, so there the
-//!   node is NVIDIA's own `195:0`, whose opens fail with ENXIO where no driver is loaded
+//! - the LSM, fmod_ret and fentry tiers see the attempt before the driver is asked, so
+//!   there the node is NVIDIA's own `195:0`, whose opens fail with ENXIO where no driver is loaded
 //!   (as in the VM harness, where no driver owns major 195 either).
 //!
 //! Tests open private nodes with that number (made with `mknod`).
@@ -24,12 +24,12 @@ use serde_json::Value;
 use crate::{Daemon, Node};
 
 /// The device numbers tests use as GPUs 0 and 1 on the requested tier: NVIDIA's own
-/// where the hook runs before the driver (LSM, fentry); where only a successful open is
-/// seen (tracepoint, and `auto`, which may end up there), two real devices nothing else
-/// on a test machine opens: `/dev/full` and `/dev/btrfs-control`.
+/// where the hook runs before the driver (LSM, fmod_ret, fentry); where only a
+/// successful open is seen (tracepoint, and `auto`, which may end up there), two real
+/// devices nothing else on a test machine opens: `/dev/full` and `/dev/btrfs-control`.
 pub fn test_nodes() -> [(u32, u32); 2] {
     match requested_tier().as_str() {
-        "lsm" | "fentry" => [(195, 0), (195, 1)],
+        "lsm" | "fmod_ret" | "fentry" => [(195, 0), (195, 1)],
         _ => [(1, 7), (10, 234)],
     }
 }
@@ -40,10 +40,17 @@ pub fn test_node_flags() -> [String; 2] {
     [format!("{a}:{b}=0"), format!("{c}:{d}=1")]
 }
 
-/// Whether the requested tier sees open attempts that fail (LSM and fentry run before
-/// the driver's open; the tracepoint tier reads the descriptor the syscall returned).
+/// Whether the requested tier sees open attempts that fail (LSM, fmod_ret and fentry
+/// run before the driver's open; the tracepoint tier reads the descriptor the syscall
+/// returned).
 pub fn tier_sees_failed_opens() -> bool {
-    matches!(requested_tier().as_str(), "lsm" | "fentry")
+    matches!(requested_tier().as_str(), "lsm" | "fmod_ret" | "fentry")
+}
+
+/// Whether `tier` (as the daemon names it) refuses an open under `--deny` (EPERM, the
+/// process lives on); the other tiers kill the opener inside the syscall.
+pub fn tier_refuses(tier: &str) -> bool {
+    matches!(tier, "lsm" | "fmod_ret")
 }
 
 /// Makes a character node with GPU 0's test number at `path`.
@@ -102,6 +109,64 @@ pub fn ways_in(dir: &Path, gpu: &Path, owner: Option<u32>) -> Vec<(&'static str,
         ("a second thread", args(&["--open-in-thread", &s(gpu)])),
         ("a 32-bit open (int 0x80)", args(&["--open-int80", &s(gpu)])),
     ]
+}
+
+/// Every process holding a descriptor of a character device with `gpu`'s number, through
+/// any path to it (a link, a private `mknod`), found in `/proc`; with the
+/// `GENV_ENVIRONMENT_ID` and real uid each runs with. `O_PATH` descriptors, which cannot
+/// reach the driver, do not count; processes that exit while being read are left out.
+pub fn holders_of(gpu: &Path) -> Vec<Holder> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    const O_PATH: u32 = 0o10000000;
+    let rdev = std::fs::metadata(gpu).unwrap().rdev();
+    let usable = |pid: u32, fd: &std::ffi::OsStr| {
+        let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.display()));
+        let flags = info.ok().and_then(|info| {
+            let flags = info.lines().find_map(|l| l.strip_prefix("flags:"))?;
+            u32::from_str_radix(flags.trim(), 8).ok()
+        });
+        flags.is_some_and(|flags| flags & O_PATH == 0)
+    };
+    let holds = |pid: u32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+            fds.filter_map(Result::ok).any(|fd| {
+                std::fs::metadata(fd.path())
+                    .is_ok_and(|m| m.rdev() == rdev && m.file_type().is_char_device())
+                    && usable(pid, &fd.file_name())
+            })
+        })
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| holds(pid))
+        .filter_map(|pid| {
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let uid = status
+                .lines()
+                .find_map(|l| l.strip_prefix("Uid:"))?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()?;
+            let eid = environ
+                .split(|&b| b == 0)
+                .filter_map(|entry| entry.strip_prefix(b"GENV_ENVIRONMENT_ID="))
+                .next_back()
+                .map(|value| String::from_utf8_lossy(value).into_owned());
+            Some(Holder { pid, eid, uid })
+        })
+        .collect()
+}
+
+/// A process holding a GPU node open ([`holders_of`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holder {
+    pub pid: u32,
+    /// Its `GENV_ENVIRONMENT_ID` (the last assignment), if any.
+    pub eid: Option<String>,
+    pub uid: u32,
 }
 
 pub fn bpf_required() -> bool {

@@ -26,7 +26,7 @@
 //!   VALUE (`-`: removed), same pid, the other arguments kept.
 //!
 //! An open that fails with ENXIO (a node with NVIDIA's major and no driver behind it,
-//! which the LSM and fentry tiers see all the same) or EPERM (refused by the kernel)
+//! which the LSM, fmod_ret and fentry tiers see all the same) or EPERM (refused by the kernel)
 //! is reported and the process carries on, as a program probing GPUs would. After
 //! `--wait-stdin`, each open prints `returned ok|ENXIO|EPERM <how>` the moment it
 //! returns: a process killed inside the syscall prints nothing.
