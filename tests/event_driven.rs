@@ -8,7 +8,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use genv_enforcer_tests::events::{
-    EventDaemon, make_gpu_node, program_loaded, requested_tier, tier_sees_failed_opens, ways_in,
+    EventDaemon, bpf_required, make_gpu_node, program_loaded, requested_tier,
+    tier_sees_failed_opens, ways_in,
 };
 use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
 use serde_json::json;
@@ -450,6 +451,94 @@ fn without_bpf_the_full_cycle_enforces_alone() {
         DEATH,
     );
     assert_eq!(node.wait_exit(rogue, DEATH), Some(SIGTERM));
+}
+
+/// The open tiers, best first, as `--bpf-tier` names them.
+const TIERS: [&str; 4] = ["lsm", "fmod_ret", "fentry", "tracepoint"];
+
+/// `auto` runs on the best tier this kernel accepts, saying why each better one was
+/// refused; forced, each of those is an error naming the tier and the same reason, and
+/// no daemon runs. On this machine's sandboxed 6.18 that is lsm, fmod_ret and fentry
+/// (EPERM); in the VM's kernel with the BPF LSM, none.
+#[test]
+fn a_tier_the_kernel_refuses_is_an_error_when_forced_naming_why() {
+    let (node, _gpu) = node();
+    let run_dir = node.dir.join("run");
+    let args = |tier: &str| {
+        let run_dir = path(&run_dir);
+        [
+            "--event-driven",
+            "--bpf-tier",
+            tier,
+            "--interval",
+            "3600",
+            "--run-dir",
+            run_dir,
+        ]
+        .map(str::to_owned)
+    };
+    let auto = Daemon::start(&node, &args("auto").each_ref().map(String::as_str));
+    let mut lines = Vec::new();
+    let chosen = loop {
+        let line = auto
+            .output
+            .recv_timeout(DEATH)
+            .expect("the daemon says its tier");
+        if let Some(rest) = line.split("Event-driven on the ").nth(1) {
+            break rest.split(' ').next().unwrap().to_owned();
+        }
+        if line.contains("No BPF tier could be loaded") {
+            assert!(!bpf_required(), "GENV_REQUIRE_BPF=1 and {line}");
+            eprintln!("skipped (GENV_REQUIRE_BPF is not set): {line}");
+            return;
+        }
+        lines.push(line);
+    };
+    drop(auto);
+    let refused: Vec<(String, String)> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("[INFO] The kernel refused the "))
+        .filter_map(|l| l.split_once(" tier: "))
+        .map(|(tier, why)| (tier.to_owned(), why.to_owned()))
+        .collect();
+    let better = TIERS
+        .iter()
+        .position(|t| *t == chosen)
+        .expect("a known tier");
+    let names: Vec<&str> = refused.iter().map(|(tier, _)| tier.as_str()).collect();
+    assert_eq!(names, TIERS[..better], "auto chose {chosen}: {lines:#?}");
+    for (tier, why) in &refused {
+        let mut child = node
+            .enforcer()
+            .arg("enforce")
+            .args(args(tier))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + DEATH;
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("--bpf-tier {tier} ran, where auto said the kernel refused it: {why}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        let said = format!("--bpf-tier {tier}: no open tier could be loaded: {tier}: {why}");
+        assert!(
+            !status.success() && stderr.contains(&said),
+            "{status:?}: {stderr}"
+        );
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            format!("[forced {tier}] refused as auto said: {why}\n").as_bytes(),
+        );
+    }
 }
 
 fn unix_now() -> u64 {
