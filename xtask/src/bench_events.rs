@@ -12,7 +12,7 @@
 //!
 //! Then `--deny`: an outside process forks 10,000 children that each try to open the
 //! node once; on this host's tracepoint tier each must die inside the open. The same loop
-//! runs on the LSM and fentry tiers in the VM, on Debian's 6.1 kernel (the first of
+//! runs on the LSM, fmod_ret and fentry tiers in the VM, on Debian's 6.1 kernel (the first of
 //! `cargo xtask vm-test`'s kernels; one is enough for counts).
 
 use std::io::{BufRead, BufReader, Write};
@@ -103,7 +103,7 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
     table += &format!(
         "\n## `--deny`: {ATTEMPTS} open attempts by a process outside any environment\n\n\
          One process of an unprivileged user (root is let through unless `--deny-root`) forks {ATTEMPTS} children one after the other; each opens the test GPU node once and, if the \
-         open returns to it, says so through a pipe. The LSM and fentry rows come from the VM \
+         open returns to it, says so through a pipe. The LSM, fmod_ret and fentry rows come from the VM \
          (`cargo xtask vm-test --kernel 6.1`, TCG: counts, not times).\n\n\
          | tier | attempts | open returned | open succeeded | killed in the open |\n|---|---|---|---|---|\n"
     );
@@ -360,8 +360,9 @@ fn attempt_loop(target: &Path, dir: &Path, gpu: &Path, nvml: &Path) -> Result<St
     ))
 }
 
-/// The same loop on the LSM and fentry tiers, in the VM: the prevention suite's test
-/// prints it as `[attempt loop] tier=… attempts=… returned=… succeeded=… killed=…`.
+/// The same loop on the LSM, fmod_ret and fentry tiers, in the VM: the prevention
+/// suite's test prints it as
+/// `[attempt loop] tier=… attempts=… returned=… succeeded=… killed=…`.
 fn vm_attempt_loops() -> Result<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let options = crate::vm::Options::parse(&[

@@ -3,7 +3,7 @@
 //! - `test`: the whole suite, on a fresh machine of this kind: checks formatting and
 //!   lints, builds every artefact the end-to-end tests run (the enforcer, the fake NVML,
 //!   the helper process), then runs every test on the host (the tier-dependent ones on
-//!   the tracepoint tier), then the tier-dependent ones on every VM tier (LSM, fentry)
+//!   the tracepoint tier), then the tier-dependent ones on every VM tier (LSM, fmod_ret, fentry)
 //!   in a VM, on each of Debian bookworm's kernels (6.1, then 6.12), then the VM
 //!   harness's refusal check (on 6.1). The real genv 1.4.3 is installed from PyPI
 //!   into `target/genv-venv` on first use.

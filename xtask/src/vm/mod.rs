@@ -1,5 +1,5 @@
 //! `cargo xtask vm-test`: the tier-dependent tests on the kernel tiers this machine's
-//! kernel refuses ([`VM_TIERS`]: LSM, fentry), on both of Debian bookworm's kernels
+//! kernel refuses ([`VM_TIERS`]: LSM, fmod_ret, fentry), on both of Debian bookworm's kernels
 //! (6.1 and 6.12, [`KERNELS`]) under QEMU, against the binaries built here.
 //!
 //! Each kernel is booted once, and that boot runs every requested tier's suites in turn
@@ -28,10 +28,10 @@ const TIER_SUITES: [&str; 2] = ["event_driven", "prevention"];
 /// The tiers the VM runs those suites on unless `--tiers` says otherwise, in order: the
 /// ones this machine's kernel refuses (the host runs the tracepoint tier). A new tier
 /// goes here and in [`KNOWN_TIERS`]; `cargo xtask test` then runs it on every kernel.
-pub const VM_TIERS: &[&str] = &["lsm", "fentry"];
+pub const VM_TIERS: &[&str] = &["lsm", "fmod_ret", "fentry"];
 
 /// What `--tiers` accepts.
-const KNOWN_TIERS: &[&str] = &["lsm", "fentry", "tracepoint"];
+const KNOWN_TIERS: &[&str] = &["lsm", "fmod_ret", "fentry", "tracepoint"];
 
 pub use kernel::{KERNELS, Series};
 
