@@ -374,6 +374,23 @@ fn one_instance_and_nothing_left_behind() {
         .map(|p| p["id"].as_u64().unwrap() as u32)
         .collect();
     assert!(programs.len() >= 4, "{programs:?}");
+    // What verifying each program took on this kernel (a figure to watch: the verifier
+    // has a budget), printed whatever libtest captures.
+    let verified: Vec<String> = status["programs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| format!("{}={}", p["name"].as_str().unwrap(), p["verified_insns"]))
+        .collect();
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!(
+            "[verified instructions] tier={} {}\n",
+            daemon.tier,
+            verified.join(" ")
+        )
+        .as_bytes(),
+    );
     assert!(programs.iter().all(|id| program_loaded(*id)));
 
     let shown = node

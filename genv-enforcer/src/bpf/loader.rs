@@ -80,13 +80,16 @@ pub(super) enum LinkId {
 }
 
 /// One program's counters, as the kernel keeps them while `kernel.bpf_stats_enabled`
-/// is 1 (off by default: it costs a clock read per run).
+/// is 1 (off by default: it costs a clock read per run), and what verifying it took.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ProgramStats {
     pub name: String,
     pub id: u32,
     pub runs: u64,
     pub run_time_ns: u64,
+    /// Instructions the verifier processed to accept it (0: not reported, before 5.16).
+    #[serde(default)]
+    pub verified_insns: u32,
 }
 
 impl KernelPrograms {
@@ -185,16 +188,21 @@ impl KernelPrograms {
             .iter()
             .map(|&Attached { name, id, .. }| {
                 let info = self.ebpf.program(name).and_then(|p| p.info().ok());
-                let (runs, run_time_ns) = match info {
-                    Some(info) => (info.run_count(), info.run_time().as_nanos() as u64),
+                let (runs, run_time_ns, verified_insns) = match info {
+                    Some(info) => (
+                        info.run_count(),
+                        info.run_time().as_nanos() as u64,
+                        info.verified_instruction_count().unwrap_or(0),
+                    ),
                     // Loaded outside aya (fmod_ret): asked of the kernel by id.
-                    None => fmod_ret::run_stats(id).unwrap_or_default(),
+                    None => fmod_ret::counters(id).unwrap_or_default(),
                 };
                 ProgramStats {
                     name: name.to_owned(),
                     id,
                     runs,
                     run_time_ns,
+                    verified_insns,
                 }
             })
             .collect()

@@ -113,7 +113,11 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
             0 => String::new(),
             runs => format!(", {runs} runs, {} ns/run", p.run_time_ns / runs),
         };
-        println!("program {} (id {}){cost}", p.name, p.id);
+        let verified = match p.verified_insns {
+            0 => String::new(),
+            n => format!(", {n} instructions verified"),
+        };
+        println!("program {} (id {}{verified}){cost}", p.name, p.id);
     }
     println!("gpu nodes: {}", status.gpu_nodes);
     println!("outside any environment: {}", status.guarantee);
