@@ -2,6 +2,7 @@
 //! change the enforcer makes (a detach) as genv writes it.
 
 use std::io::{self, Write};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -71,6 +72,14 @@ impl StateDir {
     /// means no state files either.
     fn open(&self) -> Result<Option<Dir>, StateError> {
         Dir::open(&self.root).map_err(|e| opening(&self.root, e, Purpose::Read))
+    }
+
+    /// The directory as every operation opens it (never through a link, never a FUSE
+    /// mount), for what must act on the directory checked rather than on its path, which
+    /// another user may mount something on at any moment (an inotify watch). `None` if
+    /// it does not exist.
+    pub fn open_checked(&self) -> Result<Option<OwnedFd>, StateError> {
+        Ok(self.open()?.map(Dir::into_fd))
     }
 
     /// Active environments, cleaned as genv cleans them on load: an environment whose

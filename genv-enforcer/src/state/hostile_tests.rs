@@ -17,19 +17,19 @@ use serde_json::json;
 use super::StateDir;
 
 /// Longer than any of these operations takes; shorter than a hung test suite.
-const PROMPTLY: Duration = Duration::from_secs(5);
+pub(super) const PROMPTLY: Duration = Duration::from_secs(5);
 /// A uid that is not ours, for files "another user" owns.
-const NOBODY: u32 = 65534;
+pub(super) const NOBODY: u32 = 65534;
 
 /// A state directory as genv makes it, and a root-only directory for targets.
-struct Scratch {
-    base: PathBuf,
-    state: PathBuf,
-    private: PathBuf,
+pub(super) struct Scratch {
+    pub base: PathBuf,
+    pub state: PathBuf,
+    pub private: PathBuf,
 }
 
 impl Scratch {
-    fn new() -> Self {
+    pub fn new() -> Self {
         use std::sync::atomic::{AtomicU32, Ordering};
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let base = std::env::temp_dir().join(format!(
@@ -50,16 +50,16 @@ impl Scratch {
         }
     }
 
-    fn dir(&self) -> StateDir {
+    pub fn dir(&self) -> StateDir {
         StateDir::new(&self.state)
     }
 
-    fn in_state(&self, name: &str) -> PathBuf {
+    pub fn in_state(&self, name: &str) -> PathBuf {
         self.state.join(name)
     }
 
     /// A root-owned file with `text` and `mode`, the kind a symlink would aim at.
-    fn target(&self, name: &str, text: &str, mode: u32) -> PathBuf {
+    pub fn target(&self, name: &str, text: &str, mode: u32) -> PathBuf {
         let path = self.private.join(name);
         fs::write(&path, text).unwrap();
         fs::set_permissions(&path, fs::Permissions::from_mode(mode)).unwrap();
@@ -68,7 +68,7 @@ impl Scratch {
 
     /// `envs.json` with one environment whose activating shell (this process) is alive,
     /// attached to device 0, so that a detach has something to remove.
-    fn live_env(&self) -> String {
+    pub fn live_env(&self) -> String {
         let eid = "victim-env";
         let envs = json!({"envs": [{"eid": eid, "uid": 0, "creation": "22/11/2026 02:28:47",
             "username": "root", "config": {"name": null, "gpu_memory": null, "gpus": 1},
@@ -84,14 +84,14 @@ impl Drop for Scratch {
     }
 }
 
-fn devices_text(eid: &str) -> String {
+pub(super) fn devices_text(eid: &str) -> String {
     json!({"devices": [{"index": 0, "total_memory": "16384mi",
         "attachments": [{"eid": eid, "gpu_memory": null, "time": "22/11/2026 02:28:47"}]}]})
     .to_string()
 }
 
 /// Content and permission bits, to compare before and after.
-fn snapshot(path: &Path) -> (Vec<u8>, u32, u32) {
+pub(super) fn snapshot(path: &Path) -> (Vec<u8>, u32, u32) {
     let meta = fs::symlink_metadata(path).unwrap();
     (fs::read(path).unwrap(), meta.mode() & 0o7777, meta.uid())
 }
@@ -116,7 +116,7 @@ fn mkfifo(path: &Path) {
     .unwrap();
 }
 
-fn assert_names(message: &str, name: &str, what: &str) {
+pub(super) fn assert_names(message: &str, name: &str, what: &str) {
     assert!(
         message.contains(name),
         "error does not name {name}: {message}"

@@ -9,10 +9,13 @@ mod json;
 mod lock;
 pub mod memory;
 pub mod model;
+mod mounts;
 mod safe_open;
 
 #[cfg(test)]
 mod hostile_tests;
+#[cfg(test)]
+mod mount_tests;
 
 #[cfg(test)]
 pub(crate) mod arbitrary;
@@ -29,7 +32,7 @@ pub use json::to_python_json;
 pub use lock::{GlobalLock, LockError, LockErrorKind};
 pub use memory::MemorySpec;
 pub use model::{Attachment, Device, Env, EnvConfig};
-pub use safe_open::{FileKind, Refusal};
+pub use safe_open::{FileKind, MountKind, Refusal};
 
 #[derive(Debug, thiserror::Error)]
 #[error("{}: {kind}", path.display())]

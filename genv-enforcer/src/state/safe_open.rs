@@ -13,7 +13,18 @@
 //! call created (`O_CREAT|O_EXCL`). The directory's parents are the administrator's
 //! (`/var/tmp` is root's and sticky); only the last component is another user's to
 //! replace.
+//!
+//! Any user can also mount a FUSE file system on those names (`fusermount` allows it on
+//! a directory or file they can write), and a FUSE server answers every open, `stat` and
+//! `flock` of its mount as it likes, or never. `O_NOFOLLOW`, `O_NONBLOCK` and `fstat` do
+//! not see mounts. So every name is opened with `openat2(RESOLVE_NO_XDEV)` relative to
+//! its parent's descriptor, which refuses to cross a mount before the mounted file
+//! system is asked anything. A state file with anything mounted on it is refused. The
+//! directory itself may be an administrator's mount (a tmpfs, a disk); what is mounted
+//! there is read from the kernel's mount table ([`super::mounts`]), and a FUSE file
+//! system is refused.
 
+use std::ffi::OsStr;
 use std::fmt;
 use std::fs::{DirBuilder, File};
 use std::io::{self, Read};
@@ -21,8 +32,10 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, Stat};
+use rustix::fs::{self as rfs, FileType, Mode, OFlags, ResolveFlags, Stat};
 use rustix::io::Errno;
+
+use super::mounts;
 
 /// genv's modes (it runs under umask 0): every user's genv must be able to take the
 /// lock and rewrite the state files, whoever created them.
@@ -58,6 +71,41 @@ impl fmt::Display for FileKind {
     }
 }
 
+/// What is mounted where a state file or the state directory is, for a refusal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountKind {
+    /// The file system type as the kernel's mount table names it (`fuse.sshfs`,
+    /// `tmpfs`); `None` where the table could not be read.
+    pub fstype: Option<String>,
+    pub fuse: bool,
+}
+
+impl MountKind {
+    fn of(mount: &mounts::Mount) -> Self {
+        Self {
+            fstype: Some(mount.fstype.clone()),
+            fuse: mount.is_fuse(),
+        }
+    }
+
+    fn risk(&self) -> &'static str {
+        match self.fuse {
+            true => " and a FUSE server (any user's process) could stall or forge every read",
+            false => "",
+        }
+    }
+}
+
+impl fmt::Display for MountKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (&self.fstype, self.fuse) {
+            (Some(fstype), true) => write!(f, "a FUSE file system ({fstype})"),
+            (Some(fstype), false) => write!(f, "a {fstype} file system"),
+            (None, _) => f.write_str("a file system of unknown type"),
+        }
+    }
+}
+
 /// Why a name in the state directory was not used. Each is something genv itself never
 /// makes there, so it is refused rather than worked around.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -72,6 +120,14 @@ pub enum Refusal {
     HardLinked(u64),
     #[error("is larger than {cap} bytes, the most a state file is read up to")]
     TooLarge { cap: u64 },
+    /// Something is mounted on a state file's name; genv never mounts anything there.
+    #[error("is a mount point of {0}: not opened, since a state file is never a mount{risk}", risk = .0.risk())]
+    MountedFile(MountKind),
+    /// The state directory is a FUSE mount.
+    #[error(
+        "is a mount point of {0}: not opened, since a FUSE server (any user's process) could stall or forge every read"
+    )]
+    FuseDirectory(MountKind),
 }
 
 /// A refusal, or the system saying no.
@@ -89,7 +145,16 @@ impl From<Refusal> for OpenError {
 
 impl From<Errno> for OpenError {
     fn from(errno: Errno) -> Self {
-        Self::Io(errno.into())
+        match errno {
+            // Only `openat2` is missing anywhere the enforcer runs (Linux before 5.6,
+            // or a seccomp filter that hides it).
+            Errno::NOSYS => Self::Io(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "openat2 is not available (Linux 5.6 or later is needed to open state files \
+                 without following links or crossing mounts)",
+            )),
+            _ => Self::Io(errno.into()),
+        }
     }
 }
 
@@ -122,6 +187,23 @@ fn base_flags() -> OFlags {
     OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY
 }
 
+/// Every name resolved here: never through a link, and never across a mount, which
+/// fails with EXDEV before the mounted file system is asked anything.
+fn beneath() -> ResolveFlags {
+    ResolveFlags::NO_XDEV | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS
+}
+
+/// For `O_PATH` descriptors, which name a file without opening it (`openat2` refuses
+/// any other flag beside them).
+fn path_flags() -> OFlags {
+    OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC
+}
+
+/// `openat2(dir, name, flags, mode, beneath())`.
+fn open_in(dir: &OwnedFd, name: &OsStr, flags: OFlags, mode: Mode) -> Result<OwnedFd, Errno> {
+    rfs::openat2(dir, name, flags, mode, beneath())
+}
+
 /// The state directory, opened once for one operation.
 #[derive(Debug)]
 pub(super) struct Dir {
@@ -131,20 +213,41 @@ pub(super) struct Dir {
 
 impl Dir {
     /// Opens an existing state directory; `None` if it does not exist (no state yet).
+    /// Opened relative to its parent (the administrator's), never through a link; a
+    /// mount point only where [`mounted_dir`] accepts what is mounted.
     pub fn open(path: &Path) -> Result<Option<Self>, OpenError> {
+        let Some(name) = path.file_name() else {
+            let error = io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "names no directory (it is `/` or ends in `..`)",
+            );
+            return Err(error.into());
+        };
+        let parent = match path.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let parent = match rfs::open(parent, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => return Ok(None),
+            Err(errno) => return Err(errno.into()),
+        };
         let flags = OFlags::RDONLY | OFlags::DIRECTORY | base_flags();
-        match rfs::open(path, flags, Mode::empty()) {
-            Ok(fd) => Ok(Some(Self {
-                fd,
-                path: path.to_owned(),
-            })),
-            Err(Errno::NOENT) => Ok(None),
-            // A final symlink fails with ELOOP, or with ENOTDIR under O_DIRECTORY.
+        let fd = match open_in(&parent, name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => return Ok(None),
+            Err(Errno::XDEV) => mounted_dir(&parent, name)?,
+            // A final symlink fails with ELOOP, a file with ENOTDIR under O_DIRECTORY.
             Err(errno @ (Errno::LOOP | Errno::NOTDIR)) => {
-                Err(describe_dir(path).unwrap_or(OpenError::from(errno)))
+                return Err(describe(&parent, name, errno, FileType::Directory));
             }
-            Err(errno) => Err(errno.into()),
-        }
+            Err(errno) => return Err(errno.into()),
+        };
+        Ok(Some(Self {
+            fd,
+            path: path.to_owned(),
+        }))
     }
 
     /// Opens the state directory, creating it first as genv does when it is missing:
@@ -177,6 +280,12 @@ impl Dir {
         self.path.join(name)
     }
 
+    /// The directory's descriptor, for what must act on the directory checked here
+    /// rather than on its path (an inotify watch).
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
     /// Compensates our umask on a directory we just made. Should another user have
     /// swapped it for their own in between (only possible where they can write the
     /// parent), theirs is left as it is.
@@ -192,7 +301,7 @@ impl Dir {
     /// be refused by the type check instead of waiting for a writer.
     pub fn open_read(&self, name: &str) -> Result<Option<File>, OpenError> {
         let flags = OFlags::RDONLY | OFlags::NONBLOCK | base_flags();
-        match rfs::openat(&self.fd, name, flags, Mode::empty()) {
+        match open_in(&self.fd, name.as_ref(), flags, Mode::empty()) {
             Ok(fd) => {
                 regular(&fd)?;
                 Ok(Some(fd.into()))
@@ -212,7 +321,7 @@ impl Dir {
                 return Ok((file, true));
             }
             let flags = access.flags() | OFlags::NONBLOCK | base_flags();
-            match rfs::openat(&self.fd, name, flags, Mode::empty()) {
+            match open_in(&self.fd, name.as_ref(), flags, Mode::empty()) {
                 Ok(fd) => {
                     regular(&fd)?;
                     return Ok((fd.into(), false));
@@ -246,7 +355,8 @@ impl Dir {
     /// `O_CREAT|O_EXCL`: `None` if the name exists (whatever it is, links included).
     fn create_new(&self, name: &str, access: Access) -> Result<Option<File>, OpenError> {
         let flags = access.flags() | OFlags::CREATE | OFlags::EXCL | base_flags();
-        match rfs::openat(&self.fd, name, flags, Mode::from_raw_mode(SHARED_FILE_MODE)) {
+        let mode = Mode::from_raw_mode(SHARED_FILE_MODE);
+        match open_in(&self.fd, name.as_ref(), flags, mode) {
             Ok(fd) => {
                 // Ours since a moment ago: give it genv's mode despite our umask.
                 rfs::fchmod(&fd, Mode::from_raw_mode(SHARED_FILE_MODE))?;
@@ -257,28 +367,72 @@ impl Dir {
         }
     }
 
-    /// Turns a failed open into a clear refusal where the name is something genv never
-    /// makes (a link: ELOOP; a FIFO without a reader: ENXIO; ...), else the error.
+    /// Turns a failed open of a state file into a clear refusal where the name is
+    /// something genv never makes (a mount: EXDEV; a link: ELOOP; a FIFO without a
+    /// reader: ENXIO; ...), else the error.
     fn describe(&self, name: &str, errno: Errno) -> OpenError {
-        match rfs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) {
-            Ok(stat) => match kind(&stat) {
-                FileType::RegularFile => errno.into(),
-                FileType::Symlink => Refusal::Symlink.into(),
-                other => Refusal::NotRegular(FileKind(other)).into(),
-            },
-            Err(_) => errno.into(),
-        }
+        describe(&self.fd, name.as_ref(), errno, FileType::RegularFile)
     }
 }
 
-/// What a path that could not be opened as a directory is, if that explains it.
-fn describe_dir(path: &Path) -> Option<OpenError> {
-    let stat = rfs::lstat(path).ok()?;
-    Some(match kind(&stat) {
-        FileType::Symlink => Refusal::Symlink.into(),
-        FileType::Directory => return None,
-        other => Refusal::NotDirectory(FileKind(other)).into(),
-    })
+/// What `name` in `dir` is, where that explains why opening it as a `want` failed. It
+/// is looked at through an `O_PATH` descriptor of the name itself (a link is not
+/// followed, a mount not crossed), never with `stat` by name, which would ask a file
+/// system mounted there.
+fn describe(dir: &OwnedFd, name: &OsStr, errno: Errno, want: FileType) -> OpenError {
+    let found = match open_in(dir, name, path_flags(), Mode::empty()) {
+        Ok(fd) => rfs::fstat(&fd).map(|stat| kind(&stat)),
+        Err(errno) => Err(errno),
+    };
+    match found {
+        Err(Errno::XDEV) if want == FileType::RegularFile => mounted_file(dir, name),
+        Ok(found) if found == want => errno.into(),
+        Ok(FileType::Symlink) => Refusal::Symlink.into(),
+        Ok(other) if want == FileType::Directory => Refusal::NotDirectory(FileKind(other)).into(),
+        Ok(other) => Refusal::NotRegular(FileKind(other)).into(),
+        Err(_) => errno.into(),
+    }
+}
+
+/// The top mount on `name` in `dir`, and a descriptor of its root. `O_PATH` crosses the
+/// mount without asking the mounted file system anything (no open, no permission
+/// check); the type comes from the kernel's mount table.
+fn top_mount(dir: &OwnedFd, name: &OsStr) -> Result<(OwnedFd, mounts::Mount), OpenError> {
+    let resolve = ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+    let top = rfs::openat2(dir, name, path_flags(), Mode::empty(), resolve)?;
+    let mount = mounts::of(&top)?;
+    Ok((top, mount))
+}
+
+/// The refusal of a state file that something is mounted on, saying what.
+fn mounted_file(dir: &OwnedFd, name: &OsStr) -> OpenError {
+    let kind = match top_mount(dir, name) {
+        Ok((_, mount)) => MountKind::of(&mount),
+        Err(_) => MountKind {
+            fstype: None,
+            fuse: false,
+        },
+    };
+    Refusal::MountedFile(kind).into()
+}
+
+/// Opens a state directory that is a mount point: an administrator's tmpfs or disk is
+/// used as it is, a FUSE file system is refused (so is a mount table that cannot be
+/// read). Decided on the very descriptor then used, so that a mount stacked on it
+/// meanwhile is not picked up.
+fn mounted_dir(parent: &OwnedFd, name: &OsStr) -> Result<OwnedFd, OpenError> {
+    let (top, mount) = top_mount(parent, name)?;
+    if mount.is_fuse() {
+        return Err(Refusal::FuseDirectory(MountKind::of(&mount)).into());
+    }
+    // Not FUSE: its `fstat` is the kernel's own.
+    match kind(&rfs::fstat(&top)?) {
+        FileType::Directory => {}
+        FileType::Symlink => return Err(Refusal::Symlink.into()),
+        other => return Err(Refusal::NotDirectory(FileKind(other)).into()),
+    }
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    Ok(open_in(&top, ".".as_ref(), flags, Mode::empty())?)
 }
 
 fn kind(stat: &Stat) -> FileType {
