@@ -5,8 +5,9 @@
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
-use genv_enforcer_tests::{Node, device_record, env_record};
+use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
 use serde_json::json;
 
 /// The unprivileged user who plants the links.
@@ -80,6 +81,35 @@ fn a_genv_lock_symlinked_by_another_user_is_refused_and_its_target_untouched() {
         run.stdout
     );
     assert!(node.alive(rogue));
+}
+
+/// Generous: these machines are shared and noisy.
+const PROMPTLY: Duration = Duration::from_secs(30);
+
+/// The same link under a daemon: refused as a lock, as above, but enforcement goes on
+/// from the state read without it, as when a user holds the lock (terminations go ahead,
+/// detaches wait). Anyone can replace genv.lock; that must not switch the daemon off.
+#[test]
+fn a_daemon_enforces_on_when_genv_lock_is_refused() {
+    let mut node = Node::new(1);
+    share(&node);
+    node.write_state(json!([]), json!([device_record(0, &[])]));
+    let target = root_only_file(&node, "");
+    let before = snapshot(&target);
+    plant_link_as_nobody(&node, "genv.lock", &target);
+
+    let mut daemon = Daemon::start(&node, &["--interval", "0.2", "--non-env-processes"]);
+
+    // Marker: a cycle terminated an outsider.
+    let seen = node.mark_cycle(&daemon);
+    let lock = node.state.join("genv.lock");
+    let said = format!(
+        "Cannot take genv's lock: {}: is a symbolic link",
+        lock.display()
+    );
+    assert!(seen.iter().any(|l| l.contains(&said)), "{seen:#?}");
+    assert_eq!(snapshot(&target), before, "the link's target was changed");
+    assert!(daemon.stop(PROMPTLY).is_some_and(|s| s.success()));
 }
 
 #[test]

@@ -19,16 +19,17 @@ pub struct Enforcer {
 }
 
 /// How long a check waits for genv's global lock. genv holds it for milliseconds; any
-/// user can hold it for ever (`flock genv.lock sleep inf`), and a daemon must not stop
-/// enforcing, or answering SIGTERM, for that.
+/// user can hold it for ever (`flock genv.lock sleep inf`), or put something there that
+/// is refused as a lock (a link, a FIFO, a mount), and a daemon must not stop enforcing,
+/// or answering SIGTERM, for either.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LockPolicy {
     /// `None`: wait as genv does (one-shot runs). `Some(d)`: wait at most `d`, then read
     /// the state without the lock (a half-written file does not parse, and is never
     /// acted on) and leave detaches, which write, for a check that gets it.
     wait: Option<Duration>,
-    /// The lock was held past `wait` last time: until it is free again, it is tried
-    /// without waiting, so that the event loop is never held up for long.
+    /// The lock was held past `wait` (or refused) last time: until it is free again, it
+    /// is tried without waiting, so that the event loop is never held up for long.
     contended: bool,
 }
 
@@ -203,7 +204,7 @@ impl Enforcer {
             Ok(None) => {
                 if !report.detach.is_empty() {
                     eprintln!(
-                        "[WARNING] Not detaching while another process holds genv's lock: a later check will"
+                        "[WARNING] Not detaching without genv's lock: a later check that gets it will"
                     );
                 }
                 let terminations = Report {
@@ -238,10 +239,23 @@ impl Enforcer {
                 }
                 Ok(Some(lock))
             }
+            // Held past the wait, or refused (a link, a FIFO, a mount where genv.lock
+            // or its directory should be): any user can do either, and neither may
+            // switch enforcement off. One-shot runs, which wait as genv does, report a
+            // refusal instead.
             Err(e) if matches!(e.kind, LockErrorKind::Held { .. }) => {
                 if !self.lock.contended {
                     eprintln!(
                         "[WARNING] {e}: enforcing from the state files read without it until it is free"
+                    );
+                    self.lock.contended = true;
+                }
+                Ok(None)
+            }
+            Err(e) if matches!(e.kind, LockErrorKind::Refused(_)) => {
+                if !self.lock.contended {
+                    eprintln!(
+                        "[WARNING] Cannot take genv's lock: {e}; enforcing from the state files read without it, and detaching nothing, until it can be taken"
                     );
                     self.lock.contended = true;
                 }
