@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use genv_enforcer_tests::mounts::{self, SilentFuse};
 use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
 use serde_json::json;
 
@@ -191,4 +192,108 @@ fn works_in_a_sticky_state_directory_with_another_users_files() {
         "devices.json is rewritten in place, keeping its owner and mode"
     );
     assert_eq!(snapshot(&node.state.join("genv.lock")), lock_before);
+}
+
+/// A node whose environment env-a has a process on its attached GPU 0, and a polling
+/// daemon, in a mount namespace of its own, past a cycle that read the state.
+fn daemon_with_a_member() -> (Node, u32, Daemon) {
+    let mut node = Node::new(1);
+    share(&node);
+    node.before_exec = Some(mounts::private_namespace(None));
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("env-a", 0, "root", None, shell)]),
+        json!([device_record(0, &["env-a"])]),
+    );
+    let member = node.spawn(Some("env-a"), &[(0, 100)]);
+    let daemon = Daemon::start(&node, &["--interval", "0.2", "--non-env-processes"]);
+    // Marker: a cycle that read the state terminated an outsider.
+    node.mark_cycle(&daemon);
+    (node, member, daemon)
+}
+
+/// What a user's FUSE server can serve under `user_allow_other`: an envs.json of its
+/// own. A forged file bind-mounted over the real one, in the daemon's namespace alone,
+/// stands for it. The daemon refuses the mount, says so, and enforces from its last
+/// good parse: env-a stays active (before, the forged file was believed, and env-a
+/// taken for dropped by genv).
+#[test]
+fn a_forged_envs_json_mounted_over_the_real_one_is_refused() {
+    let (mut node, member, mut daemon) = daemon_with_a_member();
+    // No environments: env-a would be gone.
+    let forged = root_only_file(&node, &json!({"envs": []}).to_string());
+    let envs = node.state.join("envs.json");
+
+    mounts::bind_in(daemon.pid(), &forged, &envs);
+
+    let mut seen = daemon.expect_line(
+        &format!("{}: cannot read: is a mount point of a ", envs.display()),
+        PROMPTLY,
+    );
+    seen.extend(daemon.expect_line(
+        "a state file is never a mount; enforcing from its last good contents (1 active environments)",
+        PROMPTLY,
+    ));
+    // Marker: a later cycle, which judged env-a's process again, terminated an outsider.
+    seen.extend(node.mark_cycle(&daemon));
+    assert!(
+        !seen.iter().any(|l| l.contains("genv dropped")),
+        "the forged file was believed: {seen:#?}"
+    );
+    assert!(node.alive(member), "{seen:#?}");
+    assert!(daemon.stop(PROMPTLY).is_some_and(|s| s.success()));
+}
+
+/// The worst case: a FUSE server that never answers, mounted over envs.json. Before, the
+/// daemon's one thread waited in `open` for ever: no enforcement, and SIGTERM not
+/// handled. Now the mount is refused unopened, cycles go on from the last good parse,
+/// and SIGTERM stops the daemon.
+#[test]
+fn a_silent_fuse_envs_json_neither_stalls_the_daemon_nor_stops_enforcement() {
+    let (mut node, member, mut daemon) = daemon_with_a_member();
+    let envs = node.state.join("envs.json");
+    // Declared after the daemon, so dropped first: closing the server frees a daemon
+    // stuck on the mount, which can then be stopped and reaped whatever the outcome.
+    let fuse = SilentFuse::new();
+
+    fuse.mount_in(daemon.pid(), &envs);
+
+    daemon.expect_line(
+        &format!(
+            "{}: cannot read: is a mount point of a FUSE file system (fuse.silent)",
+            envs.display()
+        ),
+        PROMPTLY,
+    );
+    let seen = node.mark_cycle(&daemon);
+    assert!(node.alive(member), "{seen:#?}");
+    let status = daemon.stop(PROMPTLY);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the daemon must stop on SIGTERM: {status:?}"
+    );
+}
+
+/// `fusermount` mounts on the state directory itself (0777, not sticky). Its files and
+/// genv.lock are then all the server's: every one is refused, and the daemon enforces
+/// on from its last good parse, without the lock, and stops on SIGTERM.
+#[test]
+fn a_silent_fuse_state_directory_neither_stalls_the_daemon_nor_stops_enforcement() {
+    let (mut node, member, mut daemon) = daemon_with_a_member();
+    let fuse = SilentFuse::new();
+
+    fuse.mount_in(daemon.pid(), &node.state);
+
+    let fuse_dir = format!(
+        "{}: is a mount point of a FUSE file system (fuse.silent)",
+        node.state.display()
+    );
+    daemon.expect_line(&format!("Cannot take genv's lock: {fuse_dir}"), PROMPTLY);
+    let seen = node.mark_cycle(&daemon);
+    assert!(node.alive(member), "{seen:#?}");
+    let status = daemon.stop(PROMPTLY);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the daemon must stop on SIGTERM: {status:?}"
+    );
 }

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 pub mod events;
+pub mod mounts;
 
 pub const MIB: u64 = 1024 * 1024;
 
@@ -68,6 +69,9 @@ pub struct Node {
     /// environment for it.
     pub enforcer_binary: Option<PathBuf>,
     pub enforcer_env: Vec<(String, String)>,
+    /// Run in the enforcer's process before it execs (a private mount namespace, see
+    /// [`mounts`]).
+    pub before_exec: Option<mounts::BeforeExec>,
 }
 
 impl Node {
@@ -93,6 +97,7 @@ impl Node {
             nvml_opens: Vec::new(),
             enforcer_binary: None,
             enforcer_env: Vec::new(),
+            before_exec: None,
         };
         node.write_config();
         node
@@ -324,6 +329,10 @@ impl Node {
             .env("GENV_ENFORCER_NVML_LIB", artefact("libnvidia_ml_fake.so"))
             .env_remove("GENV_TERMINATE_PROCESSES")
             .envs(self.enforcer_env.iter().cloned());
+        if let Some(hook) = self.before_exec.clone() {
+            // SAFETY: the hooks make system calls alone (`mounts::private_namespace`).
+            unsafe { std::os::unix::process::CommandExt::pre_exec(&mut command, move || hook()) };
+        }
         command
     }
 
