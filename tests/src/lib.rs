@@ -607,8 +607,12 @@ fn wait_for(child: &mut Child, timeout: Duration) -> Option<std::process::ExitSt
 }
 
 impl Drop for Daemon {
+    /// SIGTERM; a daemon that has not stopped 30 s later (stuck where a test caught it,
+    /// in a FUSE wait only SIGKILL ends) is killed, so that the suite never hangs on it.
     fn drop(&mut self) {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
+        if self.stop(Duration::from_secs(30)).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
