@@ -5,7 +5,7 @@
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use genv_enforcer_tests::mounts::{self, SilentFuse};
 use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
@@ -294,6 +294,50 @@ fn a_silent_fuse_state_directory_neither_stalls_the_daemon_nor_stops_enforcement
     daemon.expect_line(&format!("Cannot take genv's lock: {fuse_dir}"), PROMPTLY);
     let seen = node.mark_cycle(&daemon);
     assert!(node.alive(member), "{seen:#?}");
+    let status = daemon.stop(PROMPTLY);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the daemon must stop on SIGTERM: {status:?}"
+    );
+}
+
+/// The event-driven daemon also watches the state directory (inotify). Watching a path
+/// asks a FUSE server mounted there for permission, and a silent one never gives it:
+/// the watch must go on the directory as the state reads open it, which refuses FUSE.
+/// Started with a silent FUSE file system over its state directory, the daemon says it
+/// cannot watch it, keeps its status file fresh, and stops on SIGTERM. (With its kernel
+/// programs or without: the watch is the same.)
+#[test]
+fn an_event_driven_daemon_under_a_silent_fuse_state_directory_stays_responsive() {
+    let mut node = Node::new(1);
+    share(&node);
+    node.write_state(json!([]), json!([device_record(0, &[])]));
+    let fuse = SilentFuse::new();
+    node.before_exec = Some(mounts::private_namespace(Some((&fuse, &node.state))));
+    let run_dir = node.dir.join("run");
+    let args = ["--event-driven", "--interval", "3600", "--run-dir"];
+    let mut daemon = Daemon::start(&node, &[&args[..], &[run_dir.to_str().unwrap()]].concat());
+    // Dropped before the daemon: closing the server frees a daemon stuck on the mount.
+    let _fuse = fuse;
+
+    daemon.expect_line(
+        &format!(
+            "Cannot watch {} (cannot read: is a mount point of a FUSE file system (fuse.silent)",
+            node.state.display()
+        ),
+        PROMPTLY,
+    );
+    let updated = || {
+        let text = std::fs::read_to_string(run_dir.join("status.json")).unwrap();
+        let status: serde_json::Value = serde_json::from_str(&text).unwrap();
+        status["updated"].as_u64().unwrap()
+    };
+    let first = updated();
+    let deadline = Instant::now() + PROMPTLY;
+    while updated() <= first {
+        assert!(Instant::now() < deadline, "status.json is not updated");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let status = daemon.stop(PROMPTLY);
     assert!(
         status.is_some_and(|s| s.success()),

@@ -375,13 +375,13 @@ impl Daemon {
 }
 
 fn watch_state(enforcer: &Enforcer) -> Option<StateWatch> {
-    let dir = enforcer.builder.state().root();
-    match StateWatch::new(dir) {
+    let state = enforcer.builder.state();
+    match StateWatch::new(state) {
         Ok(watch) => Some(watch),
         Err(e) => {
             eprintln!(
                 "[WARNING] Cannot watch {} ({e}); state changes wait for the full cycle",
-                dir.display()
+                state.root().display()
             );
             None
         }

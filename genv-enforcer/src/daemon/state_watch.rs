@@ -4,12 +4,13 @@
 
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use rustix::fs::inotify::{self, CreateFlags, ReadFlags, WatchFlags};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
+
+use crate::state::StateDir;
 
 const FILES: [&str; 2] = ["envs.json", "devices.json"];
 
@@ -20,11 +21,19 @@ pub struct StateWatch {
 }
 
 impl StateWatch {
-    pub fn new(dir: &Path) -> io::Result<Self> {
+    /// Watches the directory as the state is read from it: opened safely (a FUSE mount
+    /// there is refused), then watched through its descriptor's `/proc` link, so that
+    /// the watch lands on the directory checked, never on whatever is mounted on its
+    /// path by then (watching a path asks a FUSE server for permission).
+    pub fn new(state: &StateDir) -> io::Result<Self> {
+        let dir = state
+            .open_checked()
+            .map_err(|e| io::Error::other(e.kind))?
+            .ok_or(io::ErrorKind::NotFound)?;
         let fd = inotify::init(CreateFlags::CLOEXEC | CreateFlags::NONBLOCK)?;
         inotify::add_watch(
             &fd,
-            dir,
+            format!("/proc/self/fd/{}", dir.as_raw_fd()),
             WatchFlags::CLOSE_WRITE
                 | WatchFlags::MOVED_TO
                 | WatchFlags::MOVED_FROM
