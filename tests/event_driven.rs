@@ -29,6 +29,17 @@ fn node() -> (Node, PathBuf) {
     (node, gpu)
 }
 
+/// The node with environment E (root's, its shell alive) attached to GPU 0.
+fn node_with_e_on_gpu0() -> (Node, PathBuf) {
+    let (mut node, gpu) = node();
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("E", 0, "root", None, shell)]),
+        json!([device_record(0, &["E"]), device_record(1, &[])]),
+    );
+    (node, gpu)
+}
+
 fn path(p: &std::path::Path) -> &str {
     p.to_str().unwrap()
 }
@@ -166,12 +177,7 @@ fn a_process_on_a_device_not_attached_to_its_environment_is_terminated() {
 
 #[test]
 fn a_process_on_its_attached_device_survives() {
-    let (mut node, gpu) = node();
-    let shell = node.shell();
-    node.write_state(
-        json!([env_record("E", 0, "root", None, shell)]),
-        json!([device_record(0, &["E"]), device_record(1, &[])]),
-    );
+    let (mut node, gpu) = node_with_e_on_gpu0();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
     };
@@ -196,12 +202,7 @@ fn a_process_on_its_attached_device_survives() {
 /// and `/proc/<pid>/environ` no longer says it.
 #[test]
 fn a_process_that_overwrites_its_environment_block_keeps_its_environment() {
-    let (mut node, gpu) = node();
-    let shell = node.shell();
-    node.write_state(
-        json!([env_record("E", 0, "root", None, shell)]),
-        json!([device_record(0, &["E"]), device_record(1, &[])]),
-    );
+    let (mut node, gpu) = node_with_e_on_gpu0();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
     };

@@ -270,11 +270,7 @@ fn a_silent_fuse_envs_json_neither_stalls_the_daemon_nor_stops_enforcement() {
     );
     let seen = node.mark_cycle(&daemon);
     assert!(node.alive(member), "{seen:#?}");
-    let status = daemon.stop(PROMPTLY);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "the daemon must stop on SIGTERM: {status:?}"
-    );
+    assert_stops_on_sigterm(&mut daemon);
 }
 
 /// `fusermount` mounts on the state directory itself (0777, not sticky). Its files and
@@ -294,11 +290,7 @@ fn a_silent_fuse_state_directory_neither_stalls_the_daemon_nor_stops_enforcement
     daemon.expect_line(&format!("Cannot take genv's lock: {fuse_dir}"), PROMPTLY);
     let seen = node.mark_cycle(&daemon);
     assert!(node.alive(member), "{seen:#?}");
-    let status = daemon.stop(PROMPTLY);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "the daemon must stop on SIGTERM: {status:?}"
-    );
+    assert_stops_on_sigterm(&mut daemon);
 }
 
 /// The event-driven daemon also watches the state directory (inotify). Watching a path
@@ -338,6 +330,11 @@ fn an_event_driven_daemon_under_a_silent_fuse_state_directory_stays_responsive()
         assert!(Instant::now() < deadline, "status.json is not updated");
         std::thread::sleep(Duration::from_millis(100));
     }
+    assert_stops_on_sigterm(&mut daemon);
+}
+
+/// SIGTERM still stops the daemon, promptly and cleanly.
+fn assert_stops_on_sigterm(daemon: &mut Daemon) {
     let status = daemon.stop(PROMPTLY);
     assert!(
         status.is_some_and(|s| s.success()),

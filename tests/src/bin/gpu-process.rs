@@ -377,18 +377,23 @@ fn fork_early() {
             FORKED_EARLY.store(true, std::sync::atomic::Ordering::SeqCst);
         }
         child => {
-            let mut status = 0;
-            unsafe { libc::waitpid(child, &mut status, 0) };
-            let mut out = std::io::stdout().lock();
-            if libc::WIFSIGNALED(status) {
-                writeln!(out, "child killed by signal {}", libc::WTERMSIG(status)).unwrap();
-            } else {
-                writeln!(out, "child exited {}", libc::WEXITSTATUS(status)).unwrap();
-            }
-            out.flush().unwrap();
+            report_child(child);
             std::process::exit(0);
         }
     }
+}
+
+/// Waits for `child` and says how it ended.
+fn report_child(child: libc::pid_t) {
+    let mut status = 0;
+    unsafe { libc::waitpid(child, &mut status, 0) };
+    let mut out = std::io::stdout().lock();
+    if libc::WIFSIGNALED(status) {
+        writeln!(out, "child killed by signal {}", libc::WTERMSIG(status)).unwrap();
+    } else {
+        writeln!(out, "child exited {}", libc::WEXITSTATUS(status)).unwrap();
+    }
+    out.flush().unwrap();
 }
 
 static FORKED_EARLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -403,17 +408,7 @@ fn open_in_forked_child(opens: &[Open]) {
             drop(held);
             unsafe { libc::_exit(0) };
         }
-        child => {
-            let mut status = 0;
-            unsafe { libc::waitpid(child, &mut status, 0) };
-            let mut out = std::io::stdout().lock();
-            if libc::WIFSIGNALED(status) {
-                writeln!(out, "child killed by signal {}", libc::WTERMSIG(status)).unwrap();
-            } else {
-                writeln!(out, "child exited {}", libc::WEXITSTATUS(status)).unwrap();
-            }
-            out.flush().unwrap();
-        }
+        child => report_child(child),
     }
 }
 
