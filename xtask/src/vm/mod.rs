@@ -12,6 +12,7 @@
 
 mod initramfs;
 mod kernel;
+mod patch_race;
 mod qemu;
 
 use std::path::{Path, PathBuf};
@@ -188,6 +189,8 @@ pub struct Run {
     pub console: Vec<String>,
     pub booted: Duration,
     pub total: Duration,
+    /// Why the kernel was booted a second time, if it was ([`patch_race`]).
+    pub rebooted: Option<String>,
 }
 
 impl Outcome {
@@ -239,13 +242,14 @@ impl Run {
             })
             .collect();
         format!(
-            "kernel {} ({}): boot {:.1?}, suites {:.0?} ({}), total {:.0?}",
+            "kernel {} ({}): boot {:.1?}, suites {:.0?} ({}), total {:.0?}{}",
             self.kernel.version,
             self.package,
             self.booted,
             self.total.saturating_sub(self.booted),
             tiers.join("; "),
-            self.total
+            self.total,
+            (self.rebooted.as_ref()).map_or(String::new(), |why| format!("; {why}"))
         )
     }
 }
@@ -280,7 +284,9 @@ pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
     Ok(outcome)
 }
 
-/// One kernel's boot: its initramfs, its guest script, every tier.
+/// One kernel's boot: its initramfs, its guest script, every tier; booted once more for
+/// the tiers that had not ended if the guest died of QEMU's text-patching race
+/// ([`patch_race`]), never for anything else.
 fn test_on(
     root: &Path,
     series: Series,
@@ -288,37 +294,32 @@ fn test_on(
     suites: &[PathBuf],
     options: &Options,
 ) -> Result<Run> {
-    // Both inside the work tree, which the guest mounts at the same path.
-    let dir = kernel.vmlinux.parent().unwrap();
-    let script = dir.join("guest.sh");
-    std::fs::write(&script, guest_script(root, series, suites, options))?;
-    let initramfs = dir.join("initramfs.cpio");
-    let init = initramfs::Init {
-        modules: kernel
-            .modules
-            .iter()
-            .map(|m| m.file_name().unwrap().to_string_lossy().into_owned())
-            .collect(),
-        work_tree: root,
-        script: &script,
-    };
-    initramfs::write(&initramfs, Path::new(BUSYBOX), &kernel.modules, &init)?;
-
-    eprintln!(
-        "vm-test: kernel {}: booting {} (lsm={}) under QEMU/TCG; tiers: {}",
-        series.version,
-        kernel.package,
-        options.lsm,
-        options.tiers.join(", ")
-    );
-    let console = qemu::boot(
-        root,
-        kernel,
-        &initramfs,
-        &options.lsm,
-        series,
-        deadline(options.tiers.len()),
-    )?;
+    let version = series.version;
+    let mut console = boot(root, series, kernel, suites, options, &options.tiers)?;
+    let mut rebooted = None;
+    if console.status.is_none()
+        && let Some(oops) = patch_race::int3_oops(&console.lines)
+    {
+        let left: Vec<String> = (options.tiers.iter())
+            .filter(|tier| !console.tiers.iter().any(|(ended, ..)| ended == *tier))
+            .cloned()
+            .collect();
+        eprintln!(
+            "vm-test: kernel {version}: the guest died of an int3 in kernel text being patched, \
+             {oops}: QEMU/TCG racing a trampoline's text_poke (xtask/src/vm/patch_race.rs); \
+             booting it once more for the tiers that had not ended: {}",
+            left.join(", ")
+        );
+        let again = boot(root, series, kernel, suites, options, &left)?;
+        let earlier_failed = console.tiers.iter().any(|(_, passed, _)| !passed);
+        console.lines.extend(again.lines);
+        console.tiers.extend(again.tiers);
+        console.total += again.total;
+        console.status = again
+            .status
+            .map(|s| if earlier_failed { s.max(1) } else { s });
+        rebooted = Some(format!("rebooted once after {oops}"));
+    }
     let (Some(status), Some(booted)) = (console.status, console.booted) else {
         bail!(
             "the VM stopped after {:.0?} without reporting a result; its console is above",
@@ -334,7 +335,49 @@ fn test_on(
         console: console.lines,
         booted,
         total: console.total,
+        rebooted,
     })
+}
+
+/// One boot of `kernel` running `tiers`: the guest script, the initramfs, QEMU.
+fn boot(
+    root: &Path,
+    series: Series,
+    kernel: &kernel::Kernel,
+    suites: &[PathBuf],
+    options: &Options,
+    tiers: &[String],
+) -> Result<qemu::Console> {
+    // Both inside the work tree, which the guest mounts at the same path.
+    let dir = kernel.vmlinux.parent().unwrap();
+    let script = dir.join("guest.sh");
+    std::fs::write(&script, guest_script(root, series, suites, tiers, options))?;
+    let initramfs = dir.join("initramfs.cpio");
+    let init = initramfs::Init {
+        modules: kernel
+            .modules
+            .iter()
+            .map(|m| m.file_name().unwrap().to_string_lossy().into_owned())
+            .collect(),
+        work_tree: root,
+        script: &script,
+    };
+    initramfs::write(&initramfs, Path::new(BUSYBOX), &kernel.modules, &init)?;
+    eprintln!(
+        "vm-test: kernel {}: booting {} (lsm={}) under QEMU/TCG; tiers: {}",
+        series.version,
+        kernel.package,
+        options.lsm,
+        tiers.join(", ")
+    );
+    qemu::boot(
+        root,
+        kernel,
+        &initramfs,
+        &options.lsm,
+        series,
+        deadline(tiers.len()),
+    )
 }
 
 const BUSYBOX: &str = "/bin/busybox";
@@ -409,7 +452,13 @@ fn build_suites() -> Result<Vec<PathBuf>> {
 
 /// The guest's script: every suite on every tier, with a marker line around each tier,
 /// naming the kernel, so the host can time them and tell which kernel and tier failed.
-fn guest_script(root: &Path, series: Series, suites: &[PathBuf], options: &Options) -> String {
+fn guest_script(
+    root: &Path,
+    series: Series,
+    suites: &[PathBuf],
+    tiers: &[String],
+    options: &Options,
+) -> String {
     let quote = |s: &str| format!("'{}'", s.replace('\'', r"'\''"));
     let test_args: Vec<String> = options.test_args.iter().map(|a| quote(a)).collect();
     let mut script = format!(
@@ -421,7 +470,7 @@ fn guest_script(root: &Path, series: Series, suites: &[PathBuf], options: &Optio
         path = quote(&std::env::var("PATH").unwrap_or_default()),
         tests = quote(&root.join("tests").display().to_string()),
     );
-    for tier in &options.tiers {
+    for tier in tiers {
         let marker = format!("{}{tier}", tier_marker(series));
         script.push_str(&format!("echo '{marker}: start'\nstatus=passed\n"));
         for suite in suites {
