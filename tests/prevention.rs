@@ -9,15 +9,17 @@
 //! loaded them: two `--deny` daemons of two tests would kill each other's processes. The
 //! tests here therefore run one at a time.
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use genv_enforcer_tests::events::{
     EventDaemon, holders_of, make_gpu_node, make_gpu_node_for, pinned_map_get, pinned_map_put,
     tier_refuses, tier_sees_failed_opens, ways_in,
 };
-use genv_enforcer_tests::{Node, device_record, env_record};
+use genv_enforcer_tests::{Genv, Node, device_record, env_record};
 use serde_json::json;
 
 const DEATH: Duration = Duration::from_secs(30);
@@ -854,6 +856,65 @@ fn root_is_left_to_the_userspace_rules_unless_deny_root() {
     };
     let (root, lines) = attempt(&mut node, None, None, &open);
     assert_prevented(&mut node, &daemon, root, &lines, "root with --deny-root");
+}
+
+/// A fresh node: the daemon starts before genv has ever run, so genv's state directory
+/// does not exist yet. genv's own shell then creates it (`activate`), attaches a GPU, and
+/// a process of that environment opens it at once, far inside the daemon's interval: the
+/// kernel must already know the environment. (Root with --deny-root, so that an unknown
+/// environment would be refused.)
+#[test]
+fn an_environment_genv_creates_after_the_daemon_started_is_known_at_once() {
+    let _serial = serial();
+    let mut node = Node::new(1);
+    set_mode(&node.dir, 0o755);
+    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
+    std::fs::remove_dir(&node.state).unwrap();
+    let Some(daemon) = deny(&node, &["--deny-root"]) else {
+        return;
+    };
+    daemon.expect("does not exist yet; watching ");
+    let script = format!(
+        "genv activate --id fresh; genv attach --index 0; echo attached; \
+         exec \"$GPU_PROCESS\" --wait-stdin --open {}",
+        path(&gpu)
+    );
+    let mut shell = Genv::get()
+        .shell_command(&node, &script)
+        .env("GPU_PROCESS", genv_enforcer_tests::artefact("gpu-process"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(shell.stdout.take().unwrap());
+    let mut said = Vec::new();
+    for _ in 0..2 {
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        said.push(line.trim().to_owned());
+    }
+    assert_eq!(
+        said,
+        ["attached", "ready"],
+        "genv's shell did not get there"
+    );
+    let attached = Instant::now();
+    shell.stdout = Some(stdout.into_inner());
+    let pid = node.adopt(shell, &[]);
+    let lines = node.attempt(pid);
+    eprintln!(
+        "[fresh node] opened {:.0?} after genv attach returned",
+        attached.elapsed()
+    );
+    assert_untouched(&mut node, pid, &lines, 1, "genv's new environment");
+    assert!(node.read_file("envs.json").contains("\"fresh\""));
+    let seen = daemon.expect(&format!("[EVENT] Process {pid} (thread {pid}) "));
+    assert!(seen.contains("in its environment"), "{seen}");
+    assert!(
+        !daemon.lines().iter().any(|l| l.contains("Cannot watch")),
+        "{:#?}",
+        daemon.lines()
+    );
 }
 
 /// NVIDIA's tools are allowed where they are: on the daemon's PATH (here a root-owned

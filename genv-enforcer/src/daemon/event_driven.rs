@@ -21,7 +21,7 @@ use super::instance::Instance;
 use super::kernel_inspector::KernelInspector;
 use super::kernel_side::KernelSide;
 use super::schedule::Schedule;
-use super::state_watch::StateWatch;
+use super::state_watch::{StateWatch, Target};
 use super::status::Status;
 use super::watchlist::Watchlist;
 use crate::bpf::TierChoice;
@@ -87,6 +87,7 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
         status,
         kernel,
         state_watch: None,
+        said_watch: None,
         watchlist: Watchlist::default(),
         settled: HashMap::new(),
         said_unknown: false,
@@ -146,6 +147,8 @@ struct Daemon {
     kernel: Option<KernelSide>,
     /// inotify on genv's state directory; `None` until it can be set up.
     state_watch: Option<StateWatch>,
+    /// Why the state directory could not be watched, as last warned.
+    said_watch: Option<String>,
     watchlist: Watchlist,
     /// Processes a narrow check terminated, and when.
     settled: HashMap<u32, Instant>,
@@ -164,7 +167,7 @@ impl Daemon {
             // Watch first: a state change during the cycle then triggers another one,
             // where watching after it would miss a change made while it ran.
             if self.state_watch.as_ref().is_none_or(StateWatch::is_lost) {
-                self.state_watch = watch_state(&self.enforcer);
+                self.state_watch = watch_state(&self.enforcer, &mut self.said_watch);
             }
             self.full_cycle();
             schedule.full_done(Instant::now());
@@ -227,7 +230,9 @@ impl Daemon {
                 eprintln!(
                     "[WARNING] Watching genv's state directory failed ({e}); state changes wait for the full cycle"
                 );
+                self.said_watch = Some(e.to_string());
                 self.state_watch = None;
+                schedule.full_now(Instant::now());
             }
         }
     }
@@ -374,15 +379,31 @@ impl Daemon {
     }
 }
 
-fn watch_state(enforcer: &Enforcer) -> Option<StateWatch> {
+/// The state directory's watch; a failure is warned about once per distinct reason
+/// (the daemon tries again at every full cycle).
+fn watch_state(enforcer: &Enforcer, said: &mut Option<String>) -> Option<StateWatch> {
     let state = enforcer.builder.state();
     match StateWatch::new(state) {
-        Ok(watch) => Some(watch),
+        Ok(watch) => {
+            if let Some(Target::Ancestor { dir, .. }) = watch.target() {
+                eprintln!(
+                    "[INFO] genv's state directory {} does not exist yet; watching {} for it",
+                    state.root().display(),
+                    dir.display()
+                );
+            }
+            *said = None;
+            Some(watch)
+        }
         Err(e) => {
-            eprintln!(
-                "[WARNING] Cannot watch {} ({e}); state changes wait for the full cycle",
-                state.root().display()
-            );
+            let why = e.to_string();
+            if said.as_ref() != Some(&why) {
+                eprintln!(
+                    "[WARNING] Cannot watch {} ({why}); state changes wait for the full cycle",
+                    state.root().display()
+                );
+                *said = Some(why);
+            }
             None
         }
     }
