@@ -19,7 +19,7 @@ use crate::sim;
 
 const GPU1_NODE: &str = "1:7=1";
 
-pub fn run(root: &Path) -> Result<()> {
+pub fn run() -> Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!(
             "the demo loads kernel programs and makes a device node: run `sudo -E cargo xtask demo`"
@@ -27,7 +27,7 @@ pub fn run(root: &Path) -> Result<()> {
     }
     crate::toolchain::ensure_ebpf_toolchain()?;
     crate::build_node_artefacts(&["-q"])?;
-    let target = root.join("target/debug");
+    let target = crate::target_dir()?.join("debug");
     let dir = std::env::temp_dir().join(format!("genv-enforcer-demo-{}", std::process::id()));
     let state = dir.join("genv");
     std::fs::create_dir_all(&state)?;

@@ -32,7 +32,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("test") => test(&args[1..]),
-        Some("demo") => demo::run(&root()),
+        Some("demo") => demo::run(),
         Some("bench") => bench(),
         Some("build-ebpf") => toolchain::build_ebpf(&root()),
         Some("vm-test") => vm_test(&args[1..]),
@@ -48,6 +48,25 @@ fn root() -> PathBuf {
         .parent()
         .unwrap()
         .to_owned()
+}
+
+/// Cargo's target directory: `target/` in the work tree unless `CARGO_TARGET_DIR` or
+/// cargo's configuration put it elsewhere (shared target directories are common), as
+/// `cargo metadata` reports it.
+pub fn target_dir() -> Result<PathBuf> {
+    let output = cargo(&["metadata", "--no-deps", "--format-version", "1"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("running cargo metadata")?;
+    if !output.status.success() {
+        bail!("cargo metadata failed: {}", output.status);
+    }
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&output.stdout).context("cargo metadata's output")?;
+    match metadata["target_directory"].as_str() {
+        Some(dir) => Ok(PathBuf::from(dir)),
+        None => bail!("cargo metadata names no target_directory"),
+    }
 }
 
 pub fn cargo(args: &[&str]) -> Command {
@@ -166,7 +185,8 @@ fn which(program: &str) -> Result<()> {
 fn bench() -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
     build_node_artefacts(&["--release"])?;
-    let lib = root().join("target/release/libnvidia_ml_fake.so");
+    let release = target_dir()?.join("release");
+    let lib = release.join("libnvidia_ml_fake.so");
     let output = cargo(&[
         "bench",
         "-p",
@@ -184,10 +204,7 @@ fn bench() -> Result<()> {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let table = format!(
-        "{stdout}{}",
-        bench_events::run(&root().join("target/release"))?
-    );
+    let table = format!("{stdout}{}", bench_events::run(&release)?);
     print!("{table}");
     let docs = root().join("docs");
     std::fs::create_dir_all(&docs)?;

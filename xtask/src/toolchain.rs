@@ -95,7 +95,7 @@ pub fn build_ebpf(root: &std::path::Path) -> Result<()> {
         ])
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
         .current_dir(root))?;
-    let object = root.join("target/bpfel-unknown-none/release/genv-ebpf");
+    let object = crate::target_dir()?.join("bpfel-unknown-none/release/genv-ebpf");
     let size = std::fs::metadata(&object)
         .with_context(|| format!("{}", object.display()))?
         .len();

@@ -19,7 +19,18 @@ pub struct Init<'a> {
     pub work_tree: &'a Path,
     /// The script (inside the work tree) that runs the tests.
     pub script: &'a Path,
+    /// Cargo's target directory when it is outside the work tree (`CARGO_TARGET_DIR`),
+    /// shared read-write at the same path: the test binaries and what they run are
+    /// there, and a host path under `/tmp` or `/run` would be hidden by the guest's own.
+    pub target_dir: Option<&'a Path>,
 }
+
+/// The 9p tag of [`Init::target_dir`]'s share.
+pub const TARGET_TAG: &str = "target";
+
+/// 9p's mount options. msize: 9p's default 8 KiB makes every read of a test binary a
+/// dozen round trips.
+const P9: &str = "trans=virtio,version=9p2000.L,msize=262144";
 
 /// The line the guest prints last; the host reads the status from it.
 pub const EXIT_MARKER: &str = "genv-vm: exit status ";
@@ -29,8 +40,16 @@ impl Init<'_> {
         let work = self.work_tree.display();
         let modules = self.modules.join(" ");
         let script = self.script.display();
-        // msize: 9p's default 8 KiB makes every read of a test binary a dozen round trips.
-        let p9 = "trans=virtio,version=9p2000.L,msize=262144";
+        let target = match self.target_dir {
+            Some(dir) => format!(
+                "mkdir -p \"/newroot{dir}\"\n\
+                 mount -t 9p -o {P9},cache=mmap {TARGET_TAG} \"/newroot{dir}\" \
+                 || fail \"mount the target directory\"\n",
+                dir = dir.display()
+            ),
+            None => String::new(),
+        };
+        let p9 = P9;
         format!(
             r#"#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -58,7 +77,7 @@ mount -t securityfs securityfs /newroot/sys/kernel/security
 # Last, so that no fresh /tmp or /run hides it; cache=mmap: tests map files shared.
 mkdir -p "/newroot{work}"
 mount -t 9p -o {p9},cache=mmap work "/newroot{work}" || fail "mount the work tree"
-hostname genv-vm
+{target}hostname genv-vm
 chroot /newroot /bin/sh "{script}"
 echo "{EXIT_MARKER}$?"
 sync
@@ -160,5 +179,34 @@ mod tests {
         // Header (110) + "init\0" padded to 116, then 10 bytes of data padded to 128.
         assert_eq!(&bytes[128..134], b"070701");
         assert!(bytes.windows(10).any(|w| w == b"TRAILER!!!"));
+    }
+
+    fn init<'a>(target_dir: Option<&'a Path>) -> Init<'a> {
+        Init {
+            modules: vec!["9p.ko".into()],
+            work_tree: Path::new("/work/tree"),
+            script: Path::new("/work/tree/target/vm/guest.sh"),
+            target_dir,
+        }
+    }
+
+    #[test]
+    fn a_target_directory_outside_the_work_tree_is_mounted_last_at_its_own_path() {
+        let script = init(Some(Path::new("/tmp/shared-target"))).script();
+        let mount = "mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144,cache=mmap \
+                     target \"/newroot/tmp/shared-target\"";
+        let at = script.find(mount).expect(&script);
+        // After the guest's own /tmp (which would hide it) and the work tree.
+        assert!(at > script.find("mount -t tmpfs tmpfs /newroot/tmp").unwrap());
+        assert!(at > script.find("work \"/newroot/work/tree\"").unwrap());
+        assert!(at < script.find("chroot /newroot").unwrap());
+        assert!(script.contains("mkdir -p \"/newroot/tmp/shared-target\""));
+    }
+
+    #[test]
+    fn without_one_only_the_work_tree_is_shared() {
+        let script = init(None).script();
+        assert!(!script.contains(&format!(" {TARGET_TAG} ")), "{script}");
+        assert_eq!(script.matches("mount -t 9p").count(), 2, "{script}");
     }
 }

@@ -12,6 +12,7 @@
 
 mod initramfs;
 mod kernel;
+mod outcome;
 mod patch_race;
 mod qemu;
 
@@ -35,6 +36,7 @@ pub const VM_TIERS: &[&str] = &["lsm", "fmod_ret", "fentry"];
 const KNOWN_TIERS: &[&str] = &["lsm", "fmod_ret", "fentry", "tracepoint"];
 
 pub use kernel::{KERNELS, Series};
+pub use outcome::{Outcome, Run};
 
 /// Debian's own kernel would pick AppArmor first and no BPF LSM; this is the list the
 /// LSM tier needs, with what a hardened distribution would also have.
@@ -169,91 +171,6 @@ pub fn refusal_check(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// What the boots showed, one run per kernel, in order.
-pub struct Outcome {
-    pub runs: Vec<Run>,
-}
-
-/// One kernel's boot.
-pub struct Run {
-    pub kernel: Series,
-    /// The package booted, e.g. `linux-image-6.12.117+deb12-amd64`.
-    pub package: String,
-    /// The guest script's exit status (0: every tier passed).
-    pub status: i32,
-    /// Each tier that reported its end, in order: (tier, passed, how long it took).
-    pub tiers: Vec<(String, bool, Duration)>,
-    /// The tiers the run was asked for.
-    pub asked: Vec<String>,
-    /// Every line the guest printed.
-    pub console: Vec<String>,
-    pub booted: Duration,
-    pub total: Duration,
-    /// Why the kernel was booted a second time, if it was ([`patch_race`]).
-    pub rebooted: Option<String>,
-}
-
-impl Outcome {
-    pub fn passed(&self) -> bool {
-        self.runs.iter().all(|run| run.status == 0)
-    }
-
-    /// Every line every guest printed.
-    pub fn console(&self) -> impl Iterator<Item = &String> {
-        self.runs.iter().flat_map(|run| &run.console)
-    }
-
-    /// What failed, each naming its kernel and tier.
-    pub fn failures(&self) -> Vec<String> {
-        let mut failures = Vec::new();
-        for run in &self.runs {
-            let version = run.kernel.version;
-            let before = failures.len();
-            for tier in &run.asked {
-                match run.tiers.iter().find(|(t, ..)| t == tier) {
-                    Some((_, true, _)) => {}
-                    Some((_, false, _)) => failures.push(format!("kernel {version}, tier {tier}")),
-                    None => failures.push(format!(
-                        "kernel {version}, tier {tier} (never finished; the guest exited {})",
-                        run.status
-                    )),
-                }
-            }
-            if run.status != 0 && failures.len() == before {
-                failures.push(format!(
-                    "kernel {version} (the guest exited {})",
-                    run.status
-                ));
-            }
-        }
-        failures
-    }
-}
-
-impl Run {
-    /// One line: the kernel, its boot, and each tier's result and time.
-    fn summary(&self) -> String {
-        let tiers: Vec<String> = self
-            .tiers
-            .iter()
-            .map(|(tier, passed, took)| {
-                let result = if *passed { "passed" } else { "FAILED" };
-                format!("{tier}: {result} in {took:.0?}")
-            })
-            .collect();
-        format!(
-            "kernel {} ({}): boot {:.1?}, suites {:.0?} ({}), total {:.0?}{}",
-            self.kernel.version,
-            self.package,
-            self.booted,
-            self.total.saturating_sub(self.booted),
-            tiers.join("; "),
-            self.total,
-            (self.rebooted.as_ref()).map_or(String::new(), |why| format!("; {why}"))
-        )
-    }
-}
-
 /// Boots each kernel in turn, runs the suites on every tier in it, and reports.
 pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
     if unsafe { libc::geteuid() } != 0 {
@@ -268,9 +185,14 @@ pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
         kernels.push((series, kernel::prepare(&cache, series)?));
     }
     let suites = build_suites()?;
+    let guest = Guest {
+        root,
+        suites: &suites,
+        target_dir: outside(root, &crate::target_dir()?),
+    };
     let mut outcome = Outcome { runs: Vec::new() };
     for (series, kernel) in &kernels {
-        let run = test_on(root, *series, kernel, &suites, options)
+        let run = test_on(&guest, *series, kernel, options)
             .with_context(|| format!("the VM on kernel {} ({})", series.version, kernel.package))?;
         eprintln!("vm-test: {}", run.summary());
         outcome.runs.push(run);
@@ -288,14 +210,13 @@ pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
 /// the tiers that had not ended if the guest died of QEMU's text-patching race
 /// ([`patch_race`]), never for anything else.
 fn test_on(
-    root: &Path,
+    guest: &Guest,
     series: Series,
     kernel: &kernel::Kernel,
-    suites: &[PathBuf],
     options: &Options,
 ) -> Result<Run> {
     let version = series.version;
-    let mut console = boot(root, series, kernel, suites, options, &options.tiers)?;
+    let mut console = boot(guest, series, kernel, options, &options.tiers)?;
     let mut rebooted = None;
     if console.status.is_none()
         && let Some(oops) = patch_race::int3_oops(&console.lines)
@@ -310,7 +231,7 @@ fn test_on(
              booting it once more for the tiers that had not ended: {}",
             left.join(", ")
         );
-        let again = boot(root, series, kernel, suites, options, &left)?;
+        let again = boot(guest, series, kernel, options, &left)?;
         let earlier_failed = console.tiers.iter().any(|(_, passed, _)| !passed);
         console.lines.extend(again.lines);
         console.tiers.extend(again.tiers);
@@ -339,19 +260,38 @@ fn test_on(
     })
 }
 
+/// What every boot shares: the work tree, the suites built, and cargo's target directory
+/// where it is outside the work tree (the guest mounts it too).
+struct Guest<'a> {
+    root: &'a Path,
+    suites: &'a [PathBuf],
+    target_dir: Option<PathBuf>,
+}
+
+/// `target` if it is not inside the work tree `root` (both as the filesystem resolves
+/// them: a target directory reached through a link into the tree is inside).
+fn outside(root: &Path, target: &Path) -> Option<PathBuf> {
+    let real = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());
+    let target = real(target);
+    (!target.starts_with(real(root))).then_some(target)
+}
+
 /// One boot of `kernel` running `tiers`: the guest script, the initramfs, QEMU.
 fn boot(
-    root: &Path,
+    guest: &Guest,
     series: Series,
     kernel: &kernel::Kernel,
-    suites: &[PathBuf],
     options: &Options,
     tiers: &[String],
 ) -> Result<qemu::Console> {
+    let root = guest.root;
     // Both inside the work tree, which the guest mounts at the same path.
     let dir = kernel.vmlinux.parent().unwrap();
     let script = dir.join("guest.sh");
-    std::fs::write(&script, guest_script(root, series, suites, tiers, options))?;
+    std::fs::write(
+        &script,
+        guest_script(root, series, guest.suites, tiers, options),
+    )?;
     let initramfs = dir.join("initramfs.cpio");
     let init = initramfs::Init {
         modules: kernel
@@ -361,6 +301,7 @@ fn boot(
             .collect(),
         work_tree: root,
         script: &script,
+        target_dir: guest.target_dir.as_deref(),
     };
     initramfs::write(&initramfs, Path::new(BUSYBOX), &kernel.modules, &init)?;
     eprintln!(
@@ -372,6 +313,7 @@ fn boot(
     );
     qemu::boot(
         root,
+        guest.target_dir.as_deref(),
         kernel,
         &initramfs,
         &options.lsm,
@@ -494,4 +436,25 @@ fn guest_script(
 /// How the guest script's tier lines begin: `genv-vm: kernel 6.12, tier ` and the tier.
 fn tier_marker(series: Series) -> String {
     format!("genv-vm: kernel {}, tier ", series.version)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_target_directory_outside_the_work_tree_is_shared_apart() {
+        let scratch = std::env::temp_dir().join(format!("xtask-outside-{}", std::process::id()));
+        let (tree, elsewhere) = (scratch.join("tree"), scratch.join("elsewhere"));
+        std::fs::create_dir_all(tree.join("target")).unwrap();
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        std::os::unix::fs::symlink(tree.join("target"), scratch.join("link-in")).unwrap();
+        assert_eq!(outside(&tree, &tree.join("target")), None);
+        assert_eq!(outside(&tree, &scratch.join("link-in")), None);
+        assert_eq!(
+            outside(&tree, &elsewhere),
+            Some(std::fs::canonicalize(&elsewhere).unwrap())
+        );
+        std::fs::remove_dir_all(&scratch).unwrap();
+    }
 }

@@ -17,6 +17,7 @@ use super::{Series, initramfs, kernel, tier_marker};
 /// `deadline`.
 pub fn boot(
     root: &Path,
+    target_dir: Option<&Path>,
     kernel: &kernel::Kernel,
     initramfs: &Path,
     lsm: &str,
@@ -24,7 +25,7 @@ pub fn boot(
     deadline: Duration,
 ) -> Result<Console> {
     let started = Instant::now();
-    let mut child = qemu_command(root, kernel, initramfs, lsm)
+    let mut child = qemu_command(root, target_dir, kernel, initramfs, lsm)
         .spawn()
         .context("starting qemu-system-x86_64")?;
     let stdout = child.stdout.take().unwrap();
@@ -129,7 +130,13 @@ impl Console {
 
 /// QEMU under TCG, booting `kernel` with the initramfs, the host's root shared
 /// read-only and the work tree read-write over virtio-9p, the console on stdio.
-fn qemu_command(root: &Path, kernel: &kernel::Kernel, initramfs: &Path, lsm: &str) -> Command {
+fn qemu_command(
+    root: &Path,
+    target_dir: Option<&Path>,
+    kernel: &kernel::Kernel,
+    initramfs: &Path,
+    lsm: &str,
+) -> Command {
     let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
     let share = |id: &str, path: &Path, extra: &str| {
         [
@@ -180,6 +187,9 @@ fn qemu_command(root: &Path, kernel: &kernel::Kernel, initramfs: &Path, lsm: &st
         ",readonly=on,multidevs=remap",
     ))
     .args(share("work", root, ""))
+    .args(target_dir.map_or(Vec::new(), |dir| {
+        share(initramfs::TARGET_TAG, dir, "").to_vec()
+    }))
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
     .stderr(Stdio::inherit());
