@@ -129,7 +129,8 @@ impl StateWatch {
             if let Some(dir) = self
                 .state
                 .open_checked()
-                .map_err(|e| io::Error::other(e.to_string()))?
+                // The kind alone: the daemon's warning names the directory already.
+                .map_err(|e| io::Error::other(e.kind))?
             {
                 let wd = add_watch(&self.fd, &dir, state_flags())?;
                 self.watch = Some((wd, Target::State));

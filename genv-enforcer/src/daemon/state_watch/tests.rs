@@ -105,6 +105,6 @@ fn a_link_where_the_state_directory_goes_is_refused_not_followed() {
     std::os::unix::fs::symlink(base.join("elsewhere"), base.join("genv")).unwrap();
     let made = runtime.block_on(async { StateWatch::new(&StateDir::new(base.join("genv"))) });
     let error = made.err().expect("a link was watched");
-    assert!(error.to_string().contains("genv"), "{error}");
+    assert!(error.to_string().contains("link"), "{error}");
     fs::remove_dir_all(&base).unwrap();
 }
