@@ -917,6 +917,89 @@ fn an_environment_genv_creates_after_the_daemon_started_is_known_at_once() {
     );
 }
 
+/// `--bpf-log`: the kernel's own account of each GPU open it decided about, naming the
+/// identity it found, the environment and its owner, and the verdict. Off (the default),
+/// no such line, and the open programs are loaded smaller: the verifier dropped the
+/// logging code, so it cannot cost anything on the open path.
+#[test]
+fn bpf_log_says_why_the_kernel_decided_and_is_not_loaded_when_off() {
+    let _serial = serial();
+    let (mut node, [gpu, _]) = node();
+    let open = ["--open", path(&gpu)];
+    let off = {
+        let Some(daemon) = deny(&node, &[]) else {
+            return;
+        };
+        let (outsider, lines) = attempt(&mut node, None, Some(OUTSIDER), &open);
+        assert_prevented(
+            &mut node,
+            &daemon,
+            outsider,
+            &lines,
+            "outsider, no --bpf-log",
+        );
+        assert!(!daemon.lines().iter().any(|l| l.starts_with("[BPF]")));
+        open_program_bytes(&daemon)
+    };
+    let Some(daemon) = deny(&node, &["--bpf-log"]) else {
+        return;
+    };
+    let (alice, lines) = attempt(&mut node, Some("alice-env"), Some(ALICE), &open);
+    assert_untouched(&mut node, alice, &lines, 1, "alice in alice-env");
+    let said = daemon.expect(&format!("[BPF] GPU 0 opened by pid {alice} uid {ALICE}: "));
+    for part in [
+        "(env \"alice-env\")",
+        "its environment is active and may be used by its uid",
+        &format!("owner uid {ALICE}, attached 1"),
+        "allowed: the GPU is attached to its environment",
+    ] {
+        assert!(said.contains(part), "{part:?} not in {said}");
+    }
+    let (bob, lines) = attempt(&mut node, Some("alice-env"), Some(BOB), &open);
+    assert_prevented(&mut node, &daemon, bob, &lines, "bob claiming alice-env");
+    let said = daemon.expect(&format!("[BPF] GPU 0 opened by pid {bob} uid {BOB}: "));
+    assert!(
+        said.contains("its environment belongs to another uid"),
+        "{said}"
+    );
+    let (outsider, lines) = attempt(&mut node, None, Some(OUTSIDER), &open);
+    assert_prevented(&mut node, &daemon, outsider, &lines, "outsider");
+    let said = daemon.expect(&format!(
+        "[BPF] GPU 0 opened by pid {outsider} uid {OUTSIDER}: "
+    ));
+    let verdict = match tier_refuses(&daemon.tier) {
+        true => "refused with EPERM (--deny)",
+        false => "SIGKILL in the open (--deny)",
+    };
+    assert!(
+        said.contains("no GENV_ENVIRONMENT_ID at its exec") && said.contains(verdict),
+        "{said}"
+    );
+    let on = open_program_bytes(&daemon);
+    eprintln!(
+        "[bpf-log] tier={} open programs loaded: {off} bytes off, {on} bytes on",
+        daemon.tier
+    );
+    assert!(
+        off < on,
+        "the logging code was loaded with --bpf-log off: {off} bytes, {on} on"
+    );
+}
+
+/// The size of the open programs as loaded (after the verifier's dead-code removal).
+fn open_program_bytes(daemon: &EventDaemon) -> u64 {
+    let status = daemon.status();
+    let bytes: Vec<u64> = status["programs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["name"].as_str().unwrap().starts_with("open_"))
+        .map(|p| p["translated_bytes"].as_u64().unwrap())
+        .collect();
+    assert!(bytes.iter().all(|&b| b > 0), "{status}");
+    bytes.iter().sum()
+}
+
 /// NVIDIA's tools are allowed where they are: on the daemon's PATH (here a root-owned
 /// directory), not only in /usr/bin. A copy in a directory anyone can write is not.
 #[test]

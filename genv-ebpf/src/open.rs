@@ -7,11 +7,15 @@ use aya_ebpf::helpers::{
 };
 use core::ffi::c_void;
 
+use aya_ebpf::EbpfContext;
 use aya_ebpf::macros::{fentry, lsm, raw_tracepoint, tracepoint};
 use aya_ebpf::programs::{
     FEntryContext, FExitContext, LsmContext, RawTracePointContext, TracePointContext,
 };
-use genv_ebpf_common::{ExeKey, Offsets, RawEvent, USER_HZ, decision, hook, kind, policy, verdict};
+use aya_log_ebpf::info;
+use genv_ebpf_common::{
+    EnvEntry, ExeKey, Offsets, RawEvent, USER_HZ, decision, hook, identity, kind, policy, verdict,
+};
 
 use crate::kernel::{current, read};
 use crate::maps::{
@@ -56,7 +60,7 @@ fn gpu_of(file: *const u8, o: &Offsets) -> Option<(u32, u32)> {
 /// returns -EPERM on `REFUSED`) and sent SIGKILL here on the others, so the open never
 /// returns to it.
 #[inline(always)]
-fn decide(file: *const u8, o: &Offsets, tier: u32) -> u32 {
+fn decide<C: EbpfContext>(ctx: &C, file: *const u8, o: &Offsets, tier: u32) -> u32 {
     let Some((rdev, index)) = gpu_of(file, o) else {
         return 0;
     };
@@ -66,7 +70,10 @@ fn decide(file: *const u8, o: &Offsets, tier: u32) -> u32 {
     let (pid, tid) = current();
     let uid = bpf_get_current_uid_gid() as u32;
     let flags = policy();
-    let verdict = match environment_of(pid, uid) {
+    // SAFETY: plain lookups; the values are copied out at once.
+    let identity = unsafe { PROC_ENV.get(&pid) }.copied();
+    let env = identity.and_then(|identity| unsafe { ENVS.get(&identity) }.copied());
+    let verdict = match environment_of(env, uid) {
         Some(attached) if index < 64 && attached & (1 << index) != 0 => verdict::ATTACHED,
         Some(_) => verdict::NOT_ATTACHED,
         None if exempt(pid, o) => verdict::EXEMPT,
@@ -103,18 +110,65 @@ fn decide(file: *const u8, o: &Offsets, tier: u32) -> u32 {
         },
         Wake::Now,
     );
+    log_decision(ctx, index, pid, uid, identity, env, verdict);
     verdict
 }
 
-/// The attached-GPU mask of the active environment process `pid` (running as `uid`)
-/// belongs to; `None` outside any: no identity, an unknown environment, or one owned by
-/// another uid (root may claim any).
+/// The attached-GPU mask of the active environment `env` (the one the process's
+/// identity names), for a process running as `uid`; `None` outside any: no identity, an
+/// unknown environment, or one owned by another uid (root may claim any).
 #[inline(always)]
-fn environment_of(pid: u32, uid: u32) -> Option<u64> {
-    // SAFETY: plain lookups; the values are copied out at once.
-    let identity = unsafe { PROC_ENV.get(&pid) }.copied()?;
-    let env = unsafe { ENVS.get(&identity) }.copied()?;
-    (uid == 0 || env.uid == uid).then_some(env.attached)
+fn environment_of(env: Option<EnvEntry>, uid: u32) -> Option<u64> {
+    env.filter(|env| uid == 0 || env.uid == uid)
+        .map(|env| env.attached)
+}
+
+/// `--bpf-log`: why the decision went as it did, one line per GPU open. Off (the
+/// default), the log level is a read-only 0 and the verifier drops all of this.
+#[inline(always)]
+fn log_decision<C: EbpfContext>(
+    ctx: &C,
+    index: u32,
+    pid: u32,
+    uid: u32,
+    identity: Option<u64>,
+    env: Option<EnvEntry>,
+    verdict: u32,
+) {
+    let found = match (identity, env) {
+        (None, _) => "no identity recorded (a process older than the programs, not seeded)",
+        (Some(identity::NO_ENV), _) => "no GENV_ENVIRONMENT_ID at its exec",
+        (Some(identity::UNRESOLVED), _) => "its environment block is not read yet",
+        (Some(_), None) => "its GENV_ENVIRONMENT_ID names no active environment",
+        (Some(_), Some(env)) if uid != 0 && env.uid != uid => {
+            "its environment belongs to another uid"
+        }
+        (Some(_), Some(_)) => "its environment is active and may be used by its uid",
+    };
+    let decided = match verdict {
+        verdict::ATTACHED => "allowed: the GPU is attached to its environment",
+        verdict::NOT_ATTACHED => "allowed: not attached (CUDA opens every node; NVML decides)",
+        verdict::EXEMPT => "allowed: an enforcer process",
+        verdict::ALLOWED_EXE => "allowed: an allow-listed executable (device and inode)",
+        verdict::OUTSIDE => "outside any environment: reported (no --deny)",
+        verdict::ROOT => "outside any environment: root, reported (no --deny-root)",
+        verdict::REFUSED => "outside any environment: refused with EPERM (--deny)",
+        verdict::KILLED => "outside any environment: SIGKILL in the open (--deny)",
+        _ => "outside any environment: SIGKILL failed (--deny)",
+    };
+    let (owner, attached) = env.map_or((u32::MAX, 0), |env| (env.uid, env.attached));
+    info!(
+        ctx,
+        "GPU {} opened by pid {} uid {}: identity {:x}, {} (owner uid {}, attached {:x}); {}",
+        index,
+        pid,
+        uid,
+        identity.unwrap_or(0),
+        found,
+        owner,
+        attached,
+        decided
+    );
 }
 
 /// Whether the current process is an enforcer's: its tgid is in `EXEMPT_PIDS` with its
@@ -162,7 +216,7 @@ pub fn open_lsm(ctx: LsmContext) -> i32 {
     if previous != 0 {
         return previous;
     }
-    match decide(ctx.arg(0), &offsets(), hook::LSM) {
+    match decide(&ctx, ctx.arg(0), &offsets(), hook::LSM) {
         verdict::REFUSED => -EPERM,
         _ => 0,
     }
@@ -185,7 +239,7 @@ pub fn open_lsm(ctx: LsmContext) -> i32 {
 #[unsafe(link_section = "fexit/security_file_open")]
 pub fn open_fmod_ret(ctx: *mut c_void) -> i32 {
     let ctx = FExitContext::new(ctx);
-    match decide(ctx.arg(0), &offsets(), hook::FMOD_RET) {
+    match decide(&ctx, ctx.arg(0), &offsets(), hook::FMOD_RET) {
         verdict::REFUSED => -EPERM,
         _ => 0,
     }
@@ -196,7 +250,7 @@ pub fn open_fmod_ret(ctx: *mut c_void) -> i32 {
 /// it cannot refuse, so `decide` kills.
 #[fentry(function = "security_file_open")]
 pub fn open_fentry(ctx: FEntryContext) -> u32 {
-    decide(ctx.arg(0), &offsets(), hook::FENTRY);
+    decide(&ctx, ctx.arg(0), &offsets(), hook::FENTRY);
     0
 }
 
@@ -210,12 +264,12 @@ fn on_open_exit(ctx: &TracePointContext) {
     let Ok(ret) = (unsafe { ctx.read_at::<i64>(o.sys_exit_ret as usize) }) else {
         return;
     };
-    on_open_returned(ret, &o);
+    on_open_returned(ctx, ret, &o);
 }
 
 /// The descriptor an open returned (`ret`), if it is one, decided about.
 #[inline(always)]
-fn on_open_returned(ret: i64, o: &Offsets) {
+fn on_open_returned<C: EbpfContext>(ctx: &C, ret: i64, o: &Offsets) {
     if ret < 0 || ret > i32::MAX as i64 {
         return;
     }
@@ -244,7 +298,7 @@ fn on_open_returned(ret: i64, o: &Offsets) {
     let Ok(file) = (unsafe { bpf_probe_read_kernel(fds.wrapping_add(fd as usize)) }) else {
         return;
     };
-    decide(file, o, hook::TRACEPOINT);
+    decide(ctx, file, o, hook::TRACEPOINT);
 }
 
 /// `TS_COMPAT` in x86's `thread_info.status`: the task is in a 32-bit syscall
@@ -275,7 +329,7 @@ pub fn open_exit_compat(ctx: RawTracePointContext) -> i32 {
     };
     if COMPAT_OPENS.contains(&nr) {
         let ret: i64 = ctx.arg(1);
-        on_open_returned(ret, &o);
+        on_open_returned(&ctx, ret, &o);
     }
     0
 }

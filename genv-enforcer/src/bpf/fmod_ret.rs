@@ -201,14 +201,19 @@ fn info(fd: RawFd) -> io::Result<bpf_prog_info> {
 
 /// What the kernel counts of the loaded program `id`, for a program aya did not load:
 /// runs and run time (ns; counted while `kernel.bpf_stats_enabled` is 1), and the
-/// instructions the verifier processed.
-pub(super) fn counters(id: u32) -> io::Result<(u64, u64, u32)> {
+/// instructions the verifier processed, and the bytes of the program it left.
+pub(super) fn counters(id: u32) -> io::Result<(u64, u64, u32, u32)> {
     // SAFETY: all-zero is a valid `bpf_attr` (plain integers).
     let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
     attr.__bindgen_anon_6.__bindgen_anon_1.prog_id = id;
     let program = bpf_fd(bpf_cmd::BPF_PROG_GET_FD_BY_ID, &mut attr)?;
     let record = info(program.as_raw_fd())?;
-    Ok((record.run_cnt, record.run_time_ns, record.verified_insns))
+    Ok((
+        record.run_cnt,
+        record.run_time_ns,
+        record.verified_insns,
+        record.xlated_prog_len,
+    ))
 }
 
 /// The `bpf()` system call.

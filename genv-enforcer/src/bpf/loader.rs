@@ -36,7 +36,15 @@ pub struct LoadOptions {
     /// On the tracepoint tier, watch 32-bit opens too: a program run on every syscall
     /// exit of the machine (about 0.1 µs each), worth it where `--deny` must hold.
     pub compat_opens: bool,
+    /// `--bpf-log`: the open programs log each decision (aya-log's `AYA_LOG_LEVEL` at
+    /// info). Off, the level is 0 in read-only data, and the verifier removes the
+    /// logging code as dead: nothing of it runs, or is even loaded.
+    pub log_decisions: bool,
 }
+
+/// aya-log's level global in the object, and the level `--bpf-log` sets (`info`).
+const LOG_LEVEL_GLOBAL: &str = "AYA_LOG_LEVEL";
+const LOG_LEVEL_INFO: u8 = 3;
 
 /// Where the programs' events come out: the ring buffer, and the per-CPU count of
 /// events it had no room for.
@@ -90,6 +98,10 @@ pub struct ProgramStats {
     /// Instructions the verifier processed to accept it (0: not reported, before 5.16).
     #[serde(default)]
     pub verified_insns: u32,
+    /// The program as the verifier left it (dead code removed), in bytes: what
+    /// `--bpf-log` off saves shows here.
+    #[serde(default)]
+    pub translated_bytes: u32,
 }
 
 impl KernelPrograms {
@@ -101,6 +113,12 @@ impl KernelPrograms {
 
         let mut loader = EbpfLoader::new();
         loader.override_global(OFFSETS_GLOBAL, &offsets, true);
+        let log_level: u8 = if options.log_decisions {
+            LOG_LEVEL_INFO
+        } else {
+            0
+        };
+        loader.override_global(LOG_LEVEL_GLOBAL, &log_level, true);
         if let Some(bytes) = options.ring_bytes {
             loader.map_max_entries(EVENTS_MAP, bytes);
         }
@@ -165,6 +183,15 @@ impl KernelPrograms {
         Ok((kernel, events))
     }
 
+    /// `--bpf-log`'s reader: the programs' log ring buffer, printed through `logger`.
+    pub fn decision_logger<T: log::Log>(
+        &mut self,
+        logger: T,
+    ) -> Result<aya_log::EbpfLogger<T>, LoadError> {
+        aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, logger)
+            .map_err(|e| LoadError::Object(format!("the decision log: {}", chain(&e))))
+    }
+
     pub fn env_scan(&self) -> EnvScan {
         self.env_scan
     }
@@ -188,11 +215,12 @@ impl KernelPrograms {
             .iter()
             .map(|&Attached { name, id, .. }| {
                 let info = self.ebpf.program(name).and_then(|p| p.info().ok());
-                let (runs, run_time_ns, verified_insns) = match info {
+                let (runs, run_time_ns, verified_insns, translated_bytes) = match info {
                     Some(info) => (
                         info.run_count(),
                         info.run_time().as_nanos() as u64,
                         info.verified_instruction_count().unwrap_or(0),
+                        info.size_translated().unwrap_or(0),
                     ),
                     // Loaded outside aya (fmod_ret): asked of the kernel by id.
                     None => fmod_ret::counters(id).unwrap_or_default(),
@@ -203,6 +231,7 @@ impl KernelPrograms {
                     runs,
                     run_time_ns,
                     verified_insns,
+                    translated_bytes,
                 }
             })
             .collect()

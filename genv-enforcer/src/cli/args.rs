@@ -193,6 +193,13 @@ pub struct EventArgs {
     #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::bpf::pins::DEFAULT_ROOT)]
     pub pin_dir: PathBuf,
 
+    /// Print why the kernel programs decided what they did about each GPU open, as
+    /// `[BPF] …` lines on stderr: the identity found, the environment it names and its
+    /// owner, the verdict. Off, the logging code is not even loaded (the verifier drops
+    /// it), so it costs nothing.
+    #[arg(long)]
+    pub bpf_log: bool,
+
     /// Ring buffer size in bytes (a power of two, at least 4096).
     #[arg(long, value_name = "BYTES", value_parser = ring_bytes, hide = true)]
     pub ring_buffer_bytes: Option<u32>,

@@ -133,6 +133,7 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
         for (given, flag) in [
             (events.deny, "--deny"),
             (events.keep_pinned, "--keep-pinned"),
+            (events.bpf_log, "--bpf-log"),
         ] {
             if given {
                 return Err(ConfigError::NeedsPrograms(flag));
@@ -151,6 +152,7 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
         allow_exes: events.allow_exe.clone(),
         keep_pinned: events.keep_pinned,
         pin_dir: events.pin_dir.clone(),
+        bpf_log: events.bpf_log,
     }))
 }
 
@@ -166,6 +168,7 @@ fn event_only_flag(args: &EnforceArgs) -> Option<&'static str> {
         (!e.allow_exe.is_empty(), "--allow-exe"),
         (e.keep_pinned, "--keep-pinned"),
         (e.ring_buffer_bytes.is_some(), "--ring-buffer-bytes"),
+        (e.bpf_log, "--bpf-log"),
     ]
     .into_iter()
     .find_map(|(given, flag)| given.then_some(flag))

@@ -49,6 +49,8 @@ pub struct Settings {
     pub keep_pinned: bool,
     /// Where pins go, and where an earlier run's are looked for.
     pub pin_dir: PathBuf,
+    /// `--bpf-log`: the programs' decisions printed as `[BPF]` lines.
+    pub bpf_log: bool,
 }
 
 /// How long a process terminated by a narrow check is left out of the next ones.

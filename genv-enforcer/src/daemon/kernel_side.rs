@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 
 use super::event_driven::Settings;
 use super::status::Status;
@@ -16,6 +16,7 @@ use crate::bpf::policy_maps::DenyPolicy;
 use crate::bpf::{KernelPrograms, LoadOptions, TierChoice, pins};
 use crate::cycle::CycleSummary;
 use crate::intake::EventIntake;
+use crate::intake::decision_log::{DecisionLog, EnvNames, Printer};
 use crate::prevention;
 use crate::snapshot::DroppedEnv;
 use crate::state::{Device, Env};
@@ -44,6 +45,24 @@ pub(super) struct KernelSide {
     pin_generation: Option<PathBuf>,
     /// The NVML library's directory the allow-list was last looked for beside.
     tools_beside: Option<PathBuf>,
+    /// `--bpf-log`: the environments' names by identity, for the `[BPF]` lines.
+    env_names: Option<EnvNames>,
+}
+
+/// `--bpf-log`: the intake prints the programs' decision log too; the names it puts on
+/// identities follow the mirror.
+fn with_decision_log(
+    programs: &mut KernelPrograms,
+    intake: EventIntake,
+) -> Result<(EventIntake, Option<EnvNames>)> {
+    let names = EnvNames::default();
+    let printer = Printer {
+        names: names.clone(),
+    };
+    let logger = programs.decision_logger(printer).context("--bpf-log")?;
+    let log = DecisionLog::new(logger).context("--bpf-log: reading the decision log")?;
+    eprintln!("[INFO] --bpf-log: the kernel's decisions on GPU opens follow as [BPF] lines");
+    Ok((intake.with_decision_log(log), Some(names)))
 }
 
 /// What starting gives: the kernel side and its events, or neither (full cycle alone).
@@ -78,8 +97,9 @@ impl KernelSide {
             ring_bytes: settings.ring_bytes,
             pin_dir: pin_generation.clone(),
             compat_opens: settings.deny,
+            log_decisions: settings.bpf_log,
         };
-        let (programs, events) = match KernelPrograms::load(&options) {
+        let (mut programs, events) = match KernelPrograms::load(&options) {
             Ok(loaded) => loaded,
             Err(e) if settings.tier != TierChoice::Auto => {
                 bail!("--bpf-tier {}: {e}", settings.tier.name())
@@ -112,12 +132,17 @@ impl KernelSide {
         }
         let intake = EventIntake::new(events.ring, events.lost)
             .map_err(|e| anyhow::anyhow!("reading the kernel's events: {e}"))?;
+        let (intake, env_names) = match settings.bpf_log {
+            true => with_decision_log(&mut programs, intake)?,
+            false => (intake, None),
+        };
         let mut side = Self {
             programs,
             device_map: None,
             armed: false,
             pin_generation,
             tools_beside: None,
+            env_names,
         };
         side.exempt_self(settings)?;
         side.install_allow_list(settings, None)?;
@@ -283,6 +308,14 @@ impl KernelSide {
         state: Option<(Vec<Env>, Vec<Device>)>,
         dropped: &[DroppedEnv],
     ) {
+        if let (Some(names), Some((envs, _))) = (&self.env_names, &state) {
+            let mut names = names.lock().unwrap_or_else(|e| e.into_inner());
+            names.clear();
+            names.extend(
+                envs.iter()
+                    .map(|env| (prevention::identity_of(Some(&env.eid)), env.eid.clone())),
+            );
+        }
         let current = prevention::sync_environments(self.programs.policy_mut(), state, dropped);
         if !current || self.armed {
             return;

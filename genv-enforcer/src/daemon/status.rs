@@ -113,9 +113,10 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
             0 => String::new(),
             runs => format!(", {runs} runs, {} ns/run", p.run_time_ns / runs),
         };
-        let verified = match p.verified_insns {
-            0 => String::new(),
-            n => format!(", {n} instructions verified"),
+        let verified = match (p.verified_insns, p.translated_bytes) {
+            (0, _) => String::new(),
+            (n, 0) => format!(", {n} instructions verified"),
+            (n, bytes) => format!(", {n} instructions verified, {bytes} bytes loaded"),
         };
         println!("program {} (id {}{verified}){cost}", p.name, p.id);
     }

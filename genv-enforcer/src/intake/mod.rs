@@ -1,6 +1,8 @@
 //! Event intake: the kernel programs' ring buffer read asynchronously ([`ring`]), its
-//! records checked and turned into typed events ([`event`]).
+//! records checked and turned into typed events ([`event`]); and, with `--bpf-log`, their
+//! account of each decision ([`decision_log`]).
 
+pub mod decision_log;
 mod event;
 mod ring;
 

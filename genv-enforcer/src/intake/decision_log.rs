@@ -1,0 +1,106 @@
+//! `--bpf-log`: the kernel programs' own account of each GPU open they decided about
+//! (the identity they found, the environment it names and its owner, the verdict),
+//! read from aya-log's ring buffer and printed on stderr as `[BPF] …` lines.
+//!
+//! The programs write these only when the daemon loaded them with the log level up;
+//! otherwise the level is a read-only 0 and the verifier drops the logging code, so the
+//! records exist only while someone asked for them.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::{Arc, Mutex};
+
+use aya_log::EbpfLogger;
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+
+/// The names of the environments the kernel knows by identity, for the lines.
+pub type EnvNames = Arc<Mutex<HashMap<u64, String>>>;
+
+pub struct DecisionLog {
+    fd: AsyncFd<EbpfLogger<Printer>>,
+}
+
+impl DecisionLog {
+    pub fn new(logger: EbpfLogger<Printer>) -> io::Result<Self> {
+        Ok(Self {
+            // SAFETY: the logger owns its ring buffer's descriptor for as long as it
+            // lives, and the AsyncFd owns the logger.
+            fd: unsafe { AsyncFd::register_with_interest(logger, Interest::READABLE) }?,
+        })
+    }
+
+    /// Waits for records and prints every one there is.
+    pub async fn print_next(&mut self) -> io::Result<()> {
+        let mut guard = self.fd.readable_mut().await?;
+        guard.get_inner_mut().flush();
+        guard.clear_ready();
+        Ok(())
+    }
+}
+
+/// Prints each record as one `[BPF]` line, naming the environment of an identity the
+/// daemon mirrored.
+pub struct Printer {
+    pub names: EnvNames,
+}
+
+impl log::Log for Printer {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        let line = record.args().to_string();
+        let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        eprintln!("[BPF] {}", with_env_name(&line, &names));
+    }
+
+    fn flush(&self) {}
+}
+
+/// `identity 1f…` becomes `identity 1f… (env NAME)` where the identity is known.
+fn with_env_name(line: &str, names: &HashMap<u64, String>) -> String {
+    const KEY: &str = "identity ";
+    let Some(at) = line.find(KEY).map(|at| at + KEY.len()) else {
+        return line.to_owned();
+    };
+    let hex: String = line[at..]
+        .chars()
+        .take_while(char::is_ascii_hexdigit)
+        .collect();
+    match u64::from_str_radix(&hex, 16)
+        .ok()
+        .and_then(|id| names.get(&id))
+    {
+        Some(name) => format!(
+            "{}{hex} (env {name:?}){}",
+            &line[..at],
+            &line[at + hex.len()..]
+        ),
+        None => line.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_known_identity_is_named_and_an_unknown_one_left_as_it_is() {
+        let names = HashMap::from([(0x1f2e, "alice-env".to_owned())]);
+        assert_eq!(
+            with_env_name(
+                "GPU 0 opened by pid 7 uid 1000: identity 1f2e, its environment",
+                &names
+            ),
+            "GPU 0 opened by pid 7 uid 1000: identity 1f2e (env \"alice-env\"), its environment"
+        );
+        let line = "GPU 0 opened by pid 7 uid 1000: identity 99, its identity names no active";
+        assert_eq!(with_env_name(line, &names), line);
+        assert_eq!(
+            with_env_name("no identity here", &names),
+            "no identity here"
+        );
+    }
+}
