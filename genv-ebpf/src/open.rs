@@ -233,8 +233,9 @@ pub fn open_lsm(ctx: LsmContext) -> i32 {
 /// as fexit and never loads: the daemon loads it itself as `BPF_MODIFY_RETURN`
 /// (`bpf/fmod_ret.rs`). The context is the function's arguments followed by the return
 /// value so far: `file`, then 0 (the trampoline runs no fmod_ret program after a nonzero
-/// one). `decide` is inlined, so the program has no subprograms (which would need BTF
-/// function records the daemon does not pass).
+/// one). Its only subprogram is `memcpy` (aya-log's copies, dead unless `--bpf-log`),
+/// which the loader links in as aya does; the kernel takes static subprograms without
+/// BTF function records, which that loader does not pass (6.1 and 6.12 checked).
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "fexit/security_file_open")]
 pub fn open_fmod_ret(ctx: *mut c_void) -> i32 {

@@ -41,10 +41,6 @@ pub enum FmodRetError {
     CoRe,
     #[error("relocating {PROGRAM}'s {what}: {message}")]
     Relocate { what: &'static str, message: String },
-    #[error(
-        "{PROGRAM} calls subprograms, which need BTF function records its loader does not pass"
-    )]
-    Subprograms,
     #[error("finding {TARGET} in the kernel's BTF: {0}")]
     Target(String),
     #[error("BPF_PROG_LOAD (BPF_MODIFY_RETURN on {TARGET}): {error}{log}")]
@@ -97,7 +93,8 @@ pub(super) fn load_and_attach(ebpf: &Ebpf, object: &[u8]) -> Result<(u32, Link),
 }
 
 /// The program's instructions, relocated against `ebpf`'s maps as aya relocates its
-/// own programs, and its license.
+/// own programs, with the functions it calls linked in after it (`memcpy`, for
+/// `--bpf-log`'s records), and its license.
 fn relocated(ebpf: &Ebpf, object: &[u8]) -> Result<(Vec<bpf_insn>, CString), FmodRetError> {
     let mut obj = aya_obj::Object::parse(object).map_err(|e| FmodRetError::Parse(chain(&e)))?;
     let program = obj.programs.get(PROGRAM).ok_or(FmodRetError::Missing)?;
@@ -127,17 +124,7 @@ fn relocated(ebpf: &Ebpf, object: &[u8]) -> Result<(Vec<bpf_insn>, CString), Fmo
         })?;
     obj.sanitize_functions(aya::features());
     let function = obj.functions.remove(&key).ok_or(FmodRetError::Missing)?;
-    if function.instructions.iter().any(is_subprogram_call) {
-        return Err(FmodRetError::Subprograms);
-    }
     Ok((function.instructions, license))
-}
-
-/// `BPF_JMP | BPF_CALL` with `BPF_PSEUDO_CALL`: a call to another BPF function.
-fn is_subprogram_call(instruction: &bpf_insn) -> bool {
-    const BPF_JMP_CALL: u8 = 0x05 | 0x80;
-    const BPF_PSEUDO_CALL: u8 = 1;
-    instruction.code == BPF_JMP_CALL && instruction.src_reg() == BPF_PSEUDO_CALL
 }
 
 /// `BPF_PROG_LOAD` as a `BPF_MODIFY_RETURN` tracing program on BTF function `target`
