@@ -17,7 +17,9 @@
 //!   event-driven reaction to a GPU open, and the kernel programs' cost per run; writes
 //!   the tables to `docs/bench.md`.
 
+mod bench_bpf_log;
 mod bench_events;
+mod bench_footprint;
 mod demo;
 mod sim;
 mod toolchain;
@@ -33,17 +35,24 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("test") => test(&args[1..]),
         Some("demo") => demo::run(),
-        Some("bench") => bench(),
+        Some("bench") => match args.get(1).map(String::as_str) {
+            None => bench(),
+            Some("footprint") => bench_footprint_only(),
+            Some("bpf-log") => bench_section(bench_bpf_log::run),
+            Some(other) => {
+                bail!("cargo xtask bench: unknown section {other:?} (footprint, bpf-log)")
+            }
+        },
         Some("build-ebpf") => toolchain::build_ebpf(&root()),
         Some("vm-test") => vm_test(&args[1..]),
         _ => bail!(
             "usage: cargo xtask <test [-- cargo test args] | vm-test [--kernel 6.1|6.12|all] \
-             [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench | build-ebpf>"
+             [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench [footprint|bpf-log] | build-ebpf>"
         ),
     }
 }
 
-fn root() -> PathBuf {
+pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .unwrap()
@@ -182,6 +191,27 @@ fn which(program: &str) -> Result<()> {
     Ok(())
 }
 
+/// `cargo xtask bench bpf-log`: one section alone, printed.
+fn bench_section(section: fn(&Path) -> Result<String>) -> Result<()> {
+    toolchain::ensure_ebpf_toolchain()?;
+    build_node_artefacts(&["--release"])?;
+    print!("{}", section(&target_dir()?.join("release"))?);
+    Ok(())
+}
+
+/// `cargo xtask bench footprint`: that table alone, printed (docs/bench.md is left as
+/// the whole bench wrote it).
+fn bench_footprint_only() -> Result<()> {
+    toolchain::ensure_ebpf_toolchain()?;
+    build_node_artefacts(&["--release"])?;
+    let venv = bench_footprint::genv_venv(&target_dir()?)?;
+    print!(
+        "{}",
+        bench_footprint::run(&target_dir()?.join("release"), &venv)?
+    );
+    Ok(())
+}
+
 fn bench() -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
     build_node_artefacts(&["--release"])?;
@@ -204,7 +234,13 @@ fn bench() -> Result<()> {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let table = format!("{stdout}{}", bench_events::run(&release)?);
+    let venv = bench_footprint::genv_venv(&target_dir()?)?;
+    let table = format!(
+        "{stdout}{}{}{}",
+        bench_events::run(&release)?,
+        bench_bpf_log::run(&release)?,
+        bench_footprint::run(&release, &venv)?
+    );
     print!("{table}");
     let docs = root().join("docs");
     std::fs::create_dir_all(&docs)?;
