@@ -14,6 +14,11 @@ const UNITS: [(&str, u64); 7] = [
     ("gi", 1024 * 1024 * 1024),
 ];
 
+/// Python's `int()` refuses a string of more digits than this (since 3.11, against
+/// quadratic-time parsing), so genv fails on such an amount, whatever its value (a
+/// thousand zeros are still 0): refused here too, rather than read as a cap of 0.
+const PYTHON_INT_MAX_DIGITS: usize = 4300;
+
 /// A memory amount as genv writes it: the original text is kept, because genv prints
 /// capacities back verbatim (`... over its capacity of 2g`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,7 +44,10 @@ impl MemorySpec {
             .iter()
             .find_map(|(unit, multiplier)| text.strip_suffix(unit).map(|d| (d, *multiplier)))
             .unwrap_or((text, 1));
-        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        if digits.is_empty()
+            || digits.len() > PYTHON_INT_MAX_DIGITS
+            || !digits.bytes().all(|b| b.is_ascii_digit())
+        {
             return Err(error());
         }
         let bytes = digits
@@ -113,6 +121,19 @@ mod tests {
         ] {
             assert!(MemorySpec::parse(text).is_err(), "{text:?}");
         }
+    }
+
+    #[test]
+    fn digits_past_pythons_int_limit_are_refused_as_genv_fails_on_them() {
+        let zeros = |n: usize| "0".repeat(n);
+        assert_eq!(
+            MemorySpec::parse(&format!("{}g", zeros(4300)))
+                .unwrap()
+                .bytes(),
+            0
+        );
+        assert!(MemorySpec::parse(&format!("{}g", zeros(4301))).is_err());
+        assert!(MemorySpec::parse(&zeros(5000)).is_err());
     }
 
     #[test]
