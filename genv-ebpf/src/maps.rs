@@ -115,8 +115,9 @@ pub enum Wake {
     Now,
     /// Lifecycle events only keep the daemon's process table current; waking it for
     /// each (an inter-processor interrupt per exec, fork and exit) would cost far more
-    /// than the event. They are read at the next wake-up (the daemon wakes at least
-    /// every 100 ms), or at once when the ring buffer is half full.
+    /// than the event. They are read at the next wake-up (a GPU open's, or the daemon's
+    /// own: every 100 ms while they come, backing off to 1 s), or at once when the ring
+    /// buffer is half full.
     Later,
 }
 

@@ -18,7 +18,9 @@ const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
 pub fn run(release: &Path) -> Result<String> {
     let dir = std::env::temp_dir().join(format!("genv-enforcer-bpf-log-{}", std::process::id()));
-    std::fs::create_dir_all(dir.join("genv"))?;
+    // Made afresh (never through something already there), then its state directory.
+    std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::create_dir(dir.join("genv"))?;
     let before = std::fs::read_to_string(STATS_SYSCTL).unwrap_or_else(|_| "0".into());
     std::fs::write(STATS_SYSCTL, "1").context("enabling kernel.bpf_stats_enabled")?;
     let result = measure(release, &dir);

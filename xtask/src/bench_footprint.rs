@@ -37,7 +37,9 @@ struct Row {
 
 pub fn run(release: &Path, venv: &Path) -> Result<String> {
     let dir = std::env::temp_dir().join(format!("genv-enforcer-footprint-{}", std::process::id()));
-    std::fs::create_dir_all(dir.join("genv"))?;
+    // Made afresh (never through something already there), then its state directory.
+    std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::create_dir(dir.join("genv"))?;
     let result = measure(release, venv, &dir);
     let _ = std::fs::remove_dir_all(&dir);
     result

@@ -107,14 +107,16 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
         tokio::select! {
             biased;
             () = stop.recv() => break,
+            // Before kernel events: a stream of GPU opens must not keep genv's own
+            // state changes waiting (they are rare, and cheap to read).
+            changed = state_changed(daemon.state_watch.as_mut()) => {
+                daemon.on_state_change(changed, &mut schedule);
+            }
             read = next_batch(intake.as_mut(), &mut batch) => {
                 if let Err(e) = read {
                     eprintln!("[WARNING] Cannot read kernel events: {e}; running a full cycle");
                     schedule.full_now(Instant::now());
                 }
-            }
-            changed = state_changed(daemon.state_watch.as_mut()) => {
-                daemon.on_state_change(changed, &mut schedule);
             }
             () = tokio::time::sleep_until(wake.into()) => {}
         }

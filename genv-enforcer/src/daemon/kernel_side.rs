@@ -16,7 +16,7 @@ use crate::bpf::policy_maps::DenyPolicy;
 use crate::bpf::{KernelPrograms, LoadOptions, TierChoice, pins};
 use crate::cycle::CycleSummary;
 use crate::intake::EventIntake;
-use crate::intake::decision_log::{DecisionLog, EnvNames, Printer};
+use crate::intake::decision_log::{self, EnvNames, Printer};
 use crate::prevention;
 use crate::snapshot::DroppedEnv;
 use crate::state::{Device, Env};
@@ -49,20 +49,17 @@ pub(super) struct KernelSide {
     env_names: Option<EnvNames>,
 }
 
-/// `--bpf-log`: the intake prints the programs' decision log too; the names it puts on
-/// identities follow the mirror.
-fn with_decision_log(
-    programs: &mut KernelPrograms,
-    intake: EventIntake,
-) -> Result<(EventIntake, Option<EnvNames>)> {
+/// `--bpf-log`: the programs' decision log, printed on a thread of its own; the names
+/// it puts on identities follow the mirror.
+fn start_decision_log(programs: &mut KernelPrograms) -> Result<EnvNames> {
     let names = EnvNames::default();
     let printer = Printer {
         names: names.clone(),
     };
     let logger = programs.decision_logger(printer).context("--bpf-log")?;
-    let log = DecisionLog::new(logger).context("--bpf-log: reading the decision log")?;
+    decision_log::spawn(logger).context("--bpf-log: starting its reader")?;
     eprintln!("[INFO] --bpf-log: the kernel's decisions on GPU opens follow as [BPF] lines");
-    Ok((intake.with_decision_log(log), Some(names)))
+    Ok(names)
 }
 
 /// What starting gives: the kernel side and its events, or neither (full cycle alone).
@@ -132,9 +129,9 @@ impl KernelSide {
         }
         let intake = EventIntake::new(events.ring, events.lost)
             .map_err(|e| anyhow::anyhow!("reading the kernel's events: {e}"))?;
-        let (intake, env_names) = match settings.bpf_log {
-            true => with_decision_log(&mut programs, intake)?,
-            false => (intake, None),
+        let env_names = match settings.bpf_log {
+            true => Some(start_decision_log(&mut programs)?),
+            false => None,
         };
         let mut side = Self {
             programs,

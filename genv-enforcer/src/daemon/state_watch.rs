@@ -82,6 +82,12 @@ impl StateWatch {
         loop {
             match reader.next() {
                 Ok(event) => {
+                    // The kernel's queue overflowed (a user can flood it from the 0777
+                    // state directory): events were lost, genv's among them maybe.
+                    if event.events().contains(ReadFlags::QUEUE_OVERFLOW) {
+                        rearm = true;
+                        continue;
+                    }
                     let Some((wd, target)) = &self.watch else {
                         continue;
                     };
@@ -90,16 +96,19 @@ impl StateWatch {
                         continue;
                     }
                     let flags = event.events();
+                    // Renamed (or its file system unmounted): the watch no longer sits
+                    // on the path genv uses.
+                    let gone = flags
+                        .intersects(ReadFlags::IGNORED | ReadFlags::MOVE_SELF | ReadFlags::UNMOUNT);
                     let name = event.file_name().map(|n| n.to_bytes());
                     match target {
                         Target::State => {
                             relevant |=
                                 name.is_some_and(|n| FILES.iter().any(|f| n == f.as_bytes()));
-                            rearm |= flags.contains(ReadFlags::IGNORED);
+                            rearm |= gone;
                         }
                         Target::Ancestor { next, .. } => {
-                            rearm |= flags.contains(ReadFlags::IGNORED)
-                                || name.is_some_and(|n| n == next.as_encoded_bytes());
+                            rearm |= gone || name.is_some_and(|n| n == next.as_encoded_bytes());
                         }
                     }
                 }
@@ -145,8 +154,16 @@ impl StateWatch {
                     next: next.clone(),
                 },
             ));
-            if !dir.join(&next).exists() {
-                return Ok(());
+            // Looked up in the directory held, never following a link: a user's link
+            // to a stalled FUSE or NFS mount must not hang the daemon here. Anything
+            // but a directory (or root's link) there is waited out: its replacement
+            // is an event.
+            let flags = rustix::fs::AtFlags::SYMLINK_NOFOLLOW;
+            match rustix::fs::statat(&fd, next.as_os_str(), flags) {
+                Err(rustix::io::Errno::NOENT) => return Ok(()),
+                Err(e) => return Err(e.into()),
+                Ok(stat) if !walkable(&stat) => return Ok(()),
+                Ok(_) => {}
             }
             // `next` appeared before the watch did: move down.
             let _ = inotify::remove_watch(self.fd.get_ref(), wd);
@@ -184,6 +201,13 @@ fn add_watch(inotify: &AsyncFd<OwnedFd>, dir: &OwnedFd, flags: WatchFlags) -> io
     Ok(inotify::add_watch(inotify.get_ref(), link, flags)?)
 }
 
+/// A directory, or a link root owns (the administrator's): what the watch moves onto.
+fn walkable(stat: &rustix::fs::Stat) -> bool {
+    let kind = rustix::fs::FileType::from_raw_mode(stat.st_mode);
+    kind == rustix::fs::FileType::Directory
+        || (kind == rustix::fs::FileType::Symlink && stat.st_uid == 0)
+}
+
 /// The nearest ancestor of `root` that exists (the administrator's path, as the state
 /// directory's parent is opened), the component of `root` that follows it, and the
 /// ancestor opened.
@@ -191,13 +215,23 @@ fn nearest_ancestor(root: &Path) -> io::Result<(PathBuf, OsString, OwnedFd)> {
     let root = std::path::absolute(root)?;
     let mut child = root.as_path();
     while let Some(parent) = child.parent() {
-        let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        // The administrator's path, as the state directory's parent is opened; but a
+        // link as its last component is followed only if root owns it (`/var/tmp` may
+        // be root's link to `/tmp`): a user's could lead to a stalled FUSE mount, and
+        // the watch then goes further up.
+        let follow = rustix::fs::lstat(parent).is_ok_and(|stat| walkable(&stat));
+        let nofollow = if follow {
+            OFlags::empty()
+        } else {
+            OFlags::NOFOLLOW
+        };
+        let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC | nofollow;
         match rustix::fs::open(parent, flags, Mode::empty()) {
             Ok(fd) => {
                 let next = child.file_name().unwrap_or_default().to_owned();
                 return Ok((parent.to_owned(), next, fd));
             }
-            Err(rustix::io::Errno::NOENT) => child = parent,
+            Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) => child = parent,
             Err(e) => return Err(e.into()),
         }
     }

@@ -11,32 +11,31 @@ use std::io;
 use std::sync::{Arc, Mutex};
 
 use aya_log::EbpfLogger;
-use tokio::io::Interest;
-use tokio::io::unix::AsyncFd;
+use rustix::event::{PollFd, PollFlags, poll};
 
 /// The names of the environments the kernel knows by identity, for the lines.
 pub type EnvNames = Arc<Mutex<HashMap<u64, String>>>;
 
-pub struct DecisionLog {
-    fd: AsyncFd<EbpfLogger<Printer>>,
-}
-
-impl DecisionLog {
-    pub fn new(logger: EbpfLogger<Printer>) -> io::Result<Self> {
-        Ok(Self {
-            // SAFETY: the logger owns its ring buffer's descriptor for as long as it
-            // lives, and the AsyncFd owns the logger.
-            fd: unsafe { AsyncFd::register_with_interest(logger, Interest::READABLE) }?,
+/// Reads and prints the log on a thread of its own: a stream of GPU opens keeps aya-log's
+/// reader busy for as long as records keep coming, and writing to a stalled stderr
+/// blocks; neither may hold up the daemon's event loop.
+pub fn spawn(mut logger: EbpfLogger<Printer>) -> io::Result<()> {
+    std::thread::Builder::new()
+        .name("bpf-log".into())
+        .spawn(move || {
+            loop {
+                let mut fds = [PollFd::new(&logger, PollFlags::IN)];
+                match poll(&mut fds, None) {
+                    Ok(_) => logger.flush(),
+                    Err(rustix::io::Errno::INTR) => {}
+                    Err(e) => {
+                        eprintln!("[WARNING] --bpf-log: reading the decision log failed ({e}); no more [BPF] lines");
+                        return;
+                    }
+                }
+            }
         })
-    }
-
-    /// Waits for records and prints every one there is.
-    pub async fn print_next(&mut self) -> io::Result<()> {
-        let mut guard = self.fd.readable_mut().await?;
-        guard.get_inner_mut().flush();
-        guard.clear_ready();
-        Ok(())
-    }
+        .map(drop)
 }
 
 /// Prints each record as one `[BPF]` line, naming the environment of an identity the

@@ -7,15 +7,12 @@ use aya::maps::{MapData, PerCpuArray, RingBuf};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
-use super::decision_log::DecisionLog;
 use super::{BadRecord, KernelEvent};
 
 pub struct EventIntake {
     ring: AsyncFd<RingBuf<MapData>>,
     lost: PerCpuArray<MapData, u64>,
     lost_seen: u64,
-    /// `--bpf-log`: the programs' account of their decisions, printed as it comes.
-    decisions: Option<DecisionLog>,
 }
 
 impl EventIntake {
@@ -27,14 +24,7 @@ impl EventIntake {
             ring: unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }?,
             lost,
             lost_seen: 0,
-            decisions: None,
         })
-    }
-
-    /// Prints the kernel programs' decision log (`--bpf-log`) while reading events.
-    pub fn with_decision_log(mut self, log: DecisionLog) -> Self {
-        self.decisions = Some(log);
-        self
     }
 
     /// Waits until the ring buffer has records, then moves them all into `events`;
@@ -44,21 +34,9 @@ impl EventIntake {
         events: &mut Vec<KernelEvent>,
         unknown: &mut Vec<BadRecord>,
     ) -> io::Result<()> {
-        let decisions = async {
-            match self.decisions.as_mut() {
-                Some(log) => log.print_next().await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            biased;
-            readable = self.ring.readable_mut() => {
-                let mut guard = readable?;
-                drain(guard.get_inner_mut(), events, unknown);
-                guard.clear_ready();
-            }
-            printed = decisions => printed?,
-        }
+        let mut guard = self.ring.readable_mut().await?;
+        drain(guard.get_inner_mut(), events, unknown);
+        guard.clear_ready();
         Ok(())
     }
 

@@ -47,13 +47,16 @@ pub fn resolve_identity(maps: &mut PolicyMaps, pid: u32, verbose: bool) -> bool 
     let Ok(id) = procfs::environment_id(pid) else {
         return false; // gone: nothing to record
     };
-    if verbose {
-        eprintln!(
-            "[EVENT] Process {pid}'s environment block could not be read in the kernel; its environment was read from /proc"
-        );
-    }
+    // Said once it is recorded: a reader of the line may rely on the kernel knowing it.
     match maps.set_identity(pid, identity_of(id.as_deref())) {
-        Ok(()) => true,
+        Ok(()) => {
+            if verbose {
+                eprintln!(
+                    "[EVENT] Process {pid}'s environment block could not be read in the kernel; its environment was read from /proc"
+                );
+            }
+            true
+        }
         Err(e) => {
             eprintln!("[WARNING] Cannot record process {pid}'s environment in the kernel: {e}");
             false

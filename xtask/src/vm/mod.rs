@@ -188,7 +188,7 @@ pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
     let guest = Guest {
         root,
         suites: &suites,
-        target_dir: outside(root, &crate::target_dir()?),
+        target_dir: shareable(root, outside(root, &crate::target_dir()?))?,
     };
     let mut outcome = Outcome { runs: Vec::new() };
     for (series, kernel) in &kernels {
@@ -274,6 +274,32 @@ fn outside(root: &Path, target: &Path) -> Option<PathBuf> {
     let real = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());
     let target = real(target);
     (!target.starts_with(real(root))).then_some(target)
+}
+
+/// A target directory the guest can mount at its own path: not an ancestor of the work
+/// tree (its mount would hide the tree's), and a path the init script and QEMU's
+/// `-fsdev` option can carry as it is.
+fn shareable(root: &Path, target: Option<PathBuf>) -> Result<Option<PathBuf>> {
+    let Some(target) = target else {
+        return Ok(None);
+    };
+    let text = target.to_string_lossy();
+    if text.contains(['"', '$', '`', '\\', ',', '\n'])
+        || text != target.as_os_str().to_str().unwrap_or("")
+    {
+        bail!(
+            "cargo's target directory {} (CARGO_TARGET_DIR?) has characters the VM cannot share it under; use a plain path",
+            target.display()
+        );
+    }
+    if std::fs::canonicalize(root).is_ok_and(|root| root.starts_with(&target)) {
+        bail!(
+            "cargo's target directory {} contains the work tree {}: the VM cannot share it",
+            target.display(),
+            root.display()
+        );
+    }
+    Ok(Some(target))
 }
 
 /// One boot of `kernel` running `tiers`: the guest script, the initramfs, QEMU.
@@ -456,5 +482,20 @@ mod tests {
             Some(std::fs::canonicalize(&elsewhere).unwrap())
         );
         std::fs::remove_dir_all(&scratch).unwrap();
+    }
+
+    #[test]
+    fn a_target_directory_the_guest_cannot_mount_as_it_is_is_an_error_naming_it() {
+        let root = std::env::temp_dir();
+        for bad in ["/tmp/a\"b", "/tmp/a$b", "/tmp/a,b", "/"] {
+            let error = shareable(&root, Some(PathBuf::from(bad))).unwrap_err();
+            assert!(
+                error.to_string().contains("target directory"),
+                "{bad}: {error}"
+            );
+        }
+        let fine = Some(PathBuf::from("/srv/cargo-target"));
+        assert_eq!(shareable(&root, fine.clone()).unwrap(), fine);
+        assert_eq!(shareable(&root, None).unwrap(), None);
     }
 }

@@ -55,6 +55,8 @@ fn the_watch_follows_the_state_directory_into_existence_and_out_of_it() {
 
     // An unrelated directory beside it moves nothing.
     fs::create_dir(base.join("other")).unwrap();
+    assert!(!next(&runtime, &mut watch));
+    assert_eq!(watch.target(), Some(&ancestor(&base, "var")));
     fs::create_dir(base.join("var")).unwrap();
     assert!(next(&runtime, &mut watch));
     assert_eq!(watch.target(), Some(&ancestor(&base.join("var"), "tmp")));
@@ -106,5 +108,49 @@ fn a_link_where_the_state_directory_goes_is_refused_not_followed() {
     let made = runtime.block_on(async { StateWatch::new(&StateDir::new(base.join("genv"))) });
     let error = made.err().expect("a link was watched");
     assert!(error.to_string().contains("link"), "{error}");
+    fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn a_renamed_state_directory_is_let_go_and_its_replacement_watched() {
+    let runtime = runtime();
+    let base = scratch();
+    let state = base.join("genv");
+    fs::create_dir(&state).unwrap();
+    let mut watch = runtime.block_on(async { StateWatch::new(&StateDir::new(&state)).unwrap() });
+    assert_eq!(watch.target(), Some(&Target::State));
+    // `mv genv x; mkdir genv`: the watch must not stay on `x`.
+    fs::rename(&state, base.join("x")).unwrap();
+    assert!(next(&runtime, &mut watch));
+    assert_eq!(watch.target(), Some(&ancestor(&base, "genv")));
+    fs::create_dir(&state).unwrap();
+    assert!(next(&runtime, &mut watch));
+    assert_eq!(watch.target(), Some(&Target::State));
+    fs::write(base.join("x/envs.json"), "{}").unwrap();
+    assert!(
+        !next(&runtime, &mut watch),
+        "the old directory is still watched"
+    );
+    fs::write(state.join("envs.json"), "{}").unwrap();
+    assert!(next(&runtime, &mut watch));
+    fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn a_link_on_the_way_to_the_state_directory_is_not_followed() {
+    let runtime = runtime();
+    let base = scratch();
+    fs::create_dir(base.join("elsewhere")).unwrap();
+    let link = base.join("a");
+    std::os::unix::fs::symlink(base.join("elsewhere"), &link).unwrap();
+    // Root's link (an administrator's `/var/tmp` → `/tmp`) is followed.
+    let state = base.join("a/genv");
+    let watch = runtime.block_on(async { StateWatch::new(&StateDir::new(&state)).unwrap() });
+    assert_eq!(watch.target(), Some(&ancestor(&link, "genv")));
+    drop(watch);
+    // A user's is not: the watch stays above it, on `base`, waiting for `a`.
+    std::os::unix::fs::lchown(&link, Some(65534), Some(65534)).unwrap();
+    let watch = runtime.block_on(async { StateWatch::new(&StateDir::new(&state)).unwrap() });
+    assert_eq!(watch.target(), Some(&ancestor(&base, "a")));
     fs::remove_dir_all(&base).unwrap();
 }
