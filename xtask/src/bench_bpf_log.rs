@@ -5,13 +5,13 @@
 //! the programs' loaded size shows.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use crate::sim::{self, wait_line};
+use crate::sim;
 
 const OPENS: u64 = 20_000;
 const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
@@ -61,22 +61,9 @@ fn measure(release: &Path, dir: &Path) -> Result<String> {
 
 fn one_mode(release: &Path, dir: &Path, nvml: &Path, gpu: &Path, log: bool) -> Result<String> {
     let run_dir = dir.join(format!("run-{log}"));
-    let mut daemon = Command::new(release.join("genv-enforcer"))
-        .args(["enforce", "--event-driven", "--interval", "3600"])
-        .args(["--gpu-node", "1:7=0", "--run-dir"])
-        .arg(&run_dir)
-        .args(log.then_some("--bpf-log"))
-        .env("GENV_TMPDIR", dir.join("genv"))
-        .env("GENV_FAKE_NVML_CONFIG", nvml)
-        .env(
-            "GENV_ENFORCER_NVML_LIB",
-            release.join("libnvidia_ml_fake.so"),
-        )
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()?;
-    let lines = sim::stream(&mut daemon, None);
-    wait_line(&lines, &["Watching GPU nodes"], Duration::from_secs(60))?;
+    let mut flags = vec!["--interval", "3600", "--gpu-node", "1:7=0"];
+    flags.extend(log.then_some("--bpf-log"));
+    let (mut daemon, lines) = sim::start_event_daemon(release, dir, nvml, &run_dir, &flags)?;
     let before = open_programs(&status(&run_dir)?);
     let opener = Command::new("python3")
         .args([

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use crate::sim::{self, wait_line};
+use crate::sim;
 
 const WINDOW: Duration = Duration::from_secs(60);
 /// Left to the daemon after its start, before the window (its first full cycle, the
@@ -115,20 +115,8 @@ fn write_node(dir: &Path, nvml: &Path, sleepers: &[Child]) -> Result<()> {
 }
 
 fn ours(release: &Path, dir: &Path, nvml: &Path, processes: usize) -> Result<Row> {
-    let mut daemon = Command::new(release.join("genv-enforcer"))
-        .args(["enforce", "--event-driven", "--run-dir"])
-        .arg(dir.join(format!("run-{processes}")))
-        .env("GENV_TMPDIR", dir.join("genv"))
-        .env("GENV_FAKE_NVML_CONFIG", nvml)
-        .env(
-            "GENV_ENFORCER_NVML_LIB",
-            release.join("libnvidia_ml_fake.so"),
-        )
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()?;
-    let lines = sim::stream(&mut daemon, None);
-    wait_line(&lines, &["Watching GPU nodes"], Duration::from_secs(60))?;
+    let run_dir = dir.join(format!("run-{processes}"));
+    let (mut daemon, lines) = sim::start_event_daemon(release, dir, nvml, &run_dir, &[])?;
     let row = window(
         &mut daemon,
         "genv-enforcer --event-driven",

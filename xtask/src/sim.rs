@@ -93,3 +93,32 @@ pub fn wait_exit(child: &mut Child, timeout: Duration) -> Result<ExitStatus> {
         std::thread::sleep(Duration::from_micros(100));
     }
 }
+
+/// A release `genv-enforcer enforce --event-driven` on a simulated node (genv's state
+/// under `dir/genv`, the fake NVML configured by `nvml`) with `extra` flags and its
+/// status under `run_dir`; its stderr lines, once it watches GPU nodes.
+pub fn start_event_daemon(
+    release: &Path,
+    dir: &Path,
+    nvml: &Path,
+    run_dir: &Path,
+    extra: &[&str],
+) -> Result<(Child, mpsc::Receiver<String>)> {
+    let mut daemon = std::process::Command::new(release.join("genv-enforcer"))
+        .args(["enforce", "--event-driven"])
+        .args(extra)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .env("GENV_TMPDIR", dir.join("genv"))
+        .env("GENV_FAKE_NVML_CONFIG", nvml)
+        .env(
+            "GENV_ENFORCER_NVML_LIB",
+            release.join("libnvidia_ml_fake.so"),
+        )
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    let lines = stream(&mut daemon, None);
+    wait_line(&lines, &["Watching GPU nodes"], Duration::from_secs(60))?;
+    Ok((daemon, lines))
+}
