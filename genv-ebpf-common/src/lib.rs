@@ -65,6 +65,22 @@ pub mod kind {
     pub const EXIT: u32 = 3;
     /// A watched GPU node was opened; `arg` is its kernel `dev_t`, `index` its GPU.
     pub const OPEN: u32 = 4;
+    /// A process in an environment allocated past its environment's `gpu_memory` on a
+    /// GPU (`--memory-at-alloc`): `amount` is what the environment would use, in bytes,
+    /// `index` the GPU, `detail` the environment's [`env_id_hash`], `verdict` one of
+    /// [`verdict::ALLOC_KILLED`], [`verdict::ALLOC_REPORTED`], [`verdict::ALLOC_KILL_FAILED`].
+    pub const ALLOC: u32 = 5;
+    /// A process started using CUDA (`cuInit`, a context retained or created): `arg`
+    /// is one of [`crate::cuda_call`]. The daemon learns the process's device numbering
+    /// (`CUDA_VISIBLE_DEVICES`) from it.
+    pub const CUDA: u32 = 6;
+}
+
+/// Which CUDA call a [`kind::CUDA`] event reports.
+pub mod cuda_call {
+    pub const INIT: u32 = 1;
+    pub const PRIMARY_CTX_RETAIN: u32 = 2;
+    pub const CTX_CREATE: u32 = 3;
 }
 
 /// A process's environment identity in [`PROC_ENV_MAP`]: [`env_id_hash`] of its
@@ -122,6 +138,11 @@ pub mod policy {
     /// default: the container runtime's hooks, MPS, Xorg, persistenced and DCGM run as
     /// root, and root can unload the programs anyway.
     pub const DENY_ROOT: u32 = 2;
+    /// `--memory-at-alloc report`: an allocation past the cap is reported, and goes on.
+    pub const MEMORY_REPORT: u32 = 4;
+    /// `--memory-at-alloc kill`: the allocating process is sent SIGKILL in the call,
+    /// before the driver hands anything out.
+    pub const MEMORY_KILL: u32 = 8;
 }
 
 /// Slots of [`DECISIONS_MAP`].
@@ -161,6 +182,13 @@ pub mod verdict {
     /// Outside any environment: the program's SIGKILL could not be sent, so the open
     /// returned; the daemon must act.
     pub const KILL_FAILED: u32 = 9;
+    /// An allocation past the environment's cap: the process was sent SIGKILL in the
+    /// call ([`kind::ALLOC`]).
+    pub const ALLOC_KILLED: u32 = 10;
+    /// An allocation past the environment's cap, let through (`--memory-at-alloc report`).
+    pub const ALLOC_REPORTED: u32 = 11;
+    /// An allocation past the cap whose SIGKILL could not be sent: the call went on.
+    pub const ALLOC_KILL_FAILED: u32 = 12;
 }
 
 /// An active environment, as the kernel side sees it.
@@ -195,6 +223,8 @@ pub mod hook {
     /// fmod_ret on `security_file_open`: every attempt, before the driver sees it; its
     /// return value replaces the function's, so it can refuse where BPF LSM is off.
     pub const FMOD_RET: u32 = 4;
+    /// A uprobe on libcuda (allocations and CUDA start-up, not opens).
+    pub const UPROBE: u32 = 5;
 
     /// Whether a program on this hook refuses an open (EPERM) rather than killing the
     /// opener.
@@ -227,6 +257,11 @@ pub struct RawEvent {
     pub verdict: u32,
     /// `bpf_ktime_get_ns()` when the event happened (CLOCK_MONOTONIC).
     pub ktime_ns: u64,
+    /// Kind-specific: the environment's [`env_id_hash`] for `ALLOC`.
+    pub detail: u64,
+    /// Kind-specific: for `ALLOC`, the bytes the environment would use on the GPU with
+    /// the allocation.
+    pub amount: u64,
 }
 
 /// `RawEvent::arg` of an `EXEC` whose environment block could not be read in full.
@@ -320,6 +355,8 @@ pub const fn split_kernel_dev(dev: u32) -> (u32, u32) {
     (dev >> 20, dev & 0xfffff)
 }
 
+pub mod alloc;
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY: plain `#[repr(C)]` integers with no padding holes.
@@ -327,6 +364,11 @@ mod pod {
     unsafe impl aya::Pod for super::Offsets {}
     unsafe impl aya::Pod for super::EnvEntry {}
     unsafe impl aya::Pod for super::ExeKey {}
+    unsafe impl aya::Pod for super::alloc::EnvGpu {}
+    unsafe impl aya::Pod for super::alloc::Baseline {}
+    unsafe impl aya::Pod for super::alloc::Charge {}
+    unsafe impl aya::Pod for super::alloc::ProcGpu {}
+    unsafe impl aya::Pod for super::alloc::Ordinals {}
 }
 
 #[cfg(test)]
@@ -337,7 +379,13 @@ mod tests {
     fn records_have_the_layout_both_sides_compile() {
         // The programs and the daemon are built by different compilers for different
         // targets; a size change means one side was not rebuilt or a field is unaligned.
-        assert_eq!(size_of::<RawEvent>(), 40);
+        assert_eq!(size_of::<RawEvent>(), 56);
+        assert_eq!(size_of::<alloc::EnvGpu>(), 16);
+        assert_eq!(size_of::<alloc::Baseline>(), 16);
+        assert_eq!(size_of::<alloc::Charge>(), 24);
+        assert_eq!(size_of::<alloc::Ordinals>(), alloc::MAX_ORDINALS);
+        assert_eq!(size_of::<alloc::CtxStack>(), 40);
+        assert_eq!(size_of::<alloc::ProcGpu>(), 8);
         assert_eq!(size_of::<Offsets>(), 24 * 4);
         assert_eq!(size_of::<EnvEntry>(), 16);
         assert_eq!(size_of::<ExeKey>(), 16);

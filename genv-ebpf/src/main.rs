@@ -6,6 +6,9 @@
 //! - [`open`]: opens of watched GPU device nodes, recognised by the inode's device
 //!   number, never by path, in four tiers: BPF LSM `file_open`, fmod_ret and fentry
 //!   on `security_file_open`, and the `open*` syscall exit tracepoints;
+//! - [`cuda`]: libcuda's memory and context calls, on uprobes (`--memory-at-alloc`):
+//!   each allocation charged to its environment and GPU, and checked against its cap
+//!   before the driver sees it;
 //! - [`maps`]: what they share with the daemon.
 //!
 //! The kernel's struct layout is not compiled in: the daemon reads member offsets from
@@ -13,7 +16,11 @@
 
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
+// The atomic add of `cuda`'s accounting (the target has no atomic integer methods).
+#![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
+#[cfg(target_arch = "bpf")]
+mod cuda;
 #[cfg(target_arch = "bpf")]
 mod env_block;
 #[cfg(target_arch = "bpf")]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::actions::Executor;
 use crate::report::Report;
 use crate::rules::{self, Finding, Rules, Survey};
-use crate::snapshot::{DroppedEnv, Orphan, Snapshot, SnapshotBuilder};
+use crate::snapshot::{DroppedEnv, GpuProcess, Orphan, Snapshot, SnapshotBuilder};
 use crate::state::{Device, Env, GlobalLock, LockError, LockErrorKind};
 
 pub struct Enforcer {
@@ -77,6 +77,9 @@ pub struct CycleSummary {
     pub orphans: Vec<Orphan>,
     /// The environments they run in (the kernel lets them open GPUs too).
     pub dropped_envs: Vec<DroppedEnv>,
+    /// The snapshot's processes, when NVML gave their memory (`--memory-at-alloc`'s
+    /// baselines).
+    pub measured: Option<Vec<GpuProcess>>,
 }
 
 impl Enforcer {
@@ -130,11 +133,13 @@ impl Enforcer {
             gpu_pids: Vec::new(),
             orphans: Vec::new(),
             dropped_envs: Vec::new(),
+            measured: None,
         };
         if !report.is_empty() {
             self.execute(&report);
         }
         summary.gpu_pids = snapshot.processes.iter().map(|p| p.pid).collect();
+        summary.measured = snapshot.memory_known.then_some(snapshot.processes);
         summary.state = snapshot.envs.zip(snapshot.devices);
         summary.orphans = snapshot.orphans;
         summary.dropped_envs = snapshot.dropped_envs;

@@ -65,6 +65,9 @@ pub struct Node {
     foreign: Vec<u32>,
     /// Device nodes the fake NVML opens at init, as the real one opens `/dev/nvidia*`.
     nvml_opens: Vec<String>,
+    /// The fake libcuda's ledger directory, which the fake NVML reports (see
+    /// [`Node::cuda`]).
+    ledger: Option<PathBuf>,
     /// The enforcer binary the node runs (default: the workspace's), and extra
     /// environment for it.
     pub enforcer_binary: Option<PathBuf>,
@@ -95,6 +98,7 @@ impl Node {
             children: HashMap::new(),
             foreign: Vec::new(),
             nvml_opens: Vec::new(),
+            ledger: None,
             enforcer_binary: None,
             enforcer_env: Vec::new(),
             before_exec: None,
@@ -113,7 +117,58 @@ impl Node {
             "devices": self.gpus,
             "processes": self.contexts,
             "open_on_init": self.nvml_opens,
+            "ledger": self.ledger,
         }));
+    }
+
+    /// A libcuda for this node: a copy of the fake one (`tests/fake-cuda`) of its own,
+    /// so that the uprobes of this node's daemon see this node's processes only, and
+    /// whose allocations the fake NVML reports as the driver would. Its path, and the
+    /// environment a CUDA program of the node needs.
+    pub fn cuda(&mut self) -> (PathBuf, Vec<(String, String)>) {
+        let lib = self.dir.join("libcuda.so.1");
+        std::fs::copy(artefact("libcuda_fake.so"), &lib).unwrap();
+        let ledger = self.dir.join("cuda-ledger");
+        std::fs::create_dir_all(&ledger).unwrap();
+        self.ledger = Some(ledger.clone());
+        self.write_config();
+        let env = vec![
+            (
+                "GENV_FAKE_CUDA_LIB".to_owned(),
+                lib.to_str().unwrap().to_owned(),
+            ),
+            (
+                "GENV_FAKE_CUDA_LEDGER".to_owned(),
+                ledger.to_str().unwrap().to_owned(),
+            ),
+        ];
+        (lib, env)
+    }
+
+    /// The fake libcuda's ledger directory, once [`Node::cuda`] made it.
+    pub fn cuda_ledger_dir(&self) -> Option<PathBuf> {
+        self.ledger.clone()
+    }
+
+    /// What the fake driver says each process holds: `(pid, NVML index) → bytes`.
+    pub fn cuda_ledger(&self) -> HashMap<(u32, u32), u64> {
+        let Some(dir) = &self.ledger else {
+            return HashMap::new();
+        };
+        let mut held = HashMap::new();
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let name = entry.file_name().into_string().unwrap();
+            let Some((pid, gpu)) = name.split_once('-') else {
+                continue;
+            };
+            let (Ok(pid), Ok(gpu)) = (pid.parse(), gpu.parse()) else {
+                continue;
+            };
+            if let Ok(text) = std::fs::read_to_string(entry.path()) {
+                held.insert((pid, gpu), text.trim().parse().unwrap_or(0));
+            }
+        }
+        held
     }
 
     /// Makes the fake NVML open these device nodes at init, as the real library does.

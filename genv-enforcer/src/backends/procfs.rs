@@ -179,13 +179,18 @@ pub fn nested_pid_namespace() -> Option<String> {
 }
 
 pub fn environment_id(pid: u32) -> Result<Option<String>, EnvironError> {
+    environment_var(pid, ENV_VAR)
+}
+
+/// A variable of the process's initial environment (the last assignment wins).
+pub fn environment_var(pid: u32, name: &str) -> Result<Option<String>, EnvironError> {
     let bytes = read_all(&format!("/proc/{pid}/environ")).map_err(|e| match e.kind() {
         io::ErrorKind::NotFound => EnvironError::Gone(pid),
         io::ErrorKind::PermissionDenied => EnvironError::Unreadable(pid),
         _ if e.raw_os_error() == Some(libc::ESRCH) => EnvironError::Gone(pid),
         _ => EnvironError::Other(pid, e),
     })?;
-    Ok(find_var(&bytes, ENV_VAR))
+    Ok(find_var(&bytes, name))
 }
 
 fn find_var(environ: &[u8], name: &str) -> Option<String> {

@@ -26,6 +26,9 @@ pub enum LoadError {
     NoTier(String),
     #[error("pinning {path}: {message}")]
     Pin { path: PathBuf, message: String },
+    /// The libcuda probes (`--memory-at-alloc`), asked for, could not be loaded.
+    #[error("the libcuda probes: {0}")]
+    MemoryAtAlloc(String),
 }
 
 /// An error with its causes, as one line: aya's outer errors rarely say the errno.

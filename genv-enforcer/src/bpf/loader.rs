@@ -5,7 +5,6 @@
 
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::fentry::FEntryLinkId;
-use aya::programs::links::FdLink;
 use aya::programs::lsm::LsmLinkId;
 use aya::programs::raw_trace_point::RawTracePointLinkId;
 use aya::programs::trace_point::TracePointLinkId;
@@ -16,6 +15,7 @@ use genv_ebpf_common::{
 };
 
 use super::btf::Btf;
+use super::cuda::{self, AllocMaps, Attachment};
 use super::error::{LoadError, chain, map_error, program_error, take_map};
 use super::fmod_ret;
 use super::lifecycle::{self, EnvScan};
@@ -40,6 +40,9 @@ pub struct LoadOptions {
     /// info). Off, the level is 0 in read-only data, and the verifier removes the
     /// logging code as dead: nothing of it runs, or is even loaded.
     pub log_decisions: bool,
+    /// `--memory-at-alloc`: load the libcuda probes (attached per library, by
+    /// [`KernelPrograms::attach_cuda`]) and take their accounting maps.
+    pub memory_at_alloc: bool,
 }
 
 /// aya-log's level global in the object, and the level `--bpf-log` sets (`info`).
@@ -68,6 +71,8 @@ pub struct KernelPrograms {
     env_scan: EnvScan,
     /// `PROC_ENV`'s capacity.
     processes: u32,
+    /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.
+    alloc: Option<AllocMaps>,
 }
 
 /// An attached program: its name in the object, kernel id, and link (taken from the
@@ -119,6 +124,7 @@ impl KernelPrograms {
             0
         };
         loader.override_global(LOG_LEVEL_GLOBAL, &log_level, true);
+        cuda::size_maps(&mut loader, options.memory_at_alloc);
         if let Some(bytes) = options.ring_bytes {
             loader.map_max_entries(EVENTS_MAP, bytes);
         }
@@ -161,8 +167,9 @@ impl KernelPrograms {
             return Err(LoadError::NoTier(reasons));
         };
 
+        let alloc = cuda::load_if(options.memory_at_alloc, &mut ebpf, &mut programs)?;
         if let Some(dir) = &options.pin_dir {
-            pin_all(&mut ebpf, &mut programs, dir)?;
+            super::pins::pin_all(&mut ebpf, &mut programs, dir)?;
         }
         let events = EventMaps {
             ring: take_map(&mut ebpf, EVENTS_MAP)?,
@@ -179,6 +186,7 @@ impl KernelPrograms {
             programs,
             env_scan,
             processes,
+            alloc,
         };
         Ok((kernel, events))
     }
@@ -237,6 +245,21 @@ impl KernelPrograms {
             .collect()
     }
 
+    /// Attaches the libcuda probes to `library` (`--memory-at-alloc`).
+    pub fn attach_cuda(&mut self, library: &std::path::Path) -> Result<Attachment, LoadError> {
+        if self.alloc.is_none() {
+            return Err(LoadError::Object(
+                "the libcuda probes are not loaded".into(),
+            ));
+        }
+        cuda::attach(&mut self.ebpf, library)
+    }
+
+    /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.
+    pub fn alloc_mut(&mut self) -> Option<&mut AllocMaps> {
+        self.alloc.as_mut()
+    }
+
     pub fn policy(&self) -> &PolicyMaps {
         &self.policy
     }
@@ -250,78 +273,6 @@ impl KernelPrograms {
         let wanted = map.kernel_entries().take(MAX_GPU_NODES as usize).collect();
         super::policy_maps::sync_map(&mut self.nodes, wanted).map_err(map_error(GPU_NODES_MAP))
     }
-}
-
-/// Pins every link under `dir/links` and every map under `dir/maps` (a bpffs
-/// directory): the programs then stay attached, deciding from these maps, after the
-/// daemon exits, until the pins are removed (`genv-enforcer unpin`, or the next daemon
-/// taking over). A pinned link is not held: dropping it closes our descriptor, and the
-/// pin keeps the link.
-fn pin_all(
-    ebpf: &mut Ebpf,
-    programs: &mut [Attached],
-    dir: &std::path::Path,
-) -> Result<(), LoadError> {
-    let (links, maps) = (dir.join("links"), dir.join("maps"));
-    for sub in [&links, &maps] {
-        std::fs::create_dir_all(sub).map_err(|e| LoadError::Pin {
-            path: sub.clone(),
-            message: e.to_string(),
-        })?;
-    }
-    for attached in programs.iter_mut() {
-        let path = links.join(attached.name);
-        let error = |message: String| LoadError::Pin {
-            path: path.clone(),
-            message,
-        };
-        let Some(link) = attached.link.take() else {
-            continue; // pinned already
-        };
-        let name = attached.name;
-        let fd_link: FdLink = match link {
-            // Not aya's: pinned through its own descriptor.
-            LinkId::FmodRet(link) => {
-                link.pin(&path).map_err(|e| error(e.to_string()))?;
-                continue;
-            }
-            LinkId::TracePoint(id) => {
-                let p: &mut TracePoint = program_mut(ebpf, name)?
-                    .try_into()
-                    .map_err(|e| error(chain(&e)))?;
-                let link = p.take_link(id).map_err(|e| error(chain(&e)))?;
-                FdLink::try_from(link).map_err(|e| error(chain(&e)))?
-            }
-            LinkId::RawTracePoint(id) => {
-                let p: &mut RawTracePoint = program_mut(ebpf, name)?
-                    .try_into()
-                    .map_err(|e| error(chain(&e)))?;
-                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
-            }
-            LinkId::Lsm(id) => {
-                let p: &mut Lsm = program_mut(ebpf, name)?
-                    .try_into()
-                    .map_err(|e| error(chain(&e)))?;
-                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
-            }
-            LinkId::FEntry(id) => {
-                let p: &mut FEntry = program_mut(ebpf, name)?
-                    .try_into()
-                    .map_err(|e| error(chain(&e)))?;
-                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
-            }
-        };
-        fd_link.pin(&path).map_err(|e| error(chain(&e)))?;
-    }
-    // The object's own sections (.rodata, .bss) are not the daemon's interface.
-    for (name, map) in ebpf.maps().filter(|(name, _)| !name.starts_with('.')) {
-        let path = maps.join(name);
-        map.pin(&path).map_err(|e| LoadError::Pin {
-            path: path.clone(),
-            message: chain(&e),
-        })?;
-    }
-    Ok(())
 }
 
 pub(super) fn program_mut<'a>(

@@ -3,10 +3,12 @@
 //! [`offsets`]), the tiers ([`tier`]), the loader that picks one ([`loader`]; the
 //! fmod_ret tier's program, which aya cannot load, is loaded by `fmod_ret`), the
 //! handles of the maps the programs decide from ([`policy_maps`]) and the pins that keep
-//! them ([`pins`]). What those maps should hold is [`crate::prevention`]'s business; the
+//! them ([`pins`]); `--memory-at-alloc`'s libcuda uprobes and accounting maps
+//! ([`cuda`]). What those maps should hold is [`crate::prevention`]'s business; the
 //! events the programs emit are read by [`crate::intake`].
 
 pub mod btf;
+pub mod cuda;
 pub mod error;
 mod fmod_ret;
 pub mod lifecycle;

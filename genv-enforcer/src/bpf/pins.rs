@@ -9,6 +9,13 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
+use aya::Ebpf;
+use aya::programs::links::FdLink;
+use aya::programs::{FEntry, Lsm, RawTracePoint, TracePoint};
+
+use super::error::{LoadError, chain};
+use super::loader::{Attached, LinkId, program_mut};
+
 /// Where pins go by default.
 pub const DEFAULT_ROOT: &str = "/sys/fs/bpf/genv-enforcer";
 const BPFFS: &str = "/sys/fs/bpf";
@@ -123,4 +130,76 @@ pub fn exempt_in_generation(
     let mut map: HashMap<MapData, genv_ebpf_common::ExeKey, u8> =
         HashMap::try_from(open(genv_ebpf_common::ALLOWED_EXES_MAP)?).map_err(|e| e.to_string())?;
     map.insert(exe, 1, 0).map_err(|e| e.to_string())
+}
+
+/// Pins every link under `dir/links` and every map under `dir/maps` (a bpffs
+/// directory): the programs then stay attached, deciding from these maps, after the
+/// daemon exits, until the pins are removed (`genv-enforcer unpin`, or the next daemon
+/// taking over). A pinned link is not held: dropping it closes our descriptor, and the
+/// pin keeps the link.
+pub(super) fn pin_all(
+    ebpf: &mut Ebpf,
+    programs: &mut [Attached],
+    dir: &std::path::Path,
+) -> Result<(), LoadError> {
+    let (links, maps) = (dir.join("links"), dir.join("maps"));
+    for sub in [&links, &maps] {
+        std::fs::create_dir_all(sub).map_err(|e| LoadError::Pin {
+            path: sub.clone(),
+            message: e.to_string(),
+        })?;
+    }
+    for attached in programs.iter_mut() {
+        let path = links.join(attached.name);
+        let error = |message: String| LoadError::Pin {
+            path: path.clone(),
+            message,
+        };
+        let Some(link) = attached.link.take() else {
+            continue; // pinned already
+        };
+        let name = attached.name;
+        let fd_link: FdLink = match link {
+            // Not aya's: pinned through its own descriptor.
+            LinkId::FmodRet(link) => {
+                link.pin(&path).map_err(|e| error(e.to_string()))?;
+                continue;
+            }
+            LinkId::TracePoint(id) => {
+                let p: &mut TracePoint = program_mut(ebpf, name)?
+                    .try_into()
+                    .map_err(|e| error(chain(&e)))?;
+                let link = p.take_link(id).map_err(|e| error(chain(&e)))?;
+                FdLink::try_from(link).map_err(|e| error(chain(&e)))?
+            }
+            LinkId::RawTracePoint(id) => {
+                let p: &mut RawTracePoint = program_mut(ebpf, name)?
+                    .try_into()
+                    .map_err(|e| error(chain(&e)))?;
+                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
+            }
+            LinkId::Lsm(id) => {
+                let p: &mut Lsm = program_mut(ebpf, name)?
+                    .try_into()
+                    .map_err(|e| error(chain(&e)))?;
+                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
+            }
+            LinkId::FEntry(id) => {
+                let p: &mut FEntry = program_mut(ebpf, name)?
+                    .try_into()
+                    .map_err(|e| error(chain(&e)))?;
+                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
+            }
+        };
+        fd_link.pin(&path).map_err(|e| error(chain(&e)))?;
+    }
+    // The object's own sections (.rodata, .bss) are not the daemon's interface.
+    for (name, map) in ebpf.maps().filter(|(name, _)| !name.starts_with('.')) {
+        let path = maps.join(name);
+        map.pin(&path).map_err(|e| LoadError::Pin {
+            path: path.clone(),
+            message: chain(&e),
+        })?;
+    }
+    Ok(())
 }

@@ -157,9 +157,10 @@ impl PolicyMaps {
         sync_map(&mut self.allowed, wanted.collect()).map_err(map_error(ALLOWED_EXES_MAP))
     }
 
-    /// Puts in-kernel denial in force (or not).
-    pub fn set_deny(&mut self, wanted: DenyPolicy) -> Result<(), LoadError> {
-        let mut flags = 0;
+    /// Puts in-kernel denial in force (or not), and what an allocation past an
+    /// environment's cap meets (`memory`: `policy::MEMORY_*`, or 0).
+    pub fn set_policy(&mut self, wanted: DenyPolicy, memory: u32) -> Result<(), LoadError> {
+        let mut flags = memory;
         if wanted.deny {
             flags |= policy::DENY;
         }

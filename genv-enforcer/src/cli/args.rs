@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::backends::devmap::NodeOverride;
 use crate::backends::nvml::DEFAULT_LIBRARY;
 use crate::bpf::TierChoice;
+use crate::prevention::alloc::MemoryAtAlloc;
 use crate::snapshot::{OrphanPolicy, SnapshotJson};
 
 #[derive(Debug, Parser)]
@@ -199,6 +200,19 @@ pub struct EventArgs {
     /// it), so it costs nothing.
     #[arg(long)]
     pub bpf_log: bool,
+
+    /// Hold environments' gpu_memory at the allocation: uprobes on libcuda's
+    /// allocation calls charge each to its environment and GPU, and one that would take
+    /// the environment past its cap is reported (`report`) or its process killed in the
+    /// call, before the driver hands anything out (`kill`). The memory rule still acts
+    /// after the fact, as the safety net.
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = MemoryAtAlloc::Off)]
+    pub memory_at_alloc: MemoryAtAlloc,
+
+    /// A libcuda to probe for --memory-at-alloc (repeatable), beyond ldconfig's
+    /// libcuda.so.1 and the one beside the NVML library.
+    #[arg(long, value_name = "PATH", action = clap::ArgAction::Append)]
+    pub cuda_lib: Vec<PathBuf>,
 
     /// Ring buffer size in bytes (a power of two, at least 4096).
     #[arg(long, value_name = "BYTES", value_parser = ring_bytes, hide = true)]

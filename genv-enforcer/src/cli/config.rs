@@ -11,6 +11,7 @@ use crate::actions::ExecutorConfig;
 use crate::backends::devmap::NodeOverride;
 use crate::bpf::TierChoice;
 use crate::daemon::event_driven::Settings;
+use crate::prevention::alloc::MemoryAtAlloc;
 use crate::rules::{DeviceLimit, Rules};
 use crate::snapshot::EnvPolicy;
 
@@ -54,6 +55,12 @@ pub enum ConfigError {
     NeedsPrograms(&'static str),
     #[error("--deny-root widens --deny: it needs --deny")]
     DenyRootWithoutDeny,
+    #[error("--memory-at-alloc holds the memory rule at the allocation: it needs --env-memory")]
+    MemoryAtAllocWithoutEnvMemory,
+    #[error(
+        "--cuda-lib names libraries for --memory-at-alloc's probes: it needs --memory-at-alloc report or kill"
+    )]
+    CudaLibWithoutMemoryAtAlloc,
 }
 
 impl EnforceConfig {
@@ -128,12 +135,20 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
     if events.deny_root && !events.deny {
         return Err(ConfigError::DenyRootWithoutDeny);
     }
+    let memory_at_alloc = events.memory_at_alloc != MemoryAtAlloc::Off;
+    if memory_at_alloc && !rules.env_memory {
+        return Err(ConfigError::MemoryAtAllocWithoutEnvMemory);
+    }
+    if !events.cuda_lib.is_empty() && !memory_at_alloc {
+        return Err(ConfigError::CudaLibWithoutMemoryAtAlloc);
+    }
     let tier = events.bpf_tier.unwrap_or(TierChoice::Auto);
     if tier == TierChoice::None {
         for (given, flag) in [
             (events.deny, "--deny"),
             (events.keep_pinned, "--keep-pinned"),
             (events.bpf_log, "--bpf-log"),
+            (memory_at_alloc, "--memory-at-alloc"),
         ] {
             if given {
                 return Err(ConfigError::NeedsPrograms(flag));
@@ -153,6 +168,8 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
         keep_pinned: events.keep_pinned,
         pin_dir: events.pin_dir.clone(),
         bpf_log: events.bpf_log,
+        memory_at_alloc: events.memory_at_alloc,
+        cuda_libs: events.cuda_lib.clone(),
     }))
 }
 
@@ -169,6 +186,8 @@ fn event_only_flag(args: &EnforceArgs) -> Option<&'static str> {
         (e.keep_pinned, "--keep-pinned"),
         (e.ring_buffer_bytes.is_some(), "--ring-buffer-bytes"),
         (e.bpf_log, "--bpf-log"),
+        (e.memory_at_alloc != MemoryAtAlloc::Off, "--memory-at-alloc"),
+        (!e.cuda_lib.is_empty(), "--cuda-lib"),
     ]
     .into_iter()
     .find_map(|(given, flag)| given.then_some(flag))
@@ -204,6 +223,39 @@ mod tests {
             assert_eq!(error, ConfigError::NeedsEventDriven(flag));
             assert!(error.to_string().contains("--event-driven"), "{error}");
         }
+    }
+
+    #[test]
+    fn memory_at_alloc_needs_the_memory_rule_and_programs() {
+        let error = config(&["--memory-at-alloc", "kill"]).unwrap_err();
+        assert_eq!(error, ConfigError::NeedsEventDriven("--memory-at-alloc"));
+        let error = config(&[
+            "--event-driven",
+            "--memory-at-alloc",
+            "kill",
+            "--no-env-memory",
+        ])
+        .unwrap_err();
+        assert_eq!(error, ConfigError::MemoryAtAllocWithoutEnvMemory);
+        let error = config(&["--event-driven", "--cuda-lib", "/x/libcuda.so.1"]).unwrap_err();
+        assert_eq!(error, ConfigError::CudaLibWithoutMemoryAtAlloc);
+        let error = config(&[
+            "--event-driven",
+            "--bpf-tier",
+            "none",
+            "--memory-at-alloc",
+            "report",
+        ])
+        .unwrap_err();
+        assert_eq!(error, ConfigError::NeedsPrograms("--memory-at-alloc"));
+        let ok = config(&["--event-driven", "--memory-at-alloc", "kill"]).unwrap();
+        assert!(matches!(
+            ok.mode,
+            Mode::EventDriven(Settings {
+                memory_at_alloc: MemoryAtAlloc::Kill,
+                ..
+            })
+        ));
     }
 
     #[test]

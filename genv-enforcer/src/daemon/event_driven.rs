@@ -10,7 +10,6 @@
 //!   as open events and are reported ([`crate::prevention`]).
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -21,37 +20,13 @@ use super::instance::Instance;
 use super::kernel_inspector::KernelInspector;
 use super::kernel_side::KernelSide;
 use super::schedule::Schedule;
+pub use super::settings::Settings;
 use super::state_watch::{StateWatch, Target};
 use super::status::Status;
 use super::watchlist::Watchlist;
-use crate::bpf::TierChoice;
 use crate::cycle::{CycleSummary, Enforcer, Scope};
-use crate::intake::{BadRecord, EventIntake, KernelEvent, Verdict};
+use crate::intake::{AllocOutcome, BadRecord, EventIntake, KernelEvent, OverCap, Verdict};
 use crate::prevention;
-
-/// The event-driven mode's settings, validated (see `cli::config`).
-#[derive(Debug)]
-pub struct Settings {
-    pub interval: Duration,
-    pub memory_interval: Duration,
-    pub tier: TierChoice,
-    pub ring_bytes: Option<u32>,
-    pub run_dir: PathBuf,
-    pub verbose: bool,
-    /// `--deny`: refuse (lsm, fmod_ret) or kill in the syscall (other tiers) outside
-    /// processes.
-    pub deny: bool,
-    /// `--allow-exe`, beyond the defaults.
-    pub allow_exes: Vec<PathBuf>,
-    /// `--deny-root`: root's processes outside environments are denied too.
-    pub deny_root: bool,
-    /// `--keep-pinned`: pin under a generation of `pin_dir`.
-    pub keep_pinned: bool,
-    /// Where pins go, and where an earlier run's are looked for.
-    pub pin_dir: PathBuf,
-    /// `--bpf-log`: the programs' decisions printed as `[BPF]` lines.
-    pub bpf_log: bool,
-}
 
 /// How long a process terminated by a narrow check is left out of the next ones.
 const SETTLE: Duration = Duration::from_secs(2);
@@ -291,10 +266,20 @@ impl Daemon {
             }
             KernelEvent::Exit { pid } => {
                 counts.exit_events += 1;
+                if let Some(kernel) = self.kernel.as_mut() {
+                    kernel.exited(pid);
+                }
                 self.enforcer.builder.forget(pid);
                 self.watchlist.remove(pid);
                 self.settled.remove(&pid);
             }
+            KernelEvent::CudaStart { pid, .. } => {
+                counts.cuda_starts += 1;
+                if let Some(kernel) = self.kernel.as_mut() {
+                    kernel.cuda_started(pid);
+                }
+            }
+            KernelEvent::Alloc(over) => self.on_over_cap(&over, now),
             KernelEvent::Open(open) => {
                 counts.open_events += 1;
                 if self.settings.verbose {
@@ -331,6 +316,22 @@ impl Daemon {
                     _ => self.watchlist.add(open, now),
                 }
             }
+        }
+    }
+
+    /// `--memory-at-alloc`: the kernel found an allocation past its environment's cap.
+    fn on_over_cap(&mut self, over: &OverCap, now: Instant) {
+        let counts = &mut self.status.counts;
+        match over.outcome {
+            AllocOutcome::Killed => counts.killed_at_alloc += 1,
+            AllocOutcome::Reported => counts.reported_at_alloc += 1,
+            AllocOutcome::KillFailed => {}
+        }
+        if let Some(line) = self.kernel.as_ref().and_then(|k| k.alloc_line(over)) {
+            println!("{line}");
+        }
+        if over.outcome == AllocOutcome::Killed {
+            self.settled.insert(over.pid, now);
         }
     }
 
@@ -405,7 +406,17 @@ impl Daemon {
             return;
         }
         let settled = self.settled(Instant::now());
+        // Read before NVML is asked: an allocation meanwhile is then counted twice
+        // until the next poll, never missed.
+        let before = self.kernel.as_mut().and_then(KernelSide::alloc_deltas);
         let summary = self.enforcer.check(Scope::Memory, &settled);
+        if let (Some(kernel), Some(before), Some(processes)) =
+            (self.kernel.as_mut(), &before, &summary.measured)
+        {
+            let usage = prevention::alloc::measured(processes);
+            let listed = summary.gpu_pids.iter().copied().collect();
+            kernel.rebase(before, &usage, &listed);
+        }
         self.status.counts.memory_checks += 1;
         self.count(&summary);
         let now = Instant::now();

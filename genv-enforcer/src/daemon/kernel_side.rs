@@ -2,22 +2,26 @@
 //! keeping what they decide from (watched nodes, genv's environments, the allow-list,
 //! `--deny`) in step with each full cycle, and taking over from an earlier run's pins.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use genv_ebpf_common::alloc::EnvGpu;
 
 use super::event_driven::Settings;
+use super::memory_at_alloc::AllocSide;
 use super::status::Status;
 use crate::backends::devmap::DeviceMap;
 use crate::backends::{nvml, procfs};
 use crate::bpf::lifecycle::EnvScan;
 use crate::bpf::policy_maps::DenyPolicy;
-use crate::bpf::{KernelPrograms, LoadOptions, TierChoice, pins};
+use crate::bpf::{KernelPrograms, LoadError, LoadOptions, TierChoice, pins};
 use crate::cycle::CycleSummary;
 use crate::intake::EventIntake;
+use crate::intake::OverCap;
 use crate::intake::decision_log::{self, EnvNames, Printer};
 use crate::prevention;
+use crate::prevention::alloc::MemoryAtAlloc;
 use crate::snapshot::DroppedEnv;
 use crate::state::{Device, Env};
 
@@ -47,6 +51,8 @@ pub(super) struct KernelSide {
     tools_beside: Option<PathBuf>,
     /// `--bpf-log`: the environments' names by identity, for the `[BPF]` lines.
     env_names: Option<EnvNames>,
+    /// `--memory-at-alloc`.
+    alloc: Option<AllocSide>,
 }
 
 /// `--bpf-log`: the programs' decision log, printed on a thread of its own; the names
@@ -95,30 +101,15 @@ impl KernelSide {
             pin_dir: pin_generation.clone(),
             compat_opens: settings.deny,
             log_decisions: settings.bpf_log,
+            memory_at_alloc: settings.memory_at_alloc != MemoryAtAlloc::Off,
         };
         let (mut programs, events) = match KernelPrograms::load(&options) {
             Ok(loaded) => loaded,
+            Err(e @ LoadError::MemoryAtAlloc(_)) => bail!("--memory-at-alloc: {e}"),
             Err(e) if settings.tier != TierChoice::Auto => {
                 bail!("--bpf-tier {}: {e}", settings.tier.name())
             }
-            Err(e) => {
-                eprintln!(
-                    "[WARNING] No BPF tier could be loaded ({e}); enforcing with the full cycle alone every {every}s, as genv does"
-                );
-                status.sees = format!("no BPF ({e}): the full cycle alone, every {every}s");
-                let deny = DenyPolicy {
-                    deny: settings.deny,
-                    root: settings.deny_root,
-                };
-                status.guarantee = prevention::guarantee(None, deny);
-                if settings.deny {
-                    eprintln!(
-                        "[WARNING] --deny cannot be kept without kernel programs: GPU opens outside any environment are {}",
-                        status.guarantee
-                    );
-                }
-                return Ok(None);
-            }
+            Err(e) => return Ok(no_programs(settings, status, &e)),
         };
         describe_tier(&programs, status);
         if programs.env_scan() == EnvScan::Whole {
@@ -140,7 +131,11 @@ impl KernelSide {
             pin_generation,
             tools_beside: None,
             env_names,
+            alloc: None,
         };
+        if settings.memory_at_alloc != MemoryAtAlloc::Off {
+            side.alloc = Some(AllocSide::start(&mut side.programs, settings));
+        }
         side.exempt_self(settings)?;
         side.install_allow_list(settings, None)?;
         let seeded = prevention::seed_identities(side.programs.policy_mut());
@@ -194,6 +189,13 @@ impl KernelSide {
     ) {
         self.watch_nodes(status, device_map);
         let state = summary.state.take();
+        if let Some(alloc) = &mut self.alloc {
+            let envs = state.as_ref().map(|(envs, _)| envs.as_slice());
+            let gpus = state
+                .as_ref()
+                .map_or(0, |(_, devices)| devices.len() as u32);
+            alloc.follow_state(&mut self.programs, envs, gpus);
+        }
         self.mirror_state(settings, status, state, &summary.dropped_envs);
         self.resync_identities(settings, status);
         self.follow_nvml(settings);
@@ -205,6 +207,9 @@ impl KernelSide {
         let dir = nvml::loaded_library().and_then(|lib| lib.parent().map(Path::to_path_buf));
         if dir.is_none() || dir == self.tools_beside {
             return;
+        }
+        if let Some(alloc) = &mut self.alloc {
+            alloc.attach_found(&mut self.programs, &settings.cuda_libs, dir.as_deref());
         }
         if let Err(e) = self.install_allow_list(settings, dir.as_deref()) {
             eprintln!("[WARNING] Cannot update the allow-list: {e}");
@@ -246,6 +251,39 @@ impl KernelSide {
                 done.resolved, done.seeded, done.pruned
             );
         }
+    }
+
+    /// `--memory-at-alloc`: the accounting deltas, read before NVML is asked.
+    pub(super) fn alloc_deltas(&mut self) -> Option<HashMap<EnvGpu, i64>> {
+        self.alloc.as_ref()?;
+        AllocSide::deltas(&mut self.programs)
+    }
+
+    /// `--memory-at-alloc`: NVML's answer (the memory poll's) becomes the baselines.
+    pub(super) fn rebase(
+        &mut self,
+        before: &HashMap<EnvGpu, i64>,
+        measured: &HashMap<EnvGpu, u64>,
+        listed: &HashSet<u32>,
+    ) {
+        AllocSide::rebase(&mut self.programs, before, measured, listed);
+    }
+
+    pub(super) fn cuda_started(&mut self, pid: u32) {
+        if let Some(alloc) = &mut self.alloc {
+            alloc.cuda_started(&mut self.programs, pid);
+        }
+    }
+
+    pub(super) fn exited(&mut self, pid: u32) {
+        if let Some(alloc) = &mut self.alloc {
+            alloc.exited(&mut self.programs, pid);
+        }
+    }
+
+    /// The line for an allocation the kernel found past its environment's cap.
+    pub(super) fn alloc_line(&self, over: &OverCap) -> Option<String> {
+        self.alloc.as_ref().map(|alloc| alloc.line(over))
     }
 
     /// Before the daemon exits: its process id leaves the exemptions, which pinned maps
@@ -321,11 +359,21 @@ impl KernelSide {
             deny: settings.deny,
             root: settings.deny_root,
         };
-        if deny.deny {
-            if let Err(e) = self.programs.policy_mut().set_deny(deny) {
-                eprintln!("[ERROR] Cannot turn on --deny in the kernel: {e}");
+        let memory = settings.memory_at_alloc.policy_flags();
+        if deny.deny || memory != 0 {
+            if let Err(e) = self.programs.policy_mut().set_policy(deny, memory) {
+                eprintln!("[ERROR] Cannot turn on --deny or --memory-at-alloc in the kernel: {e}");
                 return;
             }
+        }
+        match settings.memory_at_alloc {
+            MemoryAtAlloc::Off => {}
+            MemoryAtAlloc::Report => eprintln!(
+                "[INFO] Allocations past an environment's gpu_memory are reported at the call (--memory-at-alloc report)"
+            ),
+            MemoryAtAlloc::Kill => eprintln!(
+                "[INFO] Allocations past an environment's gpu_memory kill their process in the call (--memory-at-alloc kill)"
+            ),
         }
         let guarantee = prevention::guarantee(Some(self.programs.tier()), deny);
         eprintln!("[INFO] GPU opens outside any environment are {guarantee}");
@@ -356,6 +404,32 @@ impl KernelSide {
             );
         }
     }
+}
+
+/// Under `--bpf-tier auto`, no tier loaded: the full cycle alone, said loudly.
+fn no_programs(settings: &Settings, status: &mut Status, e: &LoadError) -> Started {
+    let every = settings.interval.as_secs_f64();
+    eprintln!(
+        "[WARNING] No BPF tier could be loaded ({e}); enforcing with the full cycle alone every {every}s, as genv does"
+    );
+    status.sees = format!("no BPF ({e}): the full cycle alone, every {every}s");
+    let deny = DenyPolicy {
+        deny: settings.deny,
+        root: settings.deny_root,
+    };
+    status.guarantee = prevention::guarantee(None, deny);
+    if settings.deny {
+        eprintln!(
+            "[WARNING] --deny cannot be kept without kernel programs: GPU opens outside any environment are {}",
+            status.guarantee
+        );
+    }
+    if settings.memory_at_alloc != MemoryAtAlloc::Off {
+        eprintln!(
+            "[WARNING] --memory-at-alloc cannot be kept without kernel programs: the memory rule acts at each memory poll"
+        );
+    }
+    None
 }
 
 /// Says which tier runs, and why better ones did not.

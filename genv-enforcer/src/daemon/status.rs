@@ -73,6 +73,14 @@ pub struct Counts {
     pub identities_resolved: u64,
     /// Processes the kernel had no identity for, recorded by the full cycle.
     pub identities_seeded: u64,
+    /// `--memory-at-alloc`: processes seen starting CUDA, and allocations past a cap
+    /// (killed in the call, or reported).
+    #[serde(default)]
+    pub cuda_starts: u64,
+    #[serde(default)]
+    pub killed_at_alloc: u64,
+    #[serde(default)]
+    pub reported_at_alloc: u64,
 }
 
 /// `genv-enforcer status`.

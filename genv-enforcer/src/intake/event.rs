@@ -1,7 +1,7 @@
 //! Kernel events, typed: a record with an unknown kind or hook is refused, not guessed.
 
 use genv_ebpf_common::{
-    EXEC_UNRESOLVED, FORK_UNRESOLVED, RawEvent, kind, split_kernel_dev, verdict,
+    EXEC_UNRESOLVED, FORK_UNRESOLVED, RawEvent, cuda_call, hook, kind, split_kernel_dev, verdict,
 };
 
 use crate::bpf::Tier;
@@ -25,6 +25,43 @@ pub enum KernelEvent {
         pid: u32,
     },
     Open(GpuOpen),
+    /// An allocation past its environment's cap (`--memory-at-alloc`).
+    Alloc(OverCap),
+    /// A process started using CUDA (`cuInit`, or a context retained or created).
+    CudaStart {
+        pid: u32,
+        call: CudaCall,
+    },
+}
+
+/// An allocation that would take an environment past its `gpu_memory` on a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OverCap {
+    pub pid: u32,
+    /// The environment's identity (`env_id_hash` of its id).
+    pub env: u64,
+    pub index: u32,
+    /// Bytes the environment would use on the GPU with the allocation.
+    pub would_use: u64,
+    pub outcome: AllocOutcome,
+    pub at_ns: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllocOutcome {
+    /// SIGKILL in the call: the driver never saw the allocation.
+    Killed,
+    /// `--memory-at-alloc report`: the allocation went on.
+    Reported,
+    /// SIGKILL could not be sent: the allocation went on.
+    KillFailed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CudaCall {
+    Init,
+    PrimaryCtxRetain,
+    CtxCreate,
 }
 
 /// A process opened (or, on the LSM, fmod_ret and fentry tiers, tried to open) a GPU node.
@@ -171,6 +208,28 @@ impl TryFrom<RawEvent> for KernelEvent {
                     at_ns: raw.ktime_ns,
                 })
             }
+            kind::ALLOC if raw.hook == hook::UPROBE => KernelEvent::Alloc(OverCap {
+                pid: raw.pid,
+                env: raw.detail,
+                index: raw.index,
+                would_use: raw.amount,
+                outcome: match raw.verdict {
+                    verdict::ALLOC_KILLED => AllocOutcome::Killed,
+                    verdict::ALLOC_REPORTED => AllocOutcome::Reported,
+                    verdict::ALLOC_KILL_FAILED => AllocOutcome::KillFailed,
+                    _ => return Err(unknown),
+                },
+                at_ns: raw.ktime_ns,
+            }),
+            kind::CUDA if raw.hook == hook::UPROBE => KernelEvent::CudaStart {
+                pid: raw.pid,
+                call: match raw.arg {
+                    cuda_call::INIT => CudaCall::Init,
+                    cuda_call::PRIMARY_CTX_RETAIN => CudaCall::PrimaryCtxRetain,
+                    cuda_call::CTX_CREATE => CudaCall::CtxCreate,
+                    _ => return Err(unknown),
+                },
+            },
             _ => return Err(unknown),
         })
     }
@@ -194,6 +253,7 @@ mod tests {
             uid: 1000,
             verdict: verdict::KILLED,
             ktime_ns: 5,
+            ..RawEvent::default()
         };
         let KernelEvent::Open(open) = KernelEvent::try_from(raw).unwrap() else {
             panic!("not an open");
@@ -253,11 +313,11 @@ mod tests {
         );
         let mut long = bytes.to_vec();
         long.extend([0; 8]);
-        assert_eq!(KernelEvent::from_record(&long), Err(BadRecord::Size(48)));
+        assert_eq!(KernelEvent::from_record(&long), Err(BadRecord::Size(64)));
         assert_eq!(KernelEvent::from_record(&[]), Err(BadRecord::Size(0)));
         assert_eq!(
             BadRecord::Size(39).to_string(),
-            "kernel record of 39 bytes, expected 40: the daemon and its programs disagree"
+            "kernel record of 39 bytes, expected 56: the daemon and its programs disagree"
         );
     }
 }

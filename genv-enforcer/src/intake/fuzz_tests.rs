@@ -27,6 +27,8 @@ fn record(raw: &RawEvent) -> Vec<u8> {
     ];
     let mut bytes: Vec<u8> = fields.iter().flat_map(|f| f.to_ne_bytes()).collect();
     bytes.extend(raw.ktime_ns.to_ne_bytes());
+    bytes.extend(raw.detail.to_ne_bytes());
+    bytes.extend(raw.amount.to_ne_bytes());
     bytes
 }
 
@@ -36,8 +38,21 @@ fn field(known: &'static [u32]) -> impl Strategy<Value = u32> {
 }
 
 fn raw_event() -> impl Strategy<Value = RawEvent> {
-    let kinds = &[kind::EXEC, kind::FORK, kind::EXIT, kind::OPEN];
-    let hooks = &[hook::LSM, hook::FMOD_RET, hook::FENTRY, hook::TRACEPOINT];
+    let kinds = &[
+        kind::EXEC,
+        kind::FORK,
+        kind::EXIT,
+        kind::OPEN,
+        kind::ALLOC,
+        kind::CUDA,
+    ];
+    let hooks = &[
+        hook::LSM,
+        hook::FMOD_RET,
+        hook::FENTRY,
+        hook::TRACEPOINT,
+        hook::UPROBE,
+    ];
     let verdicts = &[
         verdict::ATTACHED,
         verdict::NOT_ATTACHED,
@@ -48,20 +63,28 @@ fn raw_event() -> impl Strategy<Value = RawEvent> {
         verdict::ROOT,
         verdict::EXEMPT,
         verdict::KILL_FAILED,
+        verdict::ALLOC_KILLED,
+        verdict::ALLOC_REPORTED,
+        verdict::ALLOC_KILL_FAILED,
     ];
     let ids = (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>());
     let decided = (field(kinds), field(hooks), field(verdicts), any::<u32>());
-    (ids, decided, any::<u64>()).prop_map(
-        |((pid, tid, arg, index), (kind, hook, verdict, uid), ktime_ns)| RawEvent {
-            kind,
-            pid,
-            tid,
-            arg,
-            index,
-            hook,
-            uid,
-            verdict,
-            ktime_ns,
+    let wide = (any::<u64>(), any::<u64>(), any::<u64>());
+    (ids, decided, wide).prop_map(
+        |((pid, tid, arg, index), (kind, hook, verdict, uid), (ktime_ns, detail, amount))| {
+            RawEvent {
+                kind,
+                pid,
+                tid,
+                arg,
+                index,
+                hook,
+                uid,
+                verdict,
+                ktime_ns,
+                detail,
+                amount,
+            }
         },
     )
 }
@@ -110,6 +133,29 @@ fn a_record_decodes_to_the_event_it_describes_at_any_alignment() {
                     prop_assert_eq!((open.pid, open.tid, open.uid), (raw.pid, raw.tid, raw.uid));
                     prop_assert_eq!((open.major, open.minor), (major, minor));
                     prop_assert_eq!((open.index, open.at_ns), (raw.index, raw.ktime_ns));
+                    return Ok(());
+                }
+                Ok(other) => return Err(TestCaseError::fail(format!("{other:?}"))),
+                Err(e) => {
+                    prop_assert_eq!(e, BadRecord::Unknown(unknown));
+                    return Ok(());
+                }
+            },
+            kind::ALLOC | kind::CUDA => match decoded {
+                Ok(KernelEvent::Alloc(over)) => {
+                    prop_assert_eq!((raw.kind, raw.hook), (kind::ALLOC, hook::UPROBE));
+                    prop_assert_eq!(
+                        (over.pid, over.env, over.index),
+                        (raw.pid, raw.detail, raw.index)
+                    );
+                    prop_assert_eq!((over.would_use, over.at_ns), (raw.amount, raw.ktime_ns));
+                    return Ok(());
+                }
+                Ok(KernelEvent::CudaStart { pid, .. }) => {
+                    prop_assert_eq!(
+                        (raw.kind, raw.hook, pid),
+                        (kind::CUDA, hook::UPROBE, raw.pid)
+                    );
                     return Ok(());
                 }
                 Ok(other) => return Err(TestCaseError::fail(format!("{other:?}"))),

@@ -9,5 +9,7 @@ mod ring;
 #[cfg(test)]
 mod fuzz_tests;
 
-pub use event::{BadRecord, GpuOpen, KernelEvent, UnknownEvent, Verdict};
+pub use event::{
+    AllocOutcome, BadRecord, CudaCall, GpuOpen, KernelEvent, OverCap, UnknownEvent, Verdict,
+};
 pub use ring::EventIntake;

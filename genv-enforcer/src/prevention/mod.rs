@@ -4,8 +4,10 @@
 //! allowed outside environments ([`allowlist`]), all written into the maps that
 //! [`crate::bpf::policy_maps`] holds; it reports what the kernel decided
 //! ([`decisions`]); and it finishes what a kill in the kernel could not, for processes
-//! sharing the killed opener's descriptors ([`holders`]).
+//! sharing the killed opener's descriptors ([`holders`]). With `--memory-at-alloc`, it
+//! keeps the libcuda probes' accounting true too ([`alloc`]).
 
+pub mod alloc;
 pub mod allowlist;
 pub mod decisions;
 pub mod holders;

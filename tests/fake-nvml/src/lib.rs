@@ -44,7 +44,7 @@ const VALUE_NOT_AVAILABLE: c_ulonglong = u64::MAX;
 /// `nvmlDevice_t` is an opaque pointer; ours encodes `index + 1` so that null stays invalid.
 type DeviceHandle = *mut std::ffi::c_void;
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 struct Config {
     #[serde(default)]
     devices: Vec<DeviceConfig>,
@@ -57,9 +57,44 @@ struct Config {
     /// refused open is ignored, as the real library would report it later.
     #[serde(default)]
     open_on_init: Vec<String>,
+    /// The fake libcuda's allocations (`tests/fake-cuda`): a directory of
+    /// `<pid>-<index>` files, each holding the bytes that process holds on that GPU,
+    /// reported as its compute context as the driver would. Read at each enumeration.
+    #[serde(default)]
+    ledger: Option<String>,
 }
 
-#[derive(Deserialize)]
+impl Config {
+    /// The configuration with the ledger's contexts added.
+    fn with_ledger(&self, dir: &str) -> Config {
+        let mut merged = self.clone();
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return merged;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some((pid, gpu)) = name.to_str().and_then(|n| n.split_once('-')) else {
+                continue;
+            };
+            let (Ok(pid), Ok(gpu)) = (pid.parse(), gpu.parse()) else {
+                continue;
+            };
+            let Ok(text) = std::fs::read_to_string(entry.path()) else {
+                continue;
+            };
+            if let Ok(bytes) = text.trim().parse::<u64>() {
+                merged.processes.push(ProcessConfig {
+                    pid,
+                    gpu,
+                    used_memory: Some(bytes),
+                });
+            }
+        }
+        merged
+    }
+}
+
+#[derive(Clone, Deserialize)]
 struct DeviceConfig {
     uuid: String,
     minor: u32,
@@ -72,7 +107,7 @@ fn default_name() -> String {
     "Fake NVIDIA GPU".to_owned()
 }
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 struct ProcessConfig {
     pid: u32,
     gpu: u32,
@@ -92,6 +127,8 @@ struct State {
     /// that benchmarks measure.
     live: Option<Arc<HashSet<u32>>>,
     pidfds: Option<HashMap<u32, Option<OwnedFd>>>,
+    /// The configuration with the ledger's contexts, as of the last enumeration.
+    merged: Option<Arc<Config>>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
@@ -100,6 +137,7 @@ static STATE: Mutex<State> = Mutex::new(State {
     config: None,
     live: None,
     pidfds: None,
+    merged: None,
 });
 
 fn config_path() -> Option<String> {
@@ -136,11 +174,20 @@ fn with_config(name: &str, body: impl FnOnce(&Config, &HashSet<u32>) -> NvmlRetu
         let Some(config) = load(&mut state) else {
             return ERROR_DRIVER_NOT_LOADED;
         };
-        if name == "nvmlDeviceGetCount_v2" || state.live.is_none() {
+        if name == "nvmlDeviceGetCount_v2" || state.live.is_none() || state.merged.is_none() {
+            let merged = match &config.ledger {
+                Some(dir) => Arc::new(config.with_ledger(dir)),
+                None => config.clone(),
+            };
             let pidfds = state.pidfds.get_or_insert_with(HashMap::new);
-            let live = live_pids(&config, pidfds);
+            let live = live_pids(&merged, pidfds);
             state.live = Some(Arc::new(live));
+            state.merged = Some(merged);
         }
+        let config = match &config.ledger {
+            Some(_) => state.merged.clone().unwrap_or(config),
+            None => config,
+        };
         (config, state.live.clone().unwrap_or_default())
     };
     if let Some(code) = config.fail.get(name) {

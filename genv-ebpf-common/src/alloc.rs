@@ -1,0 +1,105 @@
+//! GPU memory at allocation time (`--memory-at-alloc`): what the libcuda uprobes and
+//! the daemon share.
+//!
+//! An environment's usage on a GPU, as the probes judge it, is
+//! `baseline.nvml_bytes + (delta - baseline.delta_at)`: NVML's figure at the daemon's
+//! last memory poll, plus what the probes saw allocated and freed since. `delta` only
+//! ever moves by atomic adds in the probes (and the daemon's subtraction when a process
+//! exits), so the daemon never writes it: it reads it before asking NVML and stores the
+//! pair, which is why a poll cannot lose an allocation made while it ran (it is counted
+//! twice until the next poll instead: the safe side).
+
+/// Environment ([`crate::env_id_hash`]) → its `gpu_memory` cap in bytes, for
+/// environments that have one.
+pub const ENV_MEMORY_MAP: &str = "ENV_MEMORY";
+/// [`EnvGpu`] → bytes allocated minus bytes freed, as the probes saw them (`i64`).
+pub const ALLOC_DELTA_MAP: &str = "ALLOC_DELTA";
+/// [`EnvGpu`] → [`Baseline`], written by the daemon at each memory poll.
+pub const ALLOC_BASE_MAP: &str = "ALLOC_BASE";
+/// [`ProcGpu`] → [`Charge`]: what each process holds per GPU by the probes' count, so
+/// that the daemon can take it off its environment's delta when the process exits (the
+/// driver frees it then).
+pub const PROC_CHARGE_MAP: &str = "PROC_CHARGE";
+/// Process (tgid) → [`Ordinals`]: its CUDA device numbers to NVML indices, from its
+/// `CUDA_VISIBLE_DEVICES`, written by the daemon when the process starts CUDA.
+pub const PROC_ORDINALS_MAP: &str = "PROC_ORDINALS";
+
+/// Every map of the probes, the kernel side's own included: sized down to one entry
+/// when `--memory-at-alloc` is off, so that they cost no kernel memory.
+pub const ALL_MAPS: [&str; 9] = [
+    ENV_MEMORY_MAP,
+    ALLOC_DELTA_MAP,
+    ALLOC_BASE_MAP,
+    PROC_CHARGE_MAP,
+    PROC_ORDINALS_MAP,
+    "ALLOCS",
+    "CTX_DEVICE",
+    "THREAD_CTX",
+    "PENDING",
+];
+
+/// Capacity of the per-environment maps (one entry per environment and GPU).
+pub const MAX_ENV_GPUS: u32 = 16 * 1024;
+/// Capacity of [`PROC_CHARGE_MAP`] and [`PROC_ORDINALS_MAP`].
+pub const MAX_CUDA_PROCESSES: u32 = 8 * 1024;
+/// Live allocations tracked for their frees (an LRU map: an evicted one's free is not
+/// subtracted, which over-counts until the next memory poll).
+pub const MAX_ALLOCATIONS: u32 = 64 * 1024;
+/// CUDA device numbers a process can see that are mapped to NVML indices.
+pub const MAX_ORDINALS: usize = 16;
+/// [`Ordinals::index`] of an ordinal `CUDA_VISIBLE_DEVICES` does not give.
+pub const NO_GPU: u8 = u8::MAX;
+
+/// One environment on one GPU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct EnvGpu {
+    pub env: u64,
+    pub gpu: u32,
+    pub _pad: u32,
+}
+
+/// NVML's figure for an environment on a GPU, and the delta when it was asked.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Baseline {
+    pub nvml_bytes: u64,
+    pub delta_at: i64,
+}
+
+/// One process on one GPU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ProcGpu {
+    pub tgid: u32,
+    pub gpu: u32,
+}
+
+/// Bytes charged to an environment on a GPU: a live allocation's, or all of one
+/// process's (`bytes` is moved by atomic adds, so it stays at offset 8).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Charge {
+    pub env: u64,
+    pub bytes: i64,
+    pub gpu: u32,
+    pub _pad: u32,
+}
+
+/// A process's CUDA device numbers: `index[ordinal]` is the NVML index, or [`NO_GPU`].
+/// Without an entry, ordinal `n` is NVML index `n` (no `CUDA_VISIBLE_DEVICES`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ordinals {
+    pub index: [u8; MAX_ORDINALS],
+}
+
+/// A thread's CUDA context stack (`cuCtxPushCurrent`/`cuCtxPopCurrent`); `ctx[0]` is
+/// the current one. Deeper pushes than four keep the newest four.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtxStack {
+    pub ctx: [u64; 4],
+    pub depth: u32,
+    pub _pad: u32,
+}

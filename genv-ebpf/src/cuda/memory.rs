@@ -1,0 +1,291 @@
+//! Allocations and frees: each charged to its environment and GPU before the cap is
+//! checked, given back when the call fails or the memory is freed.
+
+use aya_ebpf::helpers::{bpf_get_current_uid_gid, bpf_send_signal};
+use aya_ebpf::macros::{uprobe, uretprobe};
+use aya_ebpf::programs::{ProbeContext, RetProbeContext};
+use genv_ebpf_common::alloc::{Charge, EnvGpu, ProcGpu};
+use genv_ebpf_common::{RawEvent, hook, identity, kind, policy, verdict};
+
+use super::context::{current_device, nvml_index};
+use super::{
+    ALLOC_BASE, ALLOC_DELTA, ALLOCS, CALL_ALLOC, CALL_ALLOC_UNCHARGED, CALL_FREE, ENV_MEMORY,
+    LOCATION_DEVICE, PENDING, PROC_CHARGE, PROP_LOCATION, Pending, SIGKILL, handle, read_user_u64,
+    take_pending,
+};
+use crate::kernel::current;
+use crate::maps::{ENVS, PROC_ENV, Wake, emit, policy};
+
+/// `cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)`, and the two asynchronous ones
+/// whose first two arguments are the same (`cuMemAllocAsync`,
+/// `cuMemAllocFromPoolAsync`): on the current context's device.
+#[uprobe]
+pub fn cu_mem_alloc(ctx: ProbeContext) -> u32 {
+    let (Some(out), Some(size)) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1)) else {
+        return 0;
+    };
+    allocating(out, size, None);
+    0
+}
+
+/// `cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+/// unsigned int elementSize)`: at least `width × height` bytes.
+#[uprobe]
+pub fn cu_mem_alloc_pitch(ctx: ProbeContext) -> u32 {
+    let (Some(out), Some(width), Some(height)) =
+        (ctx.arg::<u64>(0), ctx.arg::<u64>(2), ctx.arg::<u64>(3))
+    else {
+        return 0;
+    };
+    // Without a 128-bit multiply (which BPF lacks): sizes past 32 bits a side are
+    // taken as the largest, which no cap allows.
+    let size = match width >> 32 == 0 && height >> 32 == 0 {
+        true => width * height,
+        false => u64::MAX,
+    };
+    allocating(out, size, None);
+    0
+}
+
+/// `cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const
+/// CUmemAllocationProp *prop, unsigned long long flags)`: on the device the properties
+/// name (PyTorch's expandable segments).
+#[uprobe]
+pub fn cu_mem_create(ctx: ProbeContext) -> u32 {
+    let (Some(out), Some(size), Some(prop)) =
+        (ctx.arg::<u64>(0), ctx.arg::<u64>(1), ctx.arg::<u64>(2))
+    else {
+        return 0;
+    };
+    let location = read_user_u64(prop.wrapping_add(PROP_LOCATION)).unwrap_or(0);
+    let (kind, device) = (location as i32, (location >> 32) as i32);
+    if kind == LOCATION_DEVICE && device >= 0 {
+        allocating(out, size, Some(device as u32));
+    }
+    0
+}
+
+/// Return of every allocation call: a failed one gives its charge back; a successful
+/// one is recorded by its pointer or handle.
+#[uretprobe]
+pub fn cu_mem_alloc_ret(ctx: RetProbeContext) -> u32 {
+    let (pid, tid) = current();
+    let Some(p) = take_pending(tid) else {
+        return 0;
+    };
+    if p.call != CALL_ALLOC {
+        return 0;
+    }
+    if ctx.ret::<i32>() != 0 {
+        uncharge(pid, p.env, p.gpu, p.size as i64);
+        return 0;
+    }
+    if let Some(ptr) = read_user_u64(p.out) {
+        let charge = Charge {
+            env: p.env,
+            bytes: p.size as i64,
+            gpu: p.gpu,
+            _pad: 0,
+        };
+        let _ = ALLOCS.insert(&handle(pid, ptr), &charge, 0);
+    }
+    0
+}
+
+/// `cuMemFree_v2(CUdeviceptr)`, `cuMemFreeAsync(CUdeviceptr, CUstream)`,
+/// `cuMemRelease(CUmemGenericAllocationHandle)`.
+#[uprobe]
+pub fn cu_mem_free(ctx: ProbeContext) -> u32 {
+    let (_, tid) = current();
+    let Some(ptr) = ctx.arg::<u64>(0) else {
+        return 0;
+    };
+    let pending = Pending {
+        out: ptr,
+        size: 0,
+        env: 0,
+        gpu: 0,
+        call: CALL_FREE,
+    };
+    let _ = PENDING.insert(&tid, &pending, 0);
+    0
+}
+
+#[uretprobe]
+pub fn cu_mem_free_ret(ctx: RetProbeContext) -> u32 {
+    let (pid, tid) = current();
+    let Some(p) = take_pending(tid) else {
+        return 0;
+    };
+    if p.call != CALL_FREE || ctx.ret::<i32>() != 0 {
+        return 0;
+    }
+    let key = handle(pid, p.out);
+    // SAFETY: a plain lookup; the value is copied out at once.
+    if let Some(charge) = unsafe { ALLOCS.get(&key) }.copied() {
+        let _ = ALLOCS.remove(&key);
+        uncharge(pid, charge.env, charge.gpu, charge.bytes);
+    }
+    0
+}
+
+/// An allocation of `size` bytes is starting; `device` is the CUDA device number when
+/// the call names one, otherwise the current context's.
+#[inline(always)]
+fn allocating(out: u64, size: u64, device: Option<u32>) {
+    let (pid, tid) = current();
+    let mut pending = Pending {
+        out,
+        size,
+        env: 0,
+        gpu: 0,
+        call: CALL_ALLOC_UNCHARGED,
+    };
+    // A thread with no context known (made before the programs were attached) is on
+    // device 0, CUDA's default.
+    let device = device.unwrap_or_else(|| current_device(pid, tid).unwrap_or(0));
+    if let (Some(env), Some(gpu)) = (environment(pid), nvml_index(pid, device)) {
+        if charge(pid, env, gpu, size) {
+            pending.env = env;
+            pending.gpu = gpu;
+            pending.call = CALL_ALLOC;
+        }
+    }
+    let _ = PENDING.insert(&tid, &pending, 0);
+}
+
+/// Charges `size` bytes to `env` on `gpu`, then checks its cap; whether the charge
+/// stands (false: the process was killed in the call, and the charge taken back).
+#[inline(always)]
+fn charge(pid: u32, env: u64, gpu: u32, size: u64) -> bool {
+    let key = EnvGpu { env, gpu, _pad: 0 };
+    let Some(delta) = counter(&key) else {
+        return false;
+    };
+    let size = size.min(i64::MAX as u64) as i64;
+    add(delta, size);
+    // SAFETY: map memory, read after our own add: at least everything charged before.
+    let total = unsafe { core::ptr::read_volatile(delta) };
+    let over = match unsafe { ENV_MEMORY.get(&env) }.copied() {
+        Some(cap) => {
+            // SAFETY: a plain lookup; the value is copied out at once.
+            let base = unsafe { ALLOC_BASE.get(&key) }.copied().unwrap_or_default();
+            let usage = (base.nvml_bytes as i64)
+                .saturating_add(total)
+                .saturating_sub(base.delta_at);
+            (usage > cap as i64).then_some(usage)
+        }
+        None => None,
+    };
+    let flags = policy();
+    let Some(usage) = over else {
+        charge_process(pid, env, gpu, size);
+        return true;
+    };
+    if flags & policy::MEMORY_KILL != 0 {
+        // SAFETY: signals the current process; SIGKILL is delivered before the call
+        // returns to user space, so the driver never sees it.
+        if unsafe { bpf_send_signal(SIGKILL) } == 0 {
+            add(delta, -size);
+            report(pid, env, gpu, usage, verdict::ALLOC_KILLED);
+            return false;
+        }
+        report(pid, env, gpu, usage, verdict::ALLOC_KILL_FAILED);
+    } else if flags & policy::MEMORY_REPORT != 0 {
+        report(pid, env, gpu, usage, verdict::ALLOC_REPORTED);
+    }
+    charge_process(pid, env, gpu, size);
+    true
+}
+
+#[inline(always)]
+fn uncharge(pid: u32, env: u64, gpu: u32, size: i64) {
+    if let Some(delta) = ALLOC_DELTA.get_ptr_mut(EnvGpu { env, gpu, _pad: 0 }) {
+        add(delta, -size);
+    }
+    charge_process(pid, env, gpu, -size);
+}
+
+/// What the process holds on the GPU, for the daemon to take off when it exits.
+#[inline(always)]
+fn charge_process(pid: u32, env: u64, gpu: u32, size: i64) {
+    let key = ProcGpu { tgid: pid, gpu };
+    if PROC_CHARGE.get_ptr_mut(key).is_none() {
+        let fresh = Charge {
+            env,
+            bytes: 0,
+            gpu,
+            _pad: 0,
+        };
+        let _ = PROC_CHARGE.insert(&key, &fresh, BPF_NOEXIST);
+    }
+    if let Some(charge) = PROC_CHARGE.get_ptr_mut(key) {
+        // SAFETY: map memory; `bytes` is an aligned i64.
+        add(unsafe { &raw mut (*charge).bytes }, size);
+    }
+}
+
+const BPF_NOEXIST: u64 = 1;
+
+/// The environment's delta on a GPU, created at 0 (two CPUs creating it at once: one
+/// insert fails, both find the same entry).
+#[inline(always)]
+fn counter(key: &EnvGpu) -> Option<*mut i64> {
+    if let Some(delta) = ALLOC_DELTA.get_ptr_mut(key) {
+        return Some(delta);
+    }
+    let _ = ALLOC_DELTA.insert(key, &0, BPF_NOEXIST);
+    ALLOC_DELTA.get_ptr_mut(key)
+}
+
+/// An atomic add whose result is not used (BPF's `XADD`, on every kernel and CPU
+/// version): the cap is checked on a read after it, which sees at least this add and
+/// every earlier one.
+#[inline(always)]
+fn add(at: *mut i64, value: i64) {
+    // SAFETY: an aligned i64 in map memory, which lives as long as the map. (The BPF
+    // target has no `AtomicI64::fetch_add`: its atomics are these instructions.)
+    unsafe {
+        core::arch::asm!(
+            "lock *(u64 *)({at} + 0) += {value}",
+            at = in(reg) at,
+            value = in(reg) value,
+            options(nostack),
+        )
+    };
+}
+
+#[inline(always)]
+fn report(pid: u32, env: u64, gpu: u32, usage: i64, verdict: u32) {
+    let (_, tid) = current();
+    emit(
+        RawEvent {
+            kind: kind::ALLOC,
+            pid,
+            tid,
+            arg: 0,
+            index: gpu,
+            hook: hook::UPROBE,
+            uid: bpf_get_current_uid_gid() as u32,
+            verdict,
+            ktime_ns: 0,
+            detail: env,
+            amount: usage.max(0) as u64,
+        },
+        Wake::Now,
+    );
+}
+
+/// The process's environment identity, when it names an active environment its uid may
+/// claim (as the open hook decides); `None` outside any.
+#[inline(always)]
+fn environment(pid: u32) -> Option<u64> {
+    // SAFETY: plain lookups; the values are copied out at once.
+    let identity = unsafe { PROC_ENV.get(&pid) }.copied()?;
+    if matches!(identity, identity::NO_ENV | identity::UNRESOLVED) {
+        return None;
+    }
+    let env = unsafe { ENVS.get(&identity) }.copied()?;
+    let uid = bpf_get_current_uid_gid() as u32;
+    (uid == 0 || env.uid == uid).then_some(identity)
+}

@@ -1,0 +1,317 @@
+//! `--memory-at-alloc`'s half of the programs: the uprobes on libcuda's memory and
+//! context calls (`genv-ebpf/src/cuda.rs`), attached to every libcuda the daemon finds,
+//! and the handles of the accounting maps it keeps in step (caps, baselines, exits,
+//! device numbering). What those maps should hold is [`crate::prevention::alloc`]'s.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use aya::Ebpf;
+use aya::maps::{HashMap as BpfHashMap, MapData, MapError};
+use aya::programs::UProbe;
+use aya::programs::uprobe::UProbeScope;
+use genv_ebpf_common::alloc::{
+    ALLOC_BASE_MAP, ALLOC_DELTA_MAP, Baseline, Charge, ENV_MEMORY_MAP, EnvGpu, Ordinals,
+    PROC_CHARGE_MAP, PROC_ORDINALS_MAP, ProcGpu,
+};
+
+use super::error::{LoadError, chain, map_error, program_error, take_map};
+use super::loader::{Attached, program_mut};
+
+/// Each program and the libcuda symbols it is attached to. The entry and return probes
+/// of one call go together; a library must have the first two calls (the plain
+/// allocation and its free), and the rest are attached where the library has them.
+const PROBES: &[(&str, &[&str])] = &[
+    (
+        "cu_mem_alloc",
+        &[
+            "cuMemAlloc_v2",
+            "cuMemAllocAsync",
+            "cuMemAllocFromPoolAsync",
+        ],
+    ),
+    (
+        "cu_mem_alloc_ret",
+        &[
+            "cuMemAlloc_v2",
+            "cuMemAllocAsync",
+            "cuMemAllocFromPoolAsync",
+            "cuMemAllocPitch_v2",
+            "cuMemCreate",
+        ],
+    ),
+    (
+        "cu_mem_free",
+        &["cuMemFree_v2", "cuMemFreeAsync", "cuMemRelease"],
+    ),
+    (
+        "cu_mem_free_ret",
+        &["cuMemFree_v2", "cuMemFreeAsync", "cuMemRelease"],
+    ),
+    ("cu_mem_alloc_pitch", &["cuMemAllocPitch_v2"]),
+    ("cu_mem_create", &["cuMemCreate"]),
+    ("cu_init", &["cuInit"]),
+    ("cu_ctx_retain", &["cuDevicePrimaryCtxRetain"]),
+    ("cu_ctx_create", &["cuCtxCreate_v2"]),
+    (
+        "cu_ctx_made",
+        &["cuDevicePrimaryCtxRetain", "cuCtxCreate_v2"],
+    ),
+    ("cu_ctx_set_current", &["cuCtxSetCurrent"]),
+    ("cu_ctx_push", &["cuCtxPushCurrent_v2"]),
+    ("cu_ctx_pop", &["cuCtxPopCurrent_v2"]),
+];
+
+/// Without these a library is not a libcuda the probes can account for.
+const REQUIRED: [&str; 2] = ["cuMemAlloc_v2", "cuMemFree_v2"];
+
+/// Off, every map of the probes is one entry: no kernel memory for a feature not used.
+pub(super) fn size_maps(loader: &mut aya::EbpfLoader<'_>, memory_at_alloc: bool) {
+    if !memory_at_alloc {
+        for map in genv_ebpf_common::alloc::ALL_MAPS {
+            loader.map_max_entries(map, 1);
+        }
+    }
+}
+
+/// With `--memory-at-alloc`, the probes loaded (not attached yet) and their maps.
+pub(super) fn load_if(
+    memory_at_alloc: bool,
+    ebpf: &mut Ebpf,
+    programs: &mut Vec<Attached>,
+) -> Result<Option<AllocMaps>, LoadError> {
+    if !memory_at_alloc {
+        return Ok(None);
+    }
+    let wrap = |e: LoadError| LoadError::MemoryAtAlloc(e.to_string());
+    load(ebpf, programs).map_err(wrap)?;
+    Ok(Some(AllocMaps::take(ebpf).map_err(wrap)?))
+}
+
+/// Loads every probe program (once; attaching comes per library).
+fn load(ebpf: &mut Ebpf, programs: &mut Vec<Attached>) -> Result<(), LoadError> {
+    for &(name, _) in PROBES {
+        let probe: &mut UProbe = program_mut(ebpf, name)?
+            .try_into()
+            .map_err(program_error(name))?;
+        probe.load().map_err(program_error(name))?;
+        let id = probe.info().map_err(program_error(name))?.id();
+        programs.push(Attached {
+            name,
+            id,
+            link: None,
+        });
+    }
+    Ok(())
+}
+
+/// What attaching to one library gave.
+#[derive(Debug, Default)]
+pub struct Attachment {
+    /// Symbols the library does not have (their calls go unseen there).
+    pub missing: Vec<&'static str>,
+}
+
+/// Attaches every probe to `library`. A library without the required symbols is
+/// refused whole; the others missing are listed.
+pub(super) fn attach(ebpf: &mut Ebpf, library: &Path) -> Result<Attachment, LoadError> {
+    let symbols = exported_symbols(library)?;
+    if let Some(absent) = REQUIRED.iter().find(|s| !symbols.contains(**s)) {
+        return Err(LoadError::Object(format!(
+            "{}: no {absent} (not a libcuda)",
+            library.display()
+        )));
+    }
+    let mut attachment = Attachment::default();
+    for &(name, wanted) in PROBES {
+        let probe: &mut UProbe = program_mut(ebpf, name)?
+            .try_into()
+            .map_err(program_error(name))?;
+        for &symbol in wanted {
+            if !symbols.contains(symbol) {
+                if !attachment.missing.contains(&symbol) {
+                    attachment.missing.push(symbol);
+                }
+                continue;
+            }
+            probe
+                .attach(symbol, library, UProbeScope::AllProcesses)
+                .map_err(|e| LoadError::Program {
+                    program: name,
+                    message: format!(
+                        "attaching to {symbol} in {}: {}",
+                        library.display(),
+                        chain(&e)
+                    ),
+                })?;
+        }
+    }
+    Ok(attachment)
+}
+
+/// The dynamic symbols a library defines (bounded: a libcuda is tens of MiB; anything
+/// over 1 GiB is not one).
+fn exported_symbols(library: &Path) -> Result<HashSet<String>, LoadError> {
+    use object::{Object, ObjectSymbol};
+    const LIMIT: u64 = 1 << 30;
+    let refuse = |why: String| LoadError::Object(format!("{}: {why}", library.display()));
+    let size = std::fs::metadata(library)
+        .map_err(|e| refuse(e.to_string()))?
+        .len();
+    if size > LIMIT {
+        return Err(refuse(format!("{size} bytes, over {LIMIT}")));
+    }
+    let bytes = std::fs::read(library).map_err(|e| refuse(e.to_string()))?;
+    let file = object::File::parse(&*bytes).map_err(|e| refuse(e.to_string()))?;
+    Ok(file
+        .dynamic_symbols()
+        .filter(|s| s.is_definition())
+        .filter_map(|s| s.name().ok().map(str::to_owned))
+        .collect())
+}
+
+/// The libraries to probe: `ldconfig`'s `libcuda.so.1`, the one beside NVML, and those
+/// given (`--cuda-lib`); each file once, by its real path.
+pub fn libraries(given: &[PathBuf], beside_nvml: Option<&Path>) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = given.to_vec();
+    found.extend(ldconfig_libcuda());
+    if let Some(dir) = beside_nvml {
+        found.push(dir.join("libcuda.so.1"));
+    }
+    let mut seen = HashSet::new();
+    found
+        .into_iter()
+        .filter_map(|p| std::fs::canonicalize(&p).ok())
+        .filter(|p| seen.insert(p.clone()))
+        .collect()
+}
+
+/// `libcuda.so.1` in `ldconfig -p`'s cache listing (`\tlibcuda.so.1 (libc6,x86-64) =>
+/// /usr/lib/x86_64-linux-gnu/libcuda.so.1`).
+fn ldconfig_libcuda() -> Vec<PathBuf> {
+    let Ok(output) = std::process::Command::new("ldconfig").arg("-p").output() else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|l| l.trim_start().starts_with("libcuda.so.1 "))
+        .filter_map(|l| l.split("=> ").nth(1))
+        .map(|p| PathBuf::from(p.trim()))
+        .collect()
+}
+
+/// The accounting maps (see `genv_ebpf_common::alloc`).
+pub struct AllocMaps {
+    caps: BpfHashMap<MapData, u64, u64>,
+    delta: BpfHashMap<MapData, EnvGpu, i64>,
+    base: BpfHashMap<MapData, EnvGpu, Baseline>,
+    charges: BpfHashMap<MapData, ProcGpu, Charge>,
+    ordinals: BpfHashMap<MapData, u32, Ordinals>,
+}
+
+impl AllocMaps {
+    pub(super) fn take(ebpf: &mut Ebpf) -> Result<Self, LoadError> {
+        Ok(Self {
+            caps: take_map(ebpf, ENV_MEMORY_MAP)?,
+            delta: take_map(ebpf, ALLOC_DELTA_MAP)?,
+            base: take_map(ebpf, ALLOC_BASE_MAP)?,
+            charges: take_map(ebpf, PROC_CHARGE_MAP)?,
+            ordinals: take_map(ebpf, PROC_ORDINALS_MAP)?,
+        })
+    }
+
+    /// Makes the caps exactly `wanted` (environment identity → bytes).
+    pub fn sync_caps(&mut self, wanted: HashMap<u64, u64>) -> Result<(), LoadError> {
+        super::policy_maps::sync_map(&mut self.caps, wanted).map_err(map_error(ENV_MEMORY_MAP))
+    }
+
+    /// Every environment's delta now: read before NVML is asked (see
+    /// [`Self::set_baselines`]).
+    pub fn deltas(&self) -> HashMap<EnvGpu, i64> {
+        self.delta
+            .iter()
+            .filter_map(Result::ok)
+            .collect::<HashMap<_, _>>()
+    }
+
+    /// NVML's figures (`measured`; an environment and GPU absent there uses nothing),
+    /// paired with the deltas read before NVML was asked. Charges of processes NVML no
+    /// longer lists are dropped (its figure has let go of them already), so that their
+    /// exit is not taken off twice.
+    pub fn set_baselines(
+        &mut self,
+        deltas_before: &HashMap<EnvGpu, i64>,
+        measured: &HashMap<EnvGpu, u64>,
+        listed: &HashSet<u32>,
+    ) -> Result<(), LoadError> {
+        let keys: HashSet<EnvGpu> = deltas_before
+            .keys()
+            .chain(measured.keys())
+            .copied()
+            .collect();
+        let wanted = keys
+            .into_iter()
+            .map(|key| {
+                let base = Baseline {
+                    nvml_bytes: measured.get(&key).copied().unwrap_or(0),
+                    delta_at: deltas_before.get(&key).copied().unwrap_or(0),
+                };
+                (key, base)
+            })
+            .collect();
+        super::policy_maps::sync_map(&mut self.base, wanted).map_err(map_error(ALLOC_BASE_MAP))?;
+        let gone: Vec<ProcGpu> = self
+            .charges
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| !listed.contains(&key.tgid))
+            .collect();
+        for key in gone {
+            remove(&mut self.charges, &key).map_err(map_error(PROC_CHARGE_MAP))?;
+        }
+        Ok(())
+    }
+
+    /// A process exited: the driver freed what it held, so its charges come off its
+    /// environments (through the baseline, which only the daemon writes: the probes'
+    /// atomic adds to the delta are never raced); its device numbering goes.
+    pub fn process_exited(&mut self, pid: u32, gpus: impl Iterator<Item = u32>) {
+        let _ = remove(&mut self.ordinals, &pid);
+        for gpu in gpus {
+            let key = ProcGpu { tgid: pid, gpu };
+            let Ok(charge) = self.charges.get(&key, 0) else {
+                continue;
+            };
+            let _ = remove(&mut self.charges, &key);
+            let env_gpu = EnvGpu {
+                env: charge.env,
+                gpu,
+                _pad: 0,
+            };
+            let mut base = self.base.get(&env_gpu, 0).unwrap_or_default();
+            base.delta_at = base.delta_at.saturating_add(charge.bytes);
+            if let Err(e) = self.base.insert(env_gpu, base, 0) {
+                eprintln!("[WARNING] Cannot take process {pid}'s memory off its environment: {e}");
+            }
+        }
+    }
+
+    /// The process's CUDA device numbers (`None`: CUDA's own, unmapped).
+    pub fn set_ordinals(&mut self, pid: u32, map: Option<Ordinals>) -> Result<(), LoadError> {
+        match map {
+            Some(map) => self.ordinals.insert(pid, map, 0),
+            None => remove(&mut self.ordinals, &pid),
+        }
+        .map_err(map_error(PROC_ORDINALS_MAP))
+    }
+}
+
+fn remove<K: aya::Pod, V: aya::Pod>(
+    map: &mut BpfHashMap<MapData, K, V>,
+    key: &K,
+) -> Result<(), MapError> {
+    match map.remove(key) {
+        Err(MapError::KeyNotFound) => Ok(()),
+        other => other,
+    }
+}

@@ -1,0 +1,225 @@
+//! `--memory-at-alloc`: what the libcuda probes' maps should hold, from genv's state and
+//! NVML (pure, tested without a kernel): each environment's cap, its measured usage per
+//! GPU, each process's CUDA device numbering; and the line an allocation past a cap
+//! prints.
+
+use std::collections::HashMap;
+
+use genv_ebpf_common::alloc::{EnvGpu, MAX_ORDINALS, NO_GPU, Ordinals};
+use genv_ebpf_common::{env_id_hash, policy};
+
+use crate::intake::{AllocOutcome, OverCap};
+use crate::snapshot::GpuProcess;
+use crate::state::memory::format_megabytes;
+use crate::state::{Env, MemorySpec};
+
+/// What an allocation that takes an environment past its `gpu_memory` meets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MemoryAtAlloc {
+    /// No probes: the memory rule acts after the fact, at the memory poll.
+    #[default]
+    Off,
+    /// A line, and the allocation goes on (the memory rule still acts).
+    Report,
+    /// SIGKILL in the call, before the driver hands anything out.
+    Kill,
+}
+
+impl MemoryAtAlloc {
+    /// Its `POLICY` flag.
+    pub fn policy_flags(self) -> u32 {
+        match self {
+            MemoryAtAlloc::Off => 0,
+            MemoryAtAlloc::Report => policy::MEMORY_REPORT,
+            MemoryAtAlloc::Kill => policy::MEMORY_KILL,
+        }
+    }
+}
+
+/// The environments with a cap, by identity: the cap in bytes for the kernel, and the
+/// id and cap as genv writes them for the line.
+#[derive(Debug, Default)]
+pub struct Caps {
+    pub by_identity: HashMap<u64, (String, MemorySpec)>,
+}
+
+impl Caps {
+    pub fn of(envs: &[Env]) -> Self {
+        let by_identity = envs
+            .iter()
+            .filter_map(|env| {
+                let cap = env.config.gpu_memory.clone()?;
+                Some((env_id_hash(env.eid.as_bytes()), (env.eid.clone(), cap)))
+            })
+            .collect();
+        Self { by_identity }
+    }
+
+    /// What the kernel's `ENV_MEMORY` map should hold.
+    pub fn kernel_entries(&self) -> HashMap<u64, u64> {
+        self.by_identity
+            .iter()
+            .map(|(identity, (_, cap))| (*identity, cap.bytes()))
+            .collect()
+    }
+
+    /// genv's wording, for what the kernel decided: `Environment E would use Nm on
+    /// device I which is Mm over its capacity of C; killed process P at the
+    /// allocation`.
+    pub fn line(&self, over: &OverCap) -> String {
+        let (eid, cap) = match self.by_identity.get(&over.env) {
+            Some((eid, cap)) => (eid.clone(), cap.to_string()),
+            None => (format!("{:016x}", over.env), "its cap".to_owned()),
+        };
+        let excess = self
+            .by_identity
+            .get(&over.env)
+            .map_or(0, |(_, cap)| over.would_use.saturating_sub(cap.bytes()));
+        let outcome = match over.outcome {
+            AllocOutcome::Killed => format!("killed process {} at the allocation", over.pid),
+            AllocOutcome::Reported => format!(
+                "process {} allocated past it (--memory-at-alloc report)",
+                over.pid
+            ),
+            AllocOutcome::KillFailed => format!(
+                "could NOT kill process {} at the allocation (the memory rule acts at its next poll)",
+                over.pid
+            ),
+        };
+        format!(
+            "Environment {eid} would use {} on device {} which is {} over its capacity of {cap}; {outcome}",
+            format_megabytes(over.would_use),
+            over.index,
+            format_megabytes(excess)
+        )
+    }
+}
+
+impl std::fmt::Display for Caps {
+    /// `E cap, …` in id order, or `none`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut caps: Vec<_> = self.by_identity.values().collect();
+        caps.sort_by(|a, b| a.0.cmp(&b.0));
+        if caps.is_empty() {
+            return f.write_str("none");
+        }
+        let caps: Vec<String> = caps
+            .iter()
+            .map(|(eid, cap)| format!("{eid} {cap}"))
+            .collect();
+        f.write_str(&caps.join(", "))
+    }
+}
+
+/// NVML's usage of each environment on each GPU (its processes' memory summed).
+pub fn measured(processes: &[GpuProcess]) -> HashMap<EnvGpu, u64> {
+    let mut usage = HashMap::new();
+    for process in processes {
+        let Some(eid) = &process.eid else {
+            continue;
+        };
+        let env = env_id_hash(eid.as_bytes());
+        for index in process.indices() {
+            let key = EnvGpu {
+                env,
+                gpu: index,
+                _pad: 0,
+            };
+            *usage.entry(key).or_insert(0) += process.bytes_on(index);
+        }
+    }
+    usage
+}
+
+/// A process's CUDA device numbers from its `CUDA_VISIBLE_DEVICES` (`None`: unset, and
+/// CUDA numbers devices as NVML does). As CUDA reads it: comma-separated, up to the
+/// first entry it cannot use; an entry of another form (a UUID, a MIG instance) ends
+/// the list here too, so its devices are not charged to a wrong GPU.
+pub fn ordinals(visible: Option<&str>) -> Option<Ordinals> {
+    let visible = visible?;
+    let mut map = Ordinals {
+        index: [NO_GPU; MAX_ORDINALS],
+    };
+    let entries = visible.split(',').map(str::trim);
+    for (slot, entry) in map.index.iter_mut().zip(entries) {
+        match entry.parse::<u8>() {
+            Ok(index) if index != NO_GPU => *slot = index,
+            _ => break,
+        }
+    }
+    Some(map)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::Usage;
+
+    #[test]
+    fn visible_devices_map_cuda_numbers_to_nvml_indices_as_cuda_reads_them() {
+        assert_eq!(ordinals(None), None);
+        let map = ordinals(Some("1,3")).unwrap();
+        assert_eq!(&map.index[..3], &[1, 3, NO_GPU]);
+        // CUDA stops at the first entry it cannot use.
+        let map = ordinals(Some("2,x,0")).unwrap();
+        assert_eq!(&map.index[..2], &[2, NO_GPU]);
+        let map = ordinals(Some("GPU-1234,0")).unwrap();
+        assert_eq!(map.index[0], NO_GPU);
+        // Empty: no device at all.
+        assert!(
+            ordinals(Some(""))
+                .unwrap()
+                .index
+                .iter()
+                .all(|i| *i == NO_GPU)
+        );
+    }
+
+    #[test]
+    fn usage_is_summed_per_environment_and_gpu() {
+        let process = |pid, eid: Option<&str>, usage: &[(u32, u64)]| GpuProcess {
+            pid,
+            start_time: None,
+            used_gpu_memory: usage
+                .iter()
+                .map(|&(index, bytes)| Usage {
+                    index,
+                    bytes: Some(bytes),
+                })
+                .collect(),
+            eid: eid.map(str::to_owned),
+        };
+        let usage = measured(&[
+            process(1, Some("a"), &[(0, 100), (1, 7)]),
+            process(2, Some("a"), &[(0, 50)]),
+            process(3, None, &[(0, 1000)]),
+        ]);
+        let key = |gpu| EnvGpu {
+            env: env_id_hash(b"a"),
+            gpu,
+            _pad: 0,
+        };
+        assert_eq!(usage.get(&key(0)), Some(&150));
+        assert_eq!(usage.get(&key(1)), Some(&7));
+        assert_eq!(usage.len(), 2);
+    }
+
+    #[test]
+    fn the_line_follows_genvs_wording() {
+        let caps = Caps {
+            by_identity: [(7, ("21364".to_owned(), MemorySpec::parse("1g").unwrap()))].into(),
+        };
+        let over = OverCap {
+            pid: 42,
+            env: 7,
+            index: 0,
+            would_use: 1_200_000_000,
+            outcome: AllocOutcome::Killed,
+            at_ns: 0,
+        };
+        assert_eq!(
+            caps.line(&over),
+            "Environment 21364 would use 1200m on device 0 which is 200m over its capacity of 1g; killed process 42 at the allocation"
+        );
+    }
+}

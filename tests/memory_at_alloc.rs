@@ -1,0 +1,383 @@
+//! `--memory-at-alloc`: uprobes on libcuda hold an environment's `gpu_memory` at the
+//! allocation call. Real uprobes on a real shared library (the fake libcuda of
+//! `tests/fake-cuda`, a copy per node, which numbers devices through
+//! `CUDA_VISIBLE_DEVICES` and reports its allocations to the fake NVML as a driver
+//! would), real CUDA-calling processes (`cuda-user`), environments made by the real genv
+//! 1.4.3 in the shell that then runs the program. A process killed at the call answers
+//! nothing: the call never returned to it.
+//!
+//! Uprobes load on every tier's kernel; the tier the daemon runs on does not matter here.
+//! One test at a time: each daemon's probes see every process mapping its library.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{ChildStdin, ChildStdout, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use genv_enforcer_tests::events::EventDaemon;
+use genv_enforcer_tests::{Genv, MIB, Node, artefact};
+
+const DEATH: Duration = Duration::from_secs(30);
+/// genv's `1g`: 10^9 bytes.
+const CAP: u64 = 1_000_000_000;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn daemon(node: &Node, lib: &Path, mode: &str) -> Option<EventDaemon> {
+    let lib = lib.to_str().unwrap();
+    let daemon = EventDaemon::start(
+        node,
+        &[
+            "--memory-at-alloc",
+            mode,
+            "--cuda-lib",
+            lib,
+            "--memory-interval",
+            "0.5",
+        ],
+    )?;
+    daemon.expect("are held to their environment's gpu_memory");
+    Some(daemon)
+}
+
+/// A CUDA program in a genv shell: `setup` (genv commands) runs first, then the shell
+/// execs `cuda-user`, which keeps its pid.
+struct CudaUser {
+    pid: u32,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl CudaUser {
+    fn start(node: &mut Node, cuda_env: &[(String, String)], setup: &str) -> Self {
+        let script = format!("{setup}; exec \"$CUDA_USER\"");
+        let mut shell = Genv::get()
+            .shell_command(node, &script)
+            .envs(cuda_env.iter().map(|(k, v)| (k, v)))
+            .env("CUDA_USER", artefact("cuda-user"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = shell.stdin.take().unwrap();
+        let mut stdout = BufReader::new(shell.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert!(
+            line.starts_with("ready "),
+            "genv's shell did not get there: {line:?}"
+        );
+        let pid = node.adopt(shell, &[]);
+        Self { pid, stdin, stdout }
+    }
+
+    /// Sends calls without waiting for their answers.
+    fn send(&mut self, calls: &[&str]) {
+        for call in calls {
+            // A process killed meanwhile has closed its end: nothing more to send.
+            if writeln!(self.stdin, "{call}").is_err() {
+                return;
+            }
+        }
+        let _ = self.stdin.flush();
+    }
+
+    /// The next answer; `None` once the process is gone.
+    fn answer(&mut self) -> Option<String> {
+        let mut line = String::new();
+        match self.stdout.read_line(&mut line) {
+            Ok(0) | Err(_) => None,
+            Ok(_) => Some(line.trim().to_owned()),
+        }
+    }
+
+    fn call(&mut self, call: &str) -> Option<String> {
+        self.send(&[call]);
+        self.answer()
+    }
+
+    fn ok(&mut self, call: &str) -> String {
+        let answer = self.call(call);
+        match answer {
+            Some(a) if a.starts_with("ok ") => a["ok ".len()..].to_owned(),
+            other => panic!("{call}: {other:?}"),
+        }
+    }
+
+    /// `cuInit`, after which the daemon has read the process's CUDA_VISIBLE_DEVICES (a
+    /// real program's CUDA start-up takes far longer than that read).
+    fn init(&mut self, daemon: &EventDaemon, visible: &str) {
+        self.ok("init");
+        daemon.expect(&format!(
+            "Process {} started CUDA with CUDA_VISIBLE_DEVICES={visible}",
+            self.pid
+        ));
+    }
+}
+
+/// The environment a CUDA program of a node needs (its libcuda, its ledger).
+type CudaEnv = Vec<(String, String)>;
+
+/// A node with two GPUs and its own libcuda; the daemon on it, with `mode`.
+fn setup(mode: &str) -> Option<(Node, CudaEnv, EventDaemon)> {
+    let mut node = Node::new(2);
+    let (lib, cuda_env) = node.cuda();
+    let daemon = daemon(&node, &lib, mode)?;
+    Some((node, cuda_env, daemon))
+}
+
+/// The environment `eid` with a cap of 1g, on `gpus`, made by genv in the shell that
+/// then runs the program; the daemon has the cap in the kernel when this returns.
+fn capped(
+    node: &mut Node,
+    cuda_env: &[(String, String)],
+    daemon: &EventDaemon,
+    eid: &str,
+    gpus: &[u32],
+) -> CudaUser {
+    let attach: Vec<String> = gpus
+        .iter()
+        .map(|i| format!("genv attach --index {i}"))
+        .collect();
+    let setup = format!(
+        "genv activate --id {eid}; genv config gpu-memory 1g; {}",
+        attach.join("; ")
+    );
+    let user = CudaUser::start(node, cuda_env, &setup);
+    daemon.expect(&format!("caps held at the allocation: {eid} 1g"));
+    user
+}
+
+fn ledger_total(node: &Node, pids: &[u32], gpu: u32) -> u64 {
+    node.cuda_ledger()
+        .iter()
+        .filter(|((pid, index), _)| pids.contains(pid) && *index == gpu)
+        .map(|(_, bytes)| *bytes)
+        .sum()
+}
+
+/// 600 MiB fits under 1g; 600 MiB more does not: the process is killed in that call,
+/// which never returns, and the driver never hands the memory out.
+#[test]
+fn the_allocation_that_crosses_the_cap_kills_its_process_in_the_call() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "alpha", &[0]);
+    user.init(&daemon, "0");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    assert_eq!(
+        user.call("alloc 600"),
+        None,
+        "the second allocation returned"
+    );
+    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
+    let line = daemon.expect(&format!("; killed process {} at the allocation", user.pid));
+    assert!(
+        line.starts_with(
+            "Environment alpha would use 1258m on device 0 which is 258m over its capacity of 1g;"
+        ),
+        "{line}"
+    );
+    assert_eq!(ledger_total(&node, &[user.pid], 0), 600 * MIB);
+    assert_eq!(
+        daemon.wait_status("the kill counted", |s| s["counts"]["killed_at_alloc"]
+            .as_u64()
+            .filter(|n| *n > 0)),
+        1
+    );
+}
+
+/// Freed memory is given back: alloc, free, alloc stays under the cap, through every
+/// allocation and free call the probes watch.
+#[test]
+fn freed_memory_is_given_back_and_the_process_survives() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "beta", &[0]);
+    user.init(&daemon, "0");
+    user.ok("ctx 0");
+    for _ in 0..3 {
+        let pointer = user.ok("alloc 600");
+        user.ok(&format!("free {pointer}"));
+        let pointer = user.ok("async 600");
+        user.ok(&format!("free {pointer}"));
+        let handle = user.ok("vmm 600 0");
+        user.ok(&format!("release {handle}"));
+        let pointer = user.ok("pitch 600");
+        user.ok(&format!("free {pointer}"));
+    }
+    // Managed memory is not charged (it lives where it is touched).
+    user.ok("managed 2000");
+    user.ok("alloc 900");
+    assert!(node.alive(user.pid));
+    assert!(
+        !daemon.lines().iter().any(|l| l.contains("would use")),
+        "{:#?}",
+        daemon.lines()
+    );
+}
+
+/// Two processes of one environment allocating as fast as they can, at once: the
+/// environment never goes over its cap (the probes charge before they check, so two
+/// racing calls can both be refused, never both let through). What the live processes
+/// hold is sampled throughout, as the driver reports it; a killed process's memory is
+/// the driver's again once it is gone, and the survivor may then have it.
+#[test]
+fn racing_processes_never_take_their_environment_over_its_cap() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut first = capped(&mut node, &cuda_env, &daemon, "gamma", &[0]);
+    let mut second = CudaUser::start(&mut node, &cuda_env, "genv activate --id gamma");
+    first.init(&daemon, "0");
+    second.init(&daemon, "0");
+    first.ok("ctx 0");
+    second.ok("ctx 0");
+    let pids = [first.pid, second.pid];
+    let ledger = node.cuda_ledger_dir().unwrap();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let (mut samples, mut most) = (0, 0);
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let held = live_total(&ledger, &pids);
+                most = most.max(held);
+                samples += 1;
+            }
+            (samples, most)
+        })
+    };
+    let calls = ["alloc 100"; 12];
+    first.send(&calls);
+    second.send(&calls);
+    let mut killed = 0;
+    for user in [&mut first, &mut second] {
+        let mut answers = 0;
+        while let Some(answer) = user.answer() {
+            assert!(answer.starts_with("ok "), "{answer}");
+            answers += 1;
+        }
+        if answers < calls.len() {
+            killed += 1;
+            assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (samples, most) = sampler.join().unwrap();
+    eprintln!("{samples} samples; at most {} MiB held at once", most / MIB);
+    assert!(killed >= 1, "24 × 100 MiB went through a 1g cap");
+    assert!(
+        most <= CAP,
+        "the environment held {most} bytes under a 1g cap"
+    );
+    assert!(live_total(&node.cuda_ledger_dir().unwrap(), &pids) <= CAP);
+}
+
+/// Bytes the live ones of `pids` hold on GPU 0, as the fake driver's ledger says; a
+/// process is counted only if it is still alive after its file was read (a dead one's
+/// memory is free).
+fn live_total(ledger: &Path, pids: &[u32]) -> u64 {
+    let mut total = 0;
+    for pid in pids {
+        let Ok(text) = std::fs::read_to_string(ledger.join(format!("{pid}-0"))) else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let alive = stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'));
+        if alive {
+            total += text.trim().parse::<u64>().unwrap_or(0);
+        }
+    }
+    total
+}
+
+/// `cuMemCreate` (PyTorch's expandable segments) counts, on the device its properties
+/// name.
+#[test]
+fn cu_mem_create_counts_against_the_cap() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "delta", &[0]);
+    user.init(&daemon, "0");
+    user.ok("vmm 600 0");
+    assert_eq!(user.call("vmm 600 0"), None);
+    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
+    daemon.expect(&format!("killed process {} at the allocation", user.pid));
+}
+
+/// Each GPU has its own account: 600 MiB on GPU 0 and 600 MiB on GPU 1 are both under
+/// a 1g cap; the next 600 MiB on GPU 1 is not, and the line names device 1. The CUDA
+/// device number goes through CUDA_VISIBLE_DEVICES (genv's `1,0` after attaching 1
+/// first would renumber; here `0,1` and a second process on `1` alone).
+#[test]
+fn a_context_on_gpu_1_does_not_count_against_gpu_0() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "eps", &[0, 1]);
+    user.init(&daemon, "0,1");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    user.ok("ctx 1");
+    user.ok("alloc 600");
+    user.ok("push 0");
+    user.ok("alloc 300");
+    user.ok("pop");
+    // Back on device 1, which holds 600 MiB.
+    assert_eq!(user.call("alloc 600"), None);
+    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
+    let line = daemon.expect(&format!("killed process {} at the allocation", user.pid));
+    assert!(line.contains(" on device 1 "), "{line}");
+
+    // Attached to GPU 1 alone: CUDA's device 0 is NVML's GPU 1.
+    let mut other = capped(&mut node, &cuda_env, &daemon, "zeta", &[1]);
+    other.init(&daemon, "1");
+    other.ok("ctx 0");
+    other.ok("alloc 600");
+    assert_eq!(other.call("alloc 600"), None);
+    let line = daemon.expect(&format!("killed process {} at the allocation", other.pid));
+    assert!(
+        line.starts_with("Environment zeta would use 1258m on device 1 "),
+        "{line}"
+    );
+    assert_eq!(ledger_total(&node, &[other.pid], 1), 600 * MIB);
+}
+
+/// `report`: the line, and the allocation goes on.
+#[test]
+fn report_mode_says_so_and_lets_the_allocation_through() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("report") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "eta", &[0]);
+    user.init(&daemon, "0");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    user.ok("alloc 600");
+    let line = daemon.expect(&format!(
+        "process {} allocated past it (--memory-at-alloc report)",
+        user.pid
+    ));
+    assert!(
+        line.starts_with("Environment eta would use 1258m on device 0 "),
+        "{line}"
+    );
+}

@@ -1,0 +1,184 @@
+//! A CUDA program, in tests: it loads a libcuda (`GENV_FAKE_CUDA_LIB`, the fake one in
+//! `tests/fake-cuda`, or the real one) with `dlopen`, as the CUDA runtime does, and
+//! makes the calls its stdin asks for, one per line, answering each on stdout (`ok
+//! VALUE` or `err CODE`). A process killed in a call answers nothing more.
+//!
+//! - `init`: `cuInit(0)`;
+//! - `ctx D`: `cuDevicePrimaryCtxRetain` on device D, then `cuCtxSetCurrent` (what the
+//!   runtime does); `create D`: `cuCtxCreate_v2`; `push D` / `pop`: the context stack;
+//! - `alloc MIB`: `cuMemAlloc_v2`; `async MIB`: `cuMemAllocAsync`; `pitch MIB`:
+//!   `cuMemAllocPitch_v2` of 1 MiB rows; `vmm MIB D`: `cuMemCreate` on device D;
+//!   `managed MIB`: `cuMemAllocManaged`;
+//! - `free PTR`: `cuMemFree_v2`; `release HANDLE`: `cuMemRelease` (PTR and HANDLE as
+//!   answered, in hex).
+
+use std::ffi::{CString, c_int, c_uint, c_void};
+use std::io::{BufRead, Write};
+
+const MIB: usize = 1 << 20;
+
+#[repr(C)]
+struct AllocationProp {
+    kind: c_int,
+    handle_types: c_int,
+    location_type: c_int,
+    location_id: c_int,
+    win32: *mut c_void,
+    flags: [u8; 8],
+}
+
+struct Cuda(*mut c_void);
+
+impl Cuda {
+    fn open() -> Self {
+        let path = std::env::var("GENV_FAKE_CUDA_LIB").unwrap_or_else(|_| "libcuda.so.1".into());
+        let name = CString::new(path.clone()).unwrap();
+        // SAFETY: a NUL-terminated path; the handle is kept for the process's life.
+        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW) };
+        assert!(!handle.is_null(), "cannot load {path}");
+        Cuda(handle)
+    }
+
+    fn symbol(&self, name: &str) -> *mut c_void {
+        let c = CString::new(name).unwrap();
+        // SAFETY: a live handle and a NUL-terminated name.
+        let f = unsafe { libc::dlsym(self.0, c.as_ptr()) };
+        assert!(!f.is_null(), "no {name}");
+        f
+    }
+}
+
+macro_rules! call {
+    ($cuda:expr, $name:literal, fn($($t:ty),*), $($arg:expr),*) => {{
+        // SAFETY: the symbol has this C signature in libcuda.
+        let f: extern "C" fn($($t),*) -> c_int = unsafe { std::mem::transmute($cuda.symbol($name)) };
+        f($($arg),*)
+    }};
+}
+
+fn answer(code: c_int, value: u64) -> String {
+    match code {
+        0 => format!("ok {value:#x}"),
+        code => format!("err {code}"),
+    }
+}
+
+fn main() {
+    let cuda = Cuda::open();
+    let mut out = std::io::stdout();
+    writeln!(out, "ready {}", std::process::id()).unwrap();
+    out.flush().unwrap();
+    for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let number = |i: usize| -> u64 {
+            let w: &str = words.get(i).copied().unwrap_or("0");
+            match w.strip_prefix("0x") {
+                Some(hex) => u64::from_str_radix(hex, 16).unwrap(),
+                None => w.parse().unwrap(),
+            }
+        };
+        let mut value: u64 = 0;
+        let code = match words.first().copied().unwrap_or("") {
+            "init" => call!(cuda, "cuInit", fn(c_uint), 0),
+            "ctx" => {
+                let code = call!(
+                    cuda,
+                    "cuDevicePrimaryCtxRetain",
+                    fn(*mut u64, c_int),
+                    &mut value,
+                    number(1) as c_int
+                );
+                match code {
+                    0 => call!(cuda, "cuCtxSetCurrent", fn(u64), value),
+                    code => code,
+                }
+            }
+            "create" => call!(
+                cuda,
+                "cuCtxCreate_v2",
+                fn(*mut u64, c_uint, c_int),
+                &mut value,
+                0,
+                number(1) as c_int
+            ),
+            "push" => {
+                let code = call!(
+                    cuda,
+                    "cuDevicePrimaryCtxRetain",
+                    fn(*mut u64, c_int),
+                    &mut value,
+                    number(1) as c_int
+                );
+                match code {
+                    0 => call!(cuda, "cuCtxPushCurrent_v2", fn(u64), value),
+                    code => code,
+                }
+            }
+            "pop" => call!(cuda, "cuCtxPopCurrent_v2", fn(*mut u64), &mut value),
+            "alloc" => call!(
+                cuda,
+                "cuMemAlloc_v2",
+                fn(*mut u64, usize),
+                &mut value,
+                number(1) as usize * MIB
+            ),
+            "async" => call!(
+                cuda,
+                "cuMemAllocAsync",
+                fn(*mut u64, usize, u64),
+                &mut value,
+                number(1) as usize * MIB,
+                0
+            ),
+            "pitch" => {
+                let mut pitch = 0usize;
+                call!(
+                    cuda,
+                    "cuMemAllocPitch_v2",
+                    fn(*mut u64, *mut usize, usize, usize, c_uint),
+                    &mut value,
+                    &mut pitch,
+                    MIB,
+                    number(1) as usize,
+                    4
+                )
+            }
+            "vmm" => {
+                let prop = AllocationProp {
+                    kind: 1,
+                    handle_types: 0,
+                    location_type: 1,
+                    location_id: number(2) as c_int,
+                    win32: std::ptr::null_mut(),
+                    flags: [0; 8],
+                };
+                call!(
+                    cuda,
+                    "cuMemCreate",
+                    fn(*mut u64, usize, *const AllocationProp, u64),
+                    &mut value,
+                    number(1) as usize * MIB,
+                    &prop,
+                    0
+                )
+            }
+            "managed" => call!(
+                cuda,
+                "cuMemAllocManaged",
+                fn(*mut u64, usize, c_uint),
+                &mut value,
+                number(1) as usize * MIB,
+                1
+            ),
+            "free" => call!(cuda, "cuMemFree_v2", fn(u64), number(1)),
+            "release" => call!(cuda, "cuMemRelease", fn(u64), number(1)),
+            other => {
+                writeln!(out, "unknown {other}").unwrap();
+                out.flush().unwrap();
+                continue;
+            }
+        };
+        writeln!(out, "{}", answer(code, value)).unwrap();
+        out.flush().unwrap();
+    }
+}
