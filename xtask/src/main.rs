@@ -17,6 +17,7 @@
 //!   event-driven reaction to a GPU open, and the kernel programs' cost per run; writes
 //!   the tables to `docs/bench.md`.
 
+mod bench_alloc;
 mod bench_bpf_log;
 mod bench_events;
 mod bench_footprint;
@@ -39,15 +40,18 @@ fn main() -> Result<()> {
             None => bench(),
             Some("footprint") => bench_footprint_only(),
             Some("bpf-log") => bench_section(bench_bpf_log::run),
+            Some("memory-at-alloc") => bench_section(bench_alloc::run),
             Some(other) => {
-                bail!("cargo xtask bench: unknown section {other:?} (footprint, bpf-log)")
+                bail!(
+                    "cargo xtask bench: unknown section {other:?} (footprint, bpf-log, memory-at-alloc)"
+                )
             }
         },
         Some("build-ebpf") => toolchain::build_ebpf(&root()),
         Some("vm-test") => vm_test(&args[1..]),
         _ => bail!(
             "usage: cargo xtask <test [-- cargo test args] | vm-test [--kernel 6.1|6.12|all] \
-             [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench [footprint|bpf-log] | build-ebpf>"
+             [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench [footprint|bpf-log|memory-at-alloc] | build-ebpf>"
         ),
     }
 }
@@ -174,8 +178,17 @@ fn ensure_python_venv() -> Result<()> {
 /// What a simulated node runs: the enforcer, the fake NVML, the gpu-process helper.
 pub fn build_node_artefacts(extra: &[&str]) -> Result<()> {
     let mut build = cargo(&["build", "-p", "genv-enforcer", "-p", "fake-nvml"]);
-    build.args(["-p", "genv-enforcer-tests", "--bin", "genv-enforcer"]);
-    build.args(["--bin", "gpu-process", "--lib"]).args(extra);
+    build.args([
+        "-p",
+        "fake-cuda",
+        "-p",
+        "genv-enforcer-tests",
+        "--bin",
+        "genv-enforcer",
+    ]);
+    build
+        .args(["--bin", "gpu-process", "--bin", "cuda-user", "--lib"])
+        .args(extra);
     run(&mut build)
 }
 
@@ -236,9 +249,10 @@ fn bench() -> Result<()> {
     }
     let venv = bench_footprint::genv_venv(&target_dir()?)?;
     let table = format!(
-        "{stdout}{}{}{}",
+        "{stdout}{}{}{}{}",
         bench_events::run(&release)?,
         bench_bpf_log::run(&release)?,
+        bench_alloc::run(&release)?,
         bench_footprint::run(&release, &venv)?
     );
     print!("{table}");

@@ -10,7 +10,9 @@
 //!   `cuMemAllocPitch_v2` of 1 MiB rows; `vmm MIB D`: `cuMemCreate` on device D;
 //!   `managed MIB`: `cuMemAllocManaged`;
 //! - `free PTR`: `cuMemFree_v2`; `release HANDLE`: `cuMemRelease` (PTR and HANDLE as
-//!   answered, in hex).
+//!   answered, in hex);
+//! - `loop N`: N pairs of `cuMemAlloc_v2` (1 MiB) and `cuMemFree_v2`, answering the
+//!   nanoseconds they took in all (the benchmark of the probes' cost).
 
 use std::ffi::{CString, c_int, c_uint, c_void};
 use std::io::{BufRead, Write};
@@ -161,6 +163,28 @@ fn main() {
                     &prop,
                     0
                 )
+            }
+            "loop" => {
+                let alloc: extern "C" fn(*mut u64, usize) -> c_int =
+                    // SAFETY: the symbols have these C signatures in libcuda.
+                    unsafe { std::mem::transmute(cuda.symbol("cuMemAlloc_v2")) };
+                let free: extern "C" fn(u64) -> c_int =
+                    // SAFETY: as above.
+                    unsafe { std::mem::transmute(cuda.symbol("cuMemFree_v2")) };
+                let started = std::time::Instant::now();
+                let mut code = 0;
+                for _ in 0..number(1) {
+                    let mut pointer = 0u64;
+                    code = alloc(&mut pointer, MIB);
+                    if code == 0 {
+                        code = free(pointer);
+                    }
+                    if code != 0 {
+                        break;
+                    }
+                }
+                value = started.elapsed().as_nanos() as u64;
+                code
             }
             "managed" => call!(
                 cuda,

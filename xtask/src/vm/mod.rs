@@ -26,6 +26,9 @@ use crate::{cargo, run};
 
 /// The test binaries whose scenarios depend on the tier.
 const TIER_SUITES: [&str; 2] = ["event_driven", "prevention"];
+/// The test binaries whose scenarios depend on the kernel, not the tier (uprobes load
+/// the same under every tier): run once per kernel, with the first tier.
+const KERNEL_SUITES: [&str; 1] = ["memory_at_alloc"];
 
 /// The tiers the VM runs those suites on unless `--tiers` says otherwise, in order: the
 /// ones this machine's kernel refuses (the host runs the tracepoint tier). A new tier
@@ -264,7 +267,7 @@ fn test_on(
 /// where it is outside the work tree (the guest mounts it too).
 struct Guest<'a> {
     root: &'a Path,
-    suites: &'a [PathBuf],
+    suites: &'a [(String, PathBuf)],
     target_dir: Option<PathBuf>,
 }
 
@@ -383,8 +386,8 @@ fn ensure_packages() -> Result<()> {
     Ok(())
 }
 
-/// Builds the binaries the tests run and the test executables; their paths.
-fn build_suites() -> Result<Vec<PathBuf>> {
+/// Builds the binaries the tests run and the test executables; their names and paths.
+fn build_suites() -> Result<Vec<(String, PathBuf)>> {
     crate::build_node_artefacts(&[])?;
     let mut build = cargo(&[
         "test",
@@ -393,7 +396,7 @@ fn build_suites() -> Result<Vec<PathBuf>> {
         "-p",
         "genv-enforcer-tests",
     ]);
-    for suite in TIER_SUITES {
+    for suite in TIER_SUITES.iter().chain(&KERNEL_SUITES) {
         build.args(["--test", suite]);
     }
     let output = build.stderr(Stdio::inherit()).output()?;
@@ -407,23 +410,24 @@ fn build_suites() -> Result<Vec<PathBuf>> {
         };
         let name = message["target"]["name"].as_str().unwrap_or_default();
         if let Some(exe) = message["executable"].as_str() {
-            if TIER_SUITES.contains(&name) {
-                found.push(PathBuf::from(exe));
+            if TIER_SUITES.contains(&name) || KERNEL_SUITES.contains(&name) {
+                found.push((name.to_owned(), PathBuf::from(exe)));
             }
         }
     }
-    if found.len() != TIER_SUITES.len() {
-        bail!("cargo built {found:?}, expected the suites {TIER_SUITES:?}");
+    if found.len() != TIER_SUITES.len() + KERNEL_SUITES.len() {
+        bail!("cargo built {found:?}, expected the suites {TIER_SUITES:?} and {KERNEL_SUITES:?}");
     }
     Ok(found)
 }
 
-/// The guest's script: every suite on every tier, with a marker line around each tier,
-/// naming the kernel, so the host can time them and tell which kernel and tier failed.
+/// The guest's script: every tier suite on every tier, and the kernel suites with the
+/// first tier, with a marker line around each tier, naming the kernel, so the host can
+/// time them and tell which kernel and tier failed.
 fn guest_script(
     root: &Path,
     series: Series,
-    suites: &[PathBuf],
+    suites: &[(String, PathBuf)],
     tiers: &[String],
     options: &Options,
 ) -> String {
@@ -438,12 +442,13 @@ fn guest_script(
         path = quote(&std::env::var("PATH").unwrap_or_default()),
         tests = quote(&root.join("tests").display().to_string()),
     );
-    for tier in tiers {
+    for (nth, tier) in tiers.iter().enumerate() {
         let marker = format!("{}{tier}", tier_marker(series));
         script.push_str(&format!("echo '{marker}: start'\nstatus=passed\n"));
-        for suite in suites {
-            let name = suite.file_name().unwrap_or_default().to_string_lossy();
-            let name = name.split('-').next().unwrap_or_default();
+        for (name, suite) in suites {
+            if KERNEL_SUITES.contains(&name.as_str()) && nth > 0 {
+                continue;
+            }
             script.push_str(&format!(
                 "GENV_TEST_BPF_TIER={tier} {} --color=never {} \
                  || {{ status=FAILED; echo '{marker}: suite {name} failed'; }}\n",
