@@ -28,19 +28,18 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn daemon(node: &Node, lib: &Path, mode: &str) -> Option<EventDaemon> {
+fn daemon(node: &Node, lib: &Path, mode: &str, extra: &[&str]) -> Option<EventDaemon> {
     let lib = lib.to_str().unwrap();
-    let daemon = EventDaemon::start(
-        node,
-        &[
-            "--memory-at-alloc",
-            mode,
-            "--cuda-lib",
-            lib,
-            "--memory-interval",
-            "0.5",
-        ],
-    )?;
+    let mut args = vec![
+        "--memory-at-alloc",
+        mode,
+        "--cuda-lib",
+        lib,
+        "--memory-interval",
+        "0.5",
+    ];
+    args.extend_from_slice(extra);
+    let daemon = EventDaemon::start(node, &args)?;
     daemon.expect("are held to their environment's gpu_memory");
     Some(daemon)
 }
@@ -127,7 +126,7 @@ type CudaEnv = Vec<(String, String)>;
 fn setup(mode: &str) -> Option<(Node, CudaEnv, EventDaemon)> {
     let mut node = Node::new(2);
     let (lib, cuda_env) = node.cuda();
-    let daemon = daemon(&node, &lib, mode)?;
+    let daemon = daemon(&node, &lib, mode, &[])?;
     Some((node, cuda_env, daemon))
 }
 
@@ -380,4 +379,44 @@ fn report_mode_says_so_and_lets_the_allocation_through() {
         line.starts_with("Environment eta would use 1258m on device 0 "),
         "{line}"
     );
+}
+
+/// A process outside any environment that starts CUDA is computing: with
+/// `--non-env-processes` it is terminated at its `cuInit`, with genv's line, without
+/// waiting for NVML to list it (here NVML never does: it allocates nothing). A process
+/// of an environment starting CUDA is left alone.
+#[test]
+fn a_process_outside_any_environment_is_stopped_when_it_starts_cuda() {
+    let _serial = serial();
+    let mut node = Node::new(2);
+    let (lib, cuda_env) = node.cuda();
+    let Some(daemon) = daemon(&node, &lib, "kill", &["--non-env-processes"]) else {
+        return;
+    };
+    let mut insider = capped(&mut node, &cuda_env, &daemon, "theta", &[0]);
+    insider.init(&daemon, "0");
+    let mut child = std::process::Command::new(artefact("cuda-user"))
+        .envs(cuda_env.iter().map(|(k, v)| (k, v)))
+        .env_remove("GENV_ENVIRONMENT_ID")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    let pid = node.adopt(child, &[]);
+    let mut outsider = CudaUser { pid, stdin, stdout };
+    // Answered or not (the signal may land first), the process is gone.
+    let _ = outsider.call("init");
+    assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGTERM));
+    daemon.expect(&format!(
+        "Process {pid} is not running in a GPU environment"
+    ));
+    daemon.expect(&format!("[INFO] Acted on process {pid} "));
+    // The insider, which started CUDA too, is untouched and still answers.
+    insider.ok("ctx 0");
+    insider.ok("alloc 100");
+    assert!(node.alive(insider.pid));
 }

@@ -16,6 +16,8 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Result;
 
 use super::StopSignals;
+
+mod cuda;
 use super::instance::Instance;
 use super::kernel_inspector::KernelInspector;
 use super::kernel_side::KernelSide;
@@ -25,7 +27,7 @@ use super::state_watch::{StateWatch, Target};
 use super::status::Status;
 use super::watchlist::Watchlist;
 use crate::cycle::{CycleSummary, Enforcer, Scope};
-use crate::intake::{AllocOutcome, BadRecord, EventIntake, KernelEvent, OverCap, Verdict};
+use crate::intake::{BadRecord, EventIntake, KernelEvent, Verdict};
 use crate::prevention;
 
 /// How long a process terminated by a narrow check is left out of the next ones.
@@ -273,12 +275,7 @@ impl Daemon {
                 self.watchlist.remove(pid);
                 self.settled.remove(&pid);
             }
-            KernelEvent::CudaStart { pid, .. } => {
-                counts.cuda_starts += 1;
-                if let Some(kernel) = self.kernel.as_mut() {
-                    kernel.cuda_started(pid);
-                }
-            }
+            KernelEvent::CudaStart(start) => self.on_cuda_start(start, now),
             KernelEvent::Alloc(over) => self.on_over_cap(&over, now),
             KernelEvent::Open(open) => {
                 counts.open_events += 1;
@@ -316,22 +313,6 @@ impl Daemon {
                     _ => self.watchlist.add(open, now),
                 }
             }
-        }
-    }
-
-    /// `--memory-at-alloc`: the kernel found an allocation past its environment's cap.
-    fn on_over_cap(&mut self, over: &OverCap, now: Instant) {
-        let counts = &mut self.status.counts;
-        match over.outcome {
-            AllocOutcome::Killed => counts.killed_at_alloc += 1,
-            AllocOutcome::Reported => counts.reported_at_alloc += 1,
-            AllocOutcome::KillFailed => {}
-        }
-        if let Some(line) = self.kernel.as_ref().and_then(|k| k.alloc_line(over)) {
-            println!("{line}");
-        }
-        if over.outcome == AllocOutcome::Killed {
-            self.settled.insert(over.pid, now);
         }
     }
 

@@ -275,6 +275,12 @@ impl KernelSide {
         }
     }
 
+    /// Whether the kernel counts `pid` (running as `uid`) inside an environment it may
+    /// claim.
+    pub(super) fn in_environment(&self, pid: u32, uid: u32) -> bool {
+        self.programs.policy().in_environment(pid, uid)
+    }
+
     pub(super) fn exited(&mut self, pid: u32) {
         if let Some(alloc) = &mut self.alloc {
             alloc.exited(&mut self.programs, pid);

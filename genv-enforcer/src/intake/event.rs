@@ -28,10 +28,17 @@ pub enum KernelEvent {
     /// An allocation past its environment's cap (`--memory-at-alloc`).
     Alloc(OverCap),
     /// A process started using CUDA (`cuInit`, or a context retained or created).
-    CudaStart {
-        pid: u32,
-        call: CudaCall,
-    },
+    CudaStart(CudaStart),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaStart {
+    pub pid: u32,
+    /// The process's real uid.
+    pub uid: u32,
+    pub call: CudaCall,
+    /// CLOCK_MONOTONIC nanoseconds of the call.
+    pub at_ns: u64,
 }
 
 /// An allocation that would take an environment past its `gpu_memory` on a GPU.
@@ -221,15 +228,17 @@ impl TryFrom<RawEvent> for KernelEvent {
                 },
                 at_ns: raw.ktime_ns,
             }),
-            kind::CUDA if raw.hook == hook::UPROBE => KernelEvent::CudaStart {
+            kind::CUDA if raw.hook == hook::UPROBE => KernelEvent::CudaStart(CudaStart {
                 pid: raw.pid,
+                uid: raw.uid,
                 call: match raw.arg {
                     cuda_call::INIT => CudaCall::Init,
                     cuda_call::PRIMARY_CTX_RETAIN => CudaCall::PrimaryCtxRetain,
                     cuda_call::CTX_CREATE => CudaCall::CtxCreate,
                     _ => return Err(unknown),
                 },
-            },
+                at_ns: raw.ktime_ns,
+            }),
             _ => return Err(unknown),
         })
     }

@@ -151,10 +151,11 @@ fn a_record_decodes_to_the_event_it_describes_at_any_alignment() {
                     prop_assert_eq!((over.would_use, over.at_ns), (raw.amount, raw.ktime_ns));
                     return Ok(());
                 }
-                Ok(KernelEvent::CudaStart { pid, .. }) => {
+                Ok(KernelEvent::CudaStart(start)) => {
+                    prop_assert_eq!((raw.kind, raw.hook), (kind::CUDA, hook::UPROBE));
                     prop_assert_eq!(
-                        (raw.kind, raw.hook, pid),
-                        (kind::CUDA, hook::UPROBE, raw.pid)
+                        (start.pid, start.uid, start.at_ns),
+                        (raw.pid, raw.uid, raw.ktime_ns)
                     );
                     return Ok(());
                 }

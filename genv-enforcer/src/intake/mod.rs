@@ -10,6 +10,7 @@ mod ring;
 mod fuzz_tests;
 
 pub use event::{
-    AllocOutcome, BadRecord, CudaCall, GpuOpen, KernelEvent, OverCap, UnknownEvent, Verdict,
+    AllocOutcome, BadRecord, CudaCall, CudaStart, GpuOpen, KernelEvent, OverCap, UnknownEvent,
+    Verdict,
 };
 pub use ring::EventIntake;

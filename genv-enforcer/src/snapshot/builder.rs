@@ -3,6 +3,7 @@
 //!
 //! Called with genv's global lock held, as genv takes its snapshot.
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 
 use super::inspect::{ProcessInspector, Procfs};
@@ -37,6 +38,9 @@ pub struct SnapshotBuilder {
     guard: StateGuard,
     said_nvml_missing: bool,
     said_minor_guess: bool,
+    /// Processes the kernel saw start CUDA outside any environment, each with the GPU
+    /// it counts on: computing before NVML lists them (see [`Self::prove_computing`]).
+    proven: HashMap<u32, u32>,
 }
 
 impl SnapshotBuilder {
@@ -54,6 +58,7 @@ impl SnapshotBuilder {
             guard: StateGuard::default(),
             said_nvml_missing: false,
             said_minor_guess: false,
+            proven: HashMap::new(),
         }
     }
 
@@ -93,6 +98,13 @@ impl SnapshotBuilder {
     /// events make that a formality.)
     pub fn forget(&mut self, pid: u32) {
         self.table.forget(pid);
+        self.proven.remove(&pid);
+    }
+
+    /// The kernel saw `pid` start CUDA (a libcuda probe): it is a GPU process on GPU
+    /// `index` from now until its exec or exit, whether or not NVML lists it yet.
+    pub fn prove_computing(&mut self, pid: u32, index: u32) {
+        self.proven.insert(pid, index);
     }
 
     /// Loads NVML if it is not loaded; says once that it is missing, and once that it is
@@ -195,7 +207,17 @@ impl SnapshotBuilder {
     /// Takes a snapshot. The caller holds genv's global lock.
     pub fn take(&mut self) -> (Snapshot, Vec<Warning>) {
         let mut warnings = Vec::new();
-        let (contexts, memory_known) = self.gpu_contexts(&mut warnings);
+        let (mut contexts, memory_known) = self.gpu_contexts(&mut warnings);
+        for (&pid, &index) in &self.proven {
+            if !contexts.iter().any(|c| c.pid == pid) {
+                let used_memory = memory_known.then_some(0);
+                contexts.push(ComputeContext {
+                    pid,
+                    index,
+                    used_memory,
+                });
+            }
+        }
 
         let envs = self.guard.envs(self.state.load_envs(), &mut warnings);
         let devices = envs.as_ref().and_then(|envs| {
