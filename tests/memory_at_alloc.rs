@@ -420,3 +420,75 @@ fn a_process_outside_any_environment_is_stopped_when_it_starts_cuda() {
     insider.ok("alloc 100");
     assert!(node.alive(insider.pid));
 }
+
+/// A size no driver can give (2^63 + 1 bytes) is charged as the largest allocation
+/// there is and, failing, given back whole: it cannot leave the account in credit.
+/// (Given back as its raw size, it once wrapped the environment's count negative, and
+/// every later allocation passed under any cap.)
+#[test]
+fn an_impossible_size_leaves_no_credit_behind() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("report") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "kappa", &[0]);
+    user.init(&daemon, "0");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    assert_eq!(
+        user.call("bytes 9223372036854775809").as_deref(),
+        Some("err 2"),
+        "the fake driver is out of memory"
+    );
+    user.ok("alloc 600");
+    let line = daemon.expect("would use 1258m on device 0");
+    assert!(
+        line.contains(&format!("process {} allocated past it", user.pid)),
+        "{line}"
+    );
+}
+
+/// `cuMemAllocPitch_v2` hands out pitch × height bytes, the pitch rounded up from the
+/// width: rows of 1 byte take 512 each. Two allocations of a million such rows are
+/// 1,024 MB under a 1g cap: the second is killed.
+#[test]
+fn a_pitched_allocation_counts_its_pitch_not_its_width() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "lambda", &[0]);
+    user.init(&daemon, "0");
+    user.ok("ctx 0");
+    user.ok("pitchw 1 1000000");
+    assert_eq!(user.call("pitchw 1 1000000"), None);
+    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
+    let line = daemon.expect(&format!("killed process {} at the allocation", user.pid));
+    assert!(line.contains("would use 1024m on device 0"), "{line}");
+}
+
+/// CUDA reads `CUDA_VISIBLE_DEVICES` with `getenv`: with two assignments the first
+/// wins, and the daemon reads it so (taking the last, as genv reads its own variable,
+/// it once charged GPU 1's allocations to GPU 0).
+#[test]
+fn a_duplicated_visible_devices_is_read_as_cuda_reads_it() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    // genv sets CUDA_VISIBLE_DEVICES=1; one more assignment goes at the end.
+    let exec = "genv activate --id mu; genv config gpu-memory 1g; genv attach --index 1; \
+         exec python3 -c 'import ctypes, os, sys\n\
+         env = [f\"{k}={v}\".encode() for k, v in os.environ.items()] + [b\"CUDA_VISIBLE_DEVICES=0\"]\n\
+         envp = (ctypes.c_char_p * (len(env) + 1))(*env, None)\n\
+         argv = (ctypes.c_char_p * 2)(sys.argv[1].encode(), None)\n\
+         ctypes.CDLL(None).execve(argv[0], argv, envp)' \"$CUDA_USER\"";
+    let mut user = CudaUser::start(&mut node, &cuda_env, exec);
+    daemon.expect("caps held at the allocation: mu 1g");
+    user.init(&daemon, "1");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    assert_eq!(user.call("alloc 600"), None);
+    let line = daemon.expect(&format!("killed process {} at the allocation", user.pid));
+    assert!(line.contains(" on device 1 "), "{line}");
+}

@@ -20,13 +20,16 @@ pub const ALLOC_BASE_MAP: &str = "ALLOC_BASE";
 /// that the daemon can take it off its environment's delta when the process exits (the
 /// driver frees it then).
 pub const PROC_CHARGE_MAP: &str = "PROC_CHARGE";
+/// One `u32`: the node's GPU count, written by the daemon. A GPU number at or past it
+/// is no GPU: nothing is charged there (a made-up device number cannot fill the maps).
+pub const CUDA_GPUS_MAP: &str = "CUDA_GPUS";
 /// Process (tgid) → [`Ordinals`]: its CUDA device numbers to NVML indices, from its
 /// `CUDA_VISIBLE_DEVICES`, written by the daemon when the process starts CUDA.
 pub const PROC_ORDINALS_MAP: &str = "PROC_ORDINALS";
 
 /// Every map of the probes, the kernel side's own included: sized down to one entry
 /// when `--memory-at-alloc` is off, so that they cost no kernel memory.
-pub const ALL_MAPS: [&str; 9] = [
+pub const ALL_MAPS: [&str; 10] = [
     ENV_MEMORY_MAP,
     ALLOC_DELTA_MAP,
     ALLOC_BASE_MAP,
@@ -36,11 +39,17 @@ pub const ALL_MAPS: [&str; 9] = [
     "CTX_DEVICE",
     "THREAD_CTX",
     "PENDING",
+    "ANNOUNCED",
 ];
+
+/// The largest allocation a call is charged for: 256 TiB, more than any GPU has, and
+/// far enough from `i64::MAX` that no sum of charges wraps.
+pub const MAX_CHARGE: u64 = 1 << 48;
 
 /// Capacity of the per-environment maps (one entry per environment and GPU).
 pub const MAX_ENV_GPUS: u32 = 16 * 1024;
-/// Capacity of [`PROC_CHARGE_MAP`] and [`PROC_ORDINALS_MAP`].
+/// Capacity of [`PROC_ORDINALS_MAP`]; [`PROC_CHARGE_MAP`] holds eight times as many
+/// (a process on up to eight GPUs), least recently charged first out.
 pub const MAX_CUDA_PROCESSES: u32 = 8 * 1024;
 /// Live allocations tracked for their frees (an LRU map: an evicted one's free is not
 /// subtracted, which over-counts until the next memory poll).

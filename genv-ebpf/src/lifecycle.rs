@@ -30,6 +30,7 @@ pub fn proc_exec_4k(_ctx: TracePointContext) -> u32 {
 fn exec(identity: u64) -> u32 {
     let (pid, tid) = current();
     record(pid, identity);
+    crate::cuda::forget_image(pid);
     let arg = if identity == identity::UNRESOLVED {
         EXEC_UNRESOLVED
     } else {
@@ -115,6 +116,7 @@ pub fn proc_exit(_ctx: TracePointContext) -> u32 {
     let group_dead = live.map_or(pid == tid, |live| live == 0);
     if group_dead {
         let _ = PROC_ENV.remove(&pid);
+        crate::cuda::forget_image(pid);
         emit(
             RawEvent {
                 kind: kind::EXIT,

@@ -144,6 +144,8 @@ fn context_made(ctx: &ProbeContext, device_arg: usize, call: u32) {
         env: 0,
         gpu: device as u32,
         call,
+        pitch_out: 0,
+        rows: 0,
     };
     let _ = PENDING.insert(&tid, &pending, 0);
 }

@@ -4,14 +4,14 @@
 use aya_ebpf::helpers::{bpf_get_current_uid_gid, bpf_send_signal};
 use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
-use genv_ebpf_common::alloc::{Charge, EnvGpu, ProcGpu};
+use genv_ebpf_common::alloc::{Charge, EnvGpu, MAX_CHARGE, ProcGpu};
 use genv_ebpf_common::{RawEvent, hook, identity, kind, policy, verdict};
 
 use super::context::{current_device, nvml_index};
 use super::{
-    ALLOC_BASE, ALLOC_DELTA, ALLOCS, CALL_ALLOC, CALL_ALLOC_UNCHARGED, CALL_FREE, ENV_MEMORY,
-    LOCATION_DEVICE, PENDING, PROC_CHARGE, PROP_LOCATION, Pending, SIGKILL, handle, read_user_u64,
-    take_pending,
+    ALLOC_BASE, ALLOC_DELTA, ALLOCS, BPF_NOEXIST, CALL_ALLOC, CALL_ALLOC_UNCHARGED, CALL_FREE,
+    CUDA_GPUS, ENV_MEMORY, LOCATION_DEVICE, PENDING, PROC_CHARGE, PROP_LOCATION, Pending, SIGKILL,
+    handle, read_user_u64, take_pending,
 };
 use crate::kernel::current;
 use crate::maps::{ENVS, PROC_ENV, Wake, emit, policy};
@@ -24,27 +24,40 @@ pub fn cu_mem_alloc(ctx: ProbeContext) -> u32 {
     let (Some(out), Some(size)) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1)) else {
         return 0;
     };
-    allocating(out, size, None);
+    allocating(out, size, None, None);
     0
 }
 
 /// `cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
-/// unsigned int elementSize)`: at least `width × height` bytes.
+/// unsigned int elementSize)`: `pitch × height` bytes, the pitch being the width
+/// rounded up to the driver's alignment. Charged at the entry with the width rounded up
+/// to 512 bytes (the alignment of every GPU since Fermi), and topped up at the return if
+/// the driver chose a larger pitch.
 #[uprobe]
 pub fn cu_mem_alloc_pitch(ctx: ProbeContext) -> u32 {
-    let (Some(out), Some(width), Some(height)) =
-        (ctx.arg::<u64>(0), ctx.arg::<u64>(2), ctx.arg::<u64>(3))
-    else {
+    let (Some(out), Some(pitch_out), Some(width), Some(height)) = (
+        ctx.arg::<u64>(0),
+        ctx.arg::<u64>(1),
+        ctx.arg::<u64>(2),
+        ctx.arg::<u64>(3),
+    ) else {
         return 0;
     };
-    // Without a 128-bit multiply (which BPF lacks): sizes past 32 bits a side are
-    // taken as the largest, which no cap allows.
-    let size = match width >> 32 == 0 && height >> 32 == 0 {
-        true => width * height,
-        false => u64::MAX,
-    };
-    allocating(out, size, None);
+    let pitch = width.saturating_add(PITCH_ALIGN - 1) & !(PITCH_ALIGN - 1);
+    allocating(out, product(pitch, height), None, Some((pitch_out, height)));
     0
+}
+
+const PITCH_ALIGN: u64 = 512;
+
+/// `a × b` without a 128-bit multiply (which BPF lacks): factors past 32 bits are taken
+/// as the largest size, which no cap allows.
+#[inline(always)]
+fn product(a: u64, b: u64) -> u64 {
+    match a >> 32 == 0 && b >> 32 == 0 {
+        true => a * b,
+        false => u64::MAX,
+    }
 }
 
 /// `cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const
@@ -60,7 +73,12 @@ pub fn cu_mem_create(ctx: ProbeContext) -> u32 {
     let location = read_user_u64(prop.wrapping_add(PROP_LOCATION)).unwrap_or(0);
     let (kind, device) = (location as i32, (location >> 32) as i32);
     if kind == LOCATION_DEVICE && device >= 0 {
-        allocating(out, size, Some(device as u32));
+        allocating(out, size, Some(device as u32), None);
+    } else {
+        // Host or NUMA memory: not a GPU's. The return probe must still find this
+        // call's own record, not an outer call's.
+        let (_, tid) = current();
+        let _ = PENDING.insert(&tid, &uncharged(out, size), 0);
     }
     0
 }
@@ -80,14 +98,36 @@ pub fn cu_mem_alloc_ret(ctx: RetProbeContext) -> u32 {
         uncharge(pid, p.env, p.gpu, p.size as i64);
         return 0;
     }
+    let mut bytes = p.size as i64;
+    if p.pitch_out != 0 {
+        // The driver's pitch, if larger than the one charged: the rest is charged now
+        // (the allocation is made; the next one is judged with it).
+        let pitch = read_user_u64(p.pitch_out).unwrap_or(0);
+        let actual = product(pitch, p.rows).min(MAX_CHARGE) as i64;
+        if actual > bytes {
+            if let Some(delta) = ALLOC_DELTA.get_ptr_mut(EnvGpu {
+                env: p.env,
+                gpu: p.gpu,
+                _pad: 0,
+            }) {
+                add(delta, actual - bytes);
+            }
+            charge_process(pid, p.env, p.gpu, actual - bytes);
+            bytes = actual;
+        }
+    }
     if let Some(ptr) = read_user_u64(p.out) {
         let charge = Charge {
             env: p.env,
-            bytes: p.size as i64,
+            bytes,
             gpu: p.gpu,
             _pad: 0,
         };
-        let _ = ALLOCS.insert(&handle(pid, ptr), &charge, 0);
+        // Never over a live record: a pointer written over by another thread between
+        // the driver's write and this probe must not file this charge under another
+        // allocation. (Not recorded, it stays charged until the process exits or the
+        // next memory poll.)
+        let _ = ALLOCS.insert(&handle(pid, ptr), &charge, BPF_NOEXIST);
     }
     0
 }
@@ -101,11 +141,8 @@ pub fn cu_mem_free(ctx: ProbeContext) -> u32 {
         return 0;
     };
     let pending = Pending {
-        out: ptr,
-        size: 0,
-        env: 0,
-        gpu: 0,
         call: CALL_FREE,
+        ..uncharged(ptr, 0)
     };
     let _ = PENDING.insert(&tid, &pending, 0);
     0
@@ -129,22 +166,37 @@ pub fn cu_mem_free_ret(ctx: RetProbeContext) -> u32 {
     0
 }
 
-/// An allocation of `size` bytes is starting; `device` is the CUDA device number when
-/// the call names one, otherwise the current context's.
 #[inline(always)]
-fn allocating(out: u64, size: u64, device: Option<u32>) {
-    let (pid, tid) = current();
-    let mut pending = Pending {
+fn uncharged(out: u64, size: u64) -> Pending {
+    Pending {
         out,
         size,
         env: 0,
         gpu: 0,
         call: CALL_ALLOC_UNCHARGED,
-    };
+        pitch_out: 0,
+        rows: 0,
+    }
+}
+
+/// An allocation of `size` bytes is starting; `device` is the CUDA device number when
+/// the call names one, otherwise the current context's. Sizes are charged up to
+/// [`MAX_CHARGE`], kept as charged for the return probe.
+#[inline(always)]
+fn allocating(out: u64, size: u64, device: Option<u32>, pitch: Option<(u64, u64)>) {
+    let (pid, tid) = current();
+    let size = size.min(MAX_CHARGE);
+    let mut pending = uncharged(out, size);
+    if let Some((pitch_out, rows)) = pitch {
+        pending.pitch_out = pitch_out;
+        pending.rows = rows;
+    }
     // A thread with no context known (made before the programs were attached) is on
     // device 0, CUDA's default.
     let device = device.unwrap_or_else(|| current_device(pid, tid).unwrap_or(0));
-    if let (Some(env), Some(gpu)) = (environment(pid), nvml_index(pid, device)) {
+    let gpus = CUDA_GPUS.get(0).copied().unwrap_or(0);
+    let gpu = nvml_index(pid, device).filter(|gpu| *gpu < gpus);
+    if let (Some(env), Some(gpu)) = (capped_environment(pid), gpu) {
         if charge(pid, env, gpu, size) {
             pending.env = env;
             pending.gpu = gpu;
@@ -159,24 +211,23 @@ fn allocating(out: u64, size: u64, device: Option<u32>) {
 #[inline(always)]
 fn charge(pid: u32, env: u64, gpu: u32, size: u64) -> bool {
     let key = EnvGpu { env, gpu, _pad: 0 };
+    // SAFETY: a plain lookup; the value is copied out at once.
+    let Some(cap) = (unsafe { ENV_MEMORY.get(&env) }).copied() else {
+        return false;
+    };
     let Some(delta) = counter(&key) else {
         return false;
     };
-    let size = size.min(i64::MAX as u64) as i64;
+    let size = size as i64; // at most MAX_CHARGE
     add(delta, size);
     // SAFETY: map memory, read after our own add: at least everything charged before.
     let total = unsafe { core::ptr::read_volatile(delta) };
-    let over = match unsafe { ENV_MEMORY.get(&env) }.copied() {
-        Some(cap) => {
-            // SAFETY: a plain lookup; the value is copied out at once.
-            let base = unsafe { ALLOC_BASE.get(&key) }.copied().unwrap_or_default();
-            let usage = (base.nvml_bytes as i64)
-                .saturating_add(total)
-                .saturating_sub(base.delta_at);
-            (usage > cap as i64).then_some(usage)
-        }
-        None => None,
-    };
+    // SAFETY: a plain lookup; the value is copied out at once.
+    let base = unsafe { ALLOC_BASE.get(&key) }.copied().unwrap_or_default();
+    // Charges are bounded, so the delta since the baseline never wraps.
+    let usage =
+        (base.nvml_bytes.min(MAX_CHARGE) as i64).wrapping_add(total.wrapping_sub(base.delta_at));
+    let over = (usage > cap.min(i64::MAX as u64) as i64).then_some(usage);
     let flags = policy();
     let Some(usage) = over else {
         charge_process(pid, env, gpu, size);
@@ -224,8 +275,6 @@ fn charge_process(pid: u32, env: u64, gpu: u32, size: i64) {
         add(unsafe { &raw mut (*charge).bytes }, size);
     }
 }
-
-const BPF_NOEXIST: u64 = 1;
 
 /// The environment's delta on a GPU, created at 0 (two CPUs creating it at once: one
 /// insert fails, both find the same entry).
@@ -277,9 +326,10 @@ fn report(pid: u32, env: u64, gpu: u32, usage: i64, verdict: u32) {
 }
 
 /// The process's environment identity, when it names an active environment its uid may
-/// claim (as the open hook decides); `None` outside any.
+/// claim (as the open hook decides) and that environment has a cap; `None` otherwise
+/// (nothing is charged: an environment without a cap makes no entries).
 #[inline(always)]
-fn environment(pid: u32) -> Option<u64> {
+fn capped_environment(pid: u32) -> Option<u64> {
     // SAFETY: plain lookups; the values are copied out at once.
     let identity = unsafe { PROC_ENV.get(&pid) }.copied()?;
     if matches!(identity, identity::NO_ENV | identity::UNRESOLVED) {
@@ -287,5 +337,7 @@ fn environment(pid: u32) -> Option<u64> {
     }
     let env = unsafe { ENVS.get(&identity) }.copied()?;
     let uid = bpf_get_current_uid_gid() as u32;
-    (uid == 0 || env.uid == uid).then_some(identity)
+    // SAFETY: a plain lookup.
+    let capped = unsafe { ENV_MEMORY.get(&identity) }.is_some();
+    (capped && (uid == 0 || env.uid == uid)).then_some(identity)
 }

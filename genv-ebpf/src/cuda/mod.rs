@@ -22,7 +22,7 @@
 
 use aya_ebpf::helpers::{bpf_get_current_uid_gid, bpf_probe_read_user};
 use aya_ebpf::macros::map;
-use aya_ebpf::maps::{HashMap, LruHashMap};
+use aya_ebpf::maps::{Array, HashMap, LruHashMap};
 use genv_ebpf_common::alloc::{
     Baseline, Charge, CtxStack, EnvGpu, MAX_ALLOCATIONS, MAX_CUDA_PROCESSES, MAX_ENV_GPUS,
     Ordinals, ProcGpu,
@@ -48,12 +48,22 @@ pub(crate) static ALLOC_DELTA: HashMap<EnvGpu, i64> = HashMap::with_max_entries(
 #[map]
 pub(crate) static ALLOC_BASE: HashMap<EnvGpu, Baseline> =
     HashMap::with_max_entries(MAX_ENV_GPUS, 0);
+/// LRU: a flood of processes cannot stop charges from being recorded; an evicted one's
+/// exit is not taken off, which over-counts until the next memory poll.
 #[map]
-pub(crate) static PROC_CHARGE: HashMap<ProcGpu, Charge> =
-    HashMap::with_max_entries(MAX_CUDA_PROCESSES, 0);
+pub(crate) static PROC_CHARGE: LruHashMap<ProcGpu, Charge> =
+    LruHashMap::with_max_entries(8 * MAX_CUDA_PROCESSES, 0);
+/// LRU: an evicted process's devices count as CUDA's own numbering.
 #[map]
-pub(crate) static PROC_ORDINALS: HashMap<u32, Ordinals> =
-    HashMap::with_max_entries(MAX_CUDA_PROCESSES, 0);
+pub(crate) static PROC_ORDINALS: LruHashMap<u32, Ordinals> =
+    LruHashMap::with_max_entries(MAX_CUDA_PROCESSES, 0);
+#[map]
+pub(crate) static CUDA_GPUS: Array<u32> = Array::with_max_entries(1, 0);
+/// Processes whose CUDA start was reported (one event per program image: a loop of
+/// context calls cannot flood the ring buffer); the exec hook forgets them.
+#[map]
+pub(crate) static ANNOUNCED: LruHashMap<u32, u8> =
+    LruHashMap::with_max_entries(MAX_CUDA_PROCESSES, 0);
 
 /// A pointer or handle (or a context) of one process.
 #[repr(C)]
@@ -87,6 +97,9 @@ pub(super) struct Pending {
     pub(super) env: u64,
     pub(super) gpu: u32,
     pub(super) call: u32,
+    /// `cuMemAllocPitch_v2`: where the pitch is written, and the rows; 0 otherwise.
+    pub(super) pitch_out: u64,
+    pub(super) rows: u64,
 }
 
 pub(super) const CALL_ALLOC: u32 = 1;
@@ -112,6 +125,9 @@ pub(super) fn take_pending(tid: u32) -> Option<Pending> {
 #[inline(always)]
 pub(super) fn started(call: u32) {
     let (pid, tid) = current();
+    if ANNOUNCED.insert(&pid, &1, BPF_NOEXIST).is_err() {
+        return; // said already for this program image
+    }
     emit(
         RawEvent {
             kind: kind::CUDA,
@@ -124,6 +140,14 @@ pub(super) fn started(call: u32) {
         },
         Wake::Now,
     );
+}
+
+pub(super) const BPF_NOEXIST: u64 = 1;
+
+/// The exec hook: a new program image starts CUDA anew.
+#[inline(always)]
+pub fn forget_image(pid: u32) {
+    let _ = ANNOUNCED.remove(&pid);
 }
 
 #[inline(always)]

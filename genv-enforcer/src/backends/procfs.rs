@@ -182,15 +182,29 @@ pub fn environment_id(pid: u32) -> Result<Option<String>, EnvironError> {
     environment_var(pid, ENV_VAR)
 }
 
-/// A variable of the process's initial environment (the last assignment wins).
-pub fn environment_var(pid: u32, name: &str) -> Result<Option<String>, EnvironError> {
-    let bytes = read_all(&format!("/proc/{pid}/environ")).map_err(|e| match e.kind() {
+/// A variable of the process's initial environment as `getenv` reads it (the first
+/// assignment wins), where Python's `os.environ` (genv's reading) takes the last.
+pub fn first_environment_var(pid: u32, name: &str) -> Result<Option<String>, EnvironError> {
+    let bytes = environ(pid)?;
+    Ok(bytes
+        .split(|b| *b == 0)
+        .filter_map(|entry| entry.strip_prefix(name.as_bytes())?.strip_prefix(b"="))
+        .next()
+        .map(|value| String::from_utf8_lossy(value).into_owned()))
+}
+
+fn environ(pid: u32) -> Result<Vec<u8>, EnvironError> {
+    read_all(&format!("/proc/{pid}/environ")).map_err(|e| match e.kind() {
         io::ErrorKind::NotFound => EnvironError::Gone(pid),
         io::ErrorKind::PermissionDenied => EnvironError::Unreadable(pid),
         _ if e.raw_os_error() == Some(libc::ESRCH) => EnvironError::Gone(pid),
         _ => EnvironError::Other(pid, e),
-    })?;
-    Ok(find_var(&bytes, name))
+    })
+}
+
+/// A variable of the process's initial environment (the last assignment wins).
+pub fn environment_var(pid: u32, name: &str) -> Result<Option<String>, EnvironError> {
+    Ok(find_var(&environ(pid)?, name))
 }
 
 fn find_var(environ: &[u8], name: &str) -> Option<String> {

@@ -7,56 +7,58 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use aya::Ebpf;
-use aya::maps::{HashMap as BpfHashMap, MapData, MapError};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError};
 use aya::programs::UProbe;
 use aya::programs::uprobe::UProbeScope;
 use genv_ebpf_common::alloc::{
-    ALLOC_BASE_MAP, ALLOC_DELTA_MAP, Baseline, Charge, ENV_MEMORY_MAP, EnvGpu, Ordinals,
-    PROC_CHARGE_MAP, PROC_ORDINALS_MAP, ProcGpu,
+    ALLOC_BASE_MAP, ALLOC_DELTA_MAP, Baseline, CUDA_GPUS_MAP, Charge, ENV_MEMORY_MAP, EnvGpu,
+    Ordinals, PROC_CHARGE_MAP, PROC_ORDINALS_MAP, ProcGpu,
 };
 
 use super::error::{LoadError, chain, map_error, program_error, take_map};
 use super::loader::{Attached, program_mut};
 
+/// Allocations on the current context's device, with `(dptr, size, …)` arguments; the
+/// `_ptsz` forms are the same calls on the per-thread default stream.
+const ALLOCATIONS: &[&str] = &[
+    "cuMemAlloc_v2",
+    "cuMemAllocAsync",
+    "cuMemAllocFromPoolAsync",
+    "cuMemAllocAsync_ptsz",
+    "cuMemAllocFromPoolAsync_ptsz",
+];
+/// Every allocation call, for the return probe.
+const ALL_ALLOCATIONS: &[&str] = &[
+    "cuMemAlloc_v2",
+    "cuMemAllocAsync",
+    "cuMemAllocFromPoolAsync",
+    "cuMemAllocAsync_ptsz",
+    "cuMemAllocFromPoolAsync_ptsz",
+    "cuMemAllocPitch_v2",
+    "cuMemCreate",
+];
+const FREES: &[&str] = &[
+    "cuMemFree_v2",
+    "cuMemFreeAsync",
+    "cuMemFreeAsync_ptsz",
+    "cuMemRelease",
+];
+const CONTEXT_MADE: &[&str] = &["cuDevicePrimaryCtxRetain", "cuCtxCreate_v2"];
+
 /// Each program and the libcuda symbols it is attached to. The entry and return probes
 /// of one call go together; a library must have the first two calls (the plain
 /// allocation and its free), and the rest are attached where the library has them.
 const PROBES: &[(&str, &[&str])] = &[
-    (
-        "cu_mem_alloc",
-        &[
-            "cuMemAlloc_v2",
-            "cuMemAllocAsync",
-            "cuMemAllocFromPoolAsync",
-        ],
-    ),
-    (
-        "cu_mem_alloc_ret",
-        &[
-            "cuMemAlloc_v2",
-            "cuMemAllocAsync",
-            "cuMemAllocFromPoolAsync",
-            "cuMemAllocPitch_v2",
-            "cuMemCreate",
-        ],
-    ),
-    (
-        "cu_mem_free",
-        &["cuMemFree_v2", "cuMemFreeAsync", "cuMemRelease"],
-    ),
-    (
-        "cu_mem_free_ret",
-        &["cuMemFree_v2", "cuMemFreeAsync", "cuMemRelease"],
-    ),
+    ("cu_mem_alloc", ALLOCATIONS),
+    ("cu_mem_alloc_ret", ALL_ALLOCATIONS),
+    ("cu_mem_free", FREES),
+    ("cu_mem_free_ret", FREES),
     ("cu_mem_alloc_pitch", &["cuMemAllocPitch_v2"]),
     ("cu_mem_create", &["cuMemCreate"]),
     ("cu_init", &["cuInit"]),
     ("cu_ctx_retain", &["cuDevicePrimaryCtxRetain"]),
     ("cu_ctx_create", &["cuCtxCreate_v2"]),
-    (
-        "cu_ctx_made",
-        &["cuDevicePrimaryCtxRetain", "cuCtxCreate_v2"],
-    ),
+    ("cu_ctx_made", CONTEXT_MADE),
     ("cu_ctx_set_current", &["cuCtxSetCurrent"]),
     ("cu_ctx_push", &["cuCtxPushCurrent_v2"]),
     ("cu_ctx_pop", &["cuCtxPopCurrent_v2"]),
@@ -163,11 +165,29 @@ fn exported_symbols(library: &Path) -> Result<HashSet<String>, LoadError> {
     }
     let bytes = std::fs::read(library).map_err(|e| refuse(e.to_string()))?;
     let file = object::File::parse(&*bytes).map_err(|e| refuse(e.to_string()))?;
+    // ldconfig lists the 32-bit library too: its calls pass arguments elsewhere, so the
+    // probes would read other registers as sizes.
+    if file.architecture() != host_architecture() {
+        return Err(refuse(format!(
+            "built for {:?}, not this machine's {:?}",
+            file.architecture(),
+            host_architecture()
+        )));
+    }
     Ok(file
         .dynamic_symbols()
         .filter(|s| s.is_definition())
         .filter_map(|s| s.name().ok().map(str::to_owned))
         .collect())
+}
+
+fn host_architecture() -> object::Architecture {
+    match std::env::consts::ARCH {
+        "x86_64" => object::Architecture::X86_64,
+        "aarch64" => object::Architecture::Aarch64,
+        "powerpc64" => object::Architecture::PowerPc64,
+        _ => object::Architecture::Unknown,
+    }
 }
 
 /// The libraries to probe: `ldconfig`'s `libcuda.so.1`, the one beside NVML, and those
@@ -207,6 +227,7 @@ pub struct AllocMaps {
     base: BpfHashMap<MapData, EnvGpu, Baseline>,
     charges: BpfHashMap<MapData, ProcGpu, Charge>,
     ordinals: BpfHashMap<MapData, u32, Ordinals>,
+    gpus: Array<MapData, u32>,
 }
 
 impl AllocMaps {
@@ -217,12 +238,31 @@ impl AllocMaps {
             base: take_map(ebpf, ALLOC_BASE_MAP)?,
             charges: take_map(ebpf, PROC_CHARGE_MAP)?,
             ordinals: take_map(ebpf, PROC_ORDINALS_MAP)?,
+            gpus: take_map(ebpf, CUDA_GPUS_MAP)?,
         })
     }
 
-    /// Makes the caps exactly `wanted` (environment identity → bytes).
+    /// Makes the caps exactly `wanted` (environment identity → bytes), and drops the
+    /// accounts of environments that no longer have one.
     pub fn sync_caps(&mut self, wanted: HashMap<u64, u64>) -> Result<(), LoadError> {
-        super::policy_maps::sync_map(&mut self.caps, wanted).map_err(map_error(ENV_MEMORY_MAP))
+        let ended = |key: &EnvGpu| !wanted.contains_key(&key.env);
+        let stale: Vec<EnvGpu> = self
+            .delta
+            .keys()
+            .filter_map(Result::ok)
+            .filter(ended)
+            .collect();
+        super::policy_maps::sync_map(&mut self.caps, wanted).map_err(map_error(ENV_MEMORY_MAP))?;
+        for key in stale {
+            remove(&mut self.delta, &key).map_err(map_error(ALLOC_DELTA_MAP))?;
+            remove(&mut self.base, &key).map_err(map_error(ALLOC_BASE_MAP))?;
+        }
+        Ok(())
+    }
+
+    /// The node's GPU count: device numbers at or past it are charged nowhere.
+    pub fn set_gpus(&mut self, gpus: u32) -> Result<(), LoadError> {
+        self.gpus.set(0, gpus, 0).map_err(map_error(CUDA_GPUS_MAP))
     }
 
     /// Every environment's delta now: read before NVML is asked (see
@@ -275,10 +315,16 @@ impl AllocMaps {
     /// A process exited: the driver freed what it held, so its charges come off its
     /// environments (through the baseline, which only the daemon writes: the probes'
     /// atomic adds to the delta are never raced); its device numbering goes.
-    pub fn process_exited(&mut self, pid: u32, gpus: impl Iterator<Item = u32>) {
+    pub fn process_exited(&mut self, pid: u32) {
         let _ = remove(&mut self.ordinals, &pid);
-        for gpu in gpus {
-            let key = ProcGpu { tgid: pid, gpu };
+        let held: Vec<ProcGpu> = self
+            .charges
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| key.tgid == pid)
+            .collect();
+        for key in held {
+            let gpu = key.gpu;
             let Ok(charge) = self.charges.get(&key, 0) else {
                 continue;
             };

@@ -254,6 +254,10 @@ impl Daemon {
             KernelEvent::Exec { pid, unresolved } => {
                 counts.exec_events += 1;
                 self.enforcer.builder.forget(pid);
+                // A new image: the old one's GPU memory went with its address space.
+                if let Some(kernel) = self.kernel.as_mut() {
+                    kernel.exited(pid);
+                }
                 if let (true, Some(kernel)) = (unresolved, self.kernel.as_mut()) {
                     kernel.resolve_identity(pid, self.settings.verbose);
                 }

@@ -22,8 +22,6 @@ pub(super) struct AllocSide {
     attached: HashSet<PathBuf>,
     /// Processes seen starting CUDA: only their exits have charges to take off.
     cuda_pids: HashSet<u32>,
-    /// GPUs on the node, for the charges of an exiting process.
-    gpus: u32,
     verbose: bool,
 }
 
@@ -35,7 +33,6 @@ impl AllocSide {
             caps: Caps::default(),
             attached: HashSet::new(),
             cuda_pids: HashSet::new(),
-            gpus: 0,
             verbose: settings.verbose,
         };
         for lib in &settings.cuda_libs {
@@ -91,7 +88,6 @@ impl AllocSide {
         envs: Option<&[Env]>,
         gpus: u32,
     ) {
-        self.gpus = gpus;
         let Some(envs) = envs else {
             return;
         };
@@ -99,6 +95,9 @@ impl AllocSide {
         let Some(maps) = programs.alloc_mut() else {
             return;
         };
+        if let Err(e) = maps.set_gpus(gpus) {
+            eprintln!("[ERROR] Cannot tell the kernel the node's GPU count: {e}");
+        }
         if let Err(e) = maps.sync_caps(caps.kernel_entries()) {
             eprintln!("[ERROR] Cannot update the environments' memory caps in the kernel: {e}");
             return;
@@ -133,8 +132,11 @@ impl AllocSide {
         let Some(maps) = programs.alloc_mut() else {
             return;
         };
-        self.cuda_pids.insert(pid);
-        let visible = match procfs::environment_var(pid, "CUDA_VISIBLE_DEVICES") {
+        if !self.cuda_pids.insert(pid) {
+            return; // read at its first CUDA call already
+        }
+        // CUDA reads it with getenv: the first assignment wins.
+        let visible = match procfs::first_environment_var(pid, "CUDA_VISIBLE_DEVICES") {
             Ok(visible) => visible,
             Err(e) => {
                 if self.verbose {
@@ -161,7 +163,7 @@ impl AllocSide {
             return;
         }
         if let Some(maps) = programs.alloc_mut() {
-            maps.process_exited(pid, 0..self.gpus.max(1));
+            maps.process_exited(pid);
         }
     }
 

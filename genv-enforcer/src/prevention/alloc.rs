@@ -59,7 +59,7 @@ impl Caps {
     pub fn kernel_entries(&self) -> HashMap<u64, u64> {
         self.by_identity
             .iter()
-            .map(|(identity, (_, cap))| (*identity, cap.bytes()))
+            .map(|(identity, (_, cap))| (*identity, cap.bytes().min(i64::MAX as u64)))
             .collect()
     }
 

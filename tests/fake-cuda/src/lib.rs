@@ -20,6 +20,9 @@ use std::sync::Mutex;
 type CuResult = c_int;
 const SUCCESS: CuResult = 0;
 const ERROR_INVALID_VALUE: CuResult = 1;
+const ERROR_OUT_OF_MEMORY: CuResult = 2;
+/// Each device's memory, as the fake NVML's test nodes have it: more is out of memory.
+const DEVICE_MEMORY: u64 = 16 << 30;
 const ERROR_INVALID_CONTEXT: CuResult = 201;
 const ERROR_INVALID_DEVICE: CuResult = 101;
 
@@ -81,6 +84,9 @@ fn record(driver: &mut Driver, index: u32, delta: i64) {
 fn allocate(out: *mut u64, size: usize, ordinal: Option<c_int>, tag: u64) -> CuResult {
     if out.is_null() || size == 0 {
         return ERROR_INVALID_VALUE;
+    }
+    if size as u64 > DEVICE_MEMORY {
+        return ERROR_OUT_OF_MEMORY;
     }
     with_driver(|driver| {
         let Some(ordinal) = ordinal.or_else(|| current_ordinal(driver)) else {
@@ -209,7 +215,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     let aligned = width.div_ceil(512) * 512;
     // SAFETY: checked non-null; the caller's pitch.
     unsafe { pitch.write(aligned) };
-    allocate(dptr, width.saturating_mul(height), None, 0x2)
+    allocate(dptr, aligned.saturating_mul(height), None, 0x2)
 }
 
 /// # Safety

@@ -9,6 +9,8 @@
 //! - `alloc MIB`: `cuMemAlloc_v2`; `async MIB`: `cuMemAllocAsync`; `pitch MIB`:
 //!   `cuMemAllocPitch_v2` of 1 MiB rows; `vmm MIB D`: `cuMemCreate` on device D;
 //!   `managed MIB`: `cuMemAllocManaged`;
+//! - `bytes N`: `cuMemAlloc_v2` of N bytes exactly; `pitchw W H`: `cuMemAllocPitch_v2`
+//!   of H rows of W bytes;
 //! - `free PTR`: `cuMemFree_v2`; `release HANDLE`: `cuMemRelease` (PTR and HANDLE as
 //!   answered, in hex);
 //! - `loop N`: N pairs of `cuMemAlloc_v2` (1 MiB) and `cuMemFree_v2`, answering the
@@ -124,6 +126,26 @@ fn main() {
                 &mut value,
                 number(1) as usize * MIB
             ),
+            "bytes" => call!(
+                cuda,
+                "cuMemAlloc_v2",
+                fn(*mut u64, usize),
+                &mut value,
+                number(1) as usize
+            ),
+            "pitchw" => {
+                let mut pitch = 0usize;
+                call!(
+                    cuda,
+                    "cuMemAllocPitch_v2",
+                    fn(*mut u64, *mut usize, usize, usize, c_uint),
+                    &mut value,
+                    &mut pitch,
+                    number(1) as usize,
+                    number(2) as usize,
+                    1
+                )
+            }
             "async" => call!(
                 cuda,
                 "cuMemAllocAsync",
