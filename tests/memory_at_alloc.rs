@@ -15,7 +15,7 @@ use std::process::{ChildStdin, ChildStdout, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use genv_enforcer_tests::events::EventDaemon;
+use genv_enforcer_tests::events::{EventDaemon, make_gpu_node};
 use genv_enforcer_tests::{Genv, MIB, Node, artefact};
 
 const DEATH: Duration = Duration::from_secs(30);
@@ -491,4 +491,44 @@ fn a_duplicated_visible_devices_is_read_as_cuda_reads_it() {
     assert_eq!(user.call("alloc 600"), None);
     let line = daemon.expect(&format!("killed process {} at the allocation", user.pid));
     assert!(line.contains(" on device 1 "), "{line}");
+}
+
+/// A libcuda the daemon was not told about (a user's copy, a container's own) is
+/// probed once a process that maps it opens a GPU node, which CUDA does in `cuInit`,
+/// before any allocation: the copy does not get past the cap.
+#[test]
+fn a_copy_of_libcuda_is_probed_when_its_process_opens_a_gpu() {
+    let _serial = serial();
+    let Some((mut node, mut cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let copy = node.dir.join("mine");
+    std::fs::create_dir(&copy).unwrap();
+    let copy = copy.join("libcuda.so.1");
+    std::fs::copy(artefact("libcuda_fake.so"), &copy).unwrap();
+    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
+    for (key, value) in cuda_env.iter_mut() {
+        if key == "GENV_FAKE_CUDA_LIB" {
+            *value = copy.to_str().unwrap().to_owned();
+        }
+    }
+    cuda_env.push((
+        "GENV_FAKE_CUDA_OPENS".to_owned(),
+        gpu.to_str().unwrap().to_owned(),
+    ));
+    let mut user = capped(&mut node, &cuda_env, &daemon, "nu", &[0]);
+    user.ok("init");
+    daemon.expect(&format!(
+        "process {} maps a libcuda not probed yet",
+        user.pid
+    ));
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    assert_eq!(
+        user.call("alloc 600"),
+        None,
+        "the copy's allocation went past the cap"
+    );
+    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
+    daemon.expect(&format!("killed process {} at the allocation", user.pid));
 }

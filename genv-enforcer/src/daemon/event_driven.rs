@@ -283,6 +283,10 @@ impl Daemon {
             KernelEvent::Alloc(over) => self.on_over_cap(&over, now),
             KernelEvent::Open(open) => {
                 counts.open_events += 1;
+                if let Some(kernel) = self.kernel.as_mut() {
+                    kernel.opened(open.pid);
+                }
+                let counts = &mut self.status.counts;
                 if self.settings.verbose {
                     eprintln!(
                         "[EVENT] Process {} (thread {}) {} GPU {} (node {}:{}) [{}; {}]",

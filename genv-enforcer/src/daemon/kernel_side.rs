@@ -281,6 +281,14 @@ impl KernelSide {
         self.programs.policy().in_environment(pid, uid)
     }
 
+    /// A process opened a GPU node (`--memory-at-alloc`: a libcuda copy it maps is
+    /// probed).
+    pub(super) fn opened(&mut self, pid: u32) {
+        if let Some(alloc) = &mut self.alloc {
+            alloc.opened(&mut self.programs, pid);
+        }
+    }
+
     pub(super) fn exited(&mut self, pid: u32) {
         if let Some(alloc) = &mut self.alloc {
             alloc.exited(&mut self.programs, pid);

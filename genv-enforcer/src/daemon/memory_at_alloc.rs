@@ -1,10 +1,12 @@
 //! `--memory-at-alloc` in the daemon: the libcuda probes attached to every libcuda
-//! found (ldconfig's, the one beside NVML once it loads, `--cuda-lib`), and their maps
+//! found (ldconfig's, the one beside NVML once it loads, `--cuda-lib`, and any copy a
+//! process that opens a GPU node maps), and their maps
 //! kept true: caps from genv's state at each full cycle, NVML's baselines at each
 //! memory poll, each CUDA process's device numbering when it starts CUDA, its charges
 //! taken off when it exits. The kernel decides; this prints what it decided.
 
 use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use genv_ebpf_common::alloc::EnvGpu;
@@ -16,10 +18,22 @@ use crate::intake::OverCap;
 use crate::prevention::alloc::{Caps, ordinals};
 use crate::state::Env;
 
+/// How many libraries first seen in processes are read, in the daemon's life.
+const MAX_READ: usize = 64;
+
 pub(super) struct AllocSide {
     caps: Caps,
-    /// Libraries the probes are attached to (by real path).
-    attached: HashSet<PathBuf>,
+    /// Libraries the probes are attached to, or that were refused, by device and inode:
+    /// each file is read once.
+    known: HashSet<(u64, u64)>,
+    /// Whether any library is attached.
+    attached_any: bool,
+    /// Processes whose mappings were looked at for libcuda copies (until they exec or
+    /// exit).
+    scanned: HashSet<u32>,
+    /// Libraries first seen in a process that were read: a libcuda is tens of MB to
+    /// parse, and a user could map file after file, so there is a bound.
+    read: usize,
     /// Processes seen starting CUDA: only their exits have charges to take off.
     cuda_pids: HashSet<u32>,
     verbose: bool,
@@ -31,7 +45,10 @@ impl AllocSide {
     pub(super) fn start(programs: &mut KernelPrograms, settings: &Settings) -> Self {
         let mut side = Self {
             caps: Caps::default(),
-            attached: HashSet::new(),
+            known: HashSet::new(),
+            attached_any: false,
+            scanned: HashSet::new(),
+            read: 0,
             cuda_pids: HashSet::new(),
             verbose: settings.verbose,
         };
@@ -41,7 +58,7 @@ impl AllocSide {
             }
         }
         side.attach_found(programs, &settings.cuda_libs, None);
-        if side.attached.is_empty() {
+        if !side.attached_any {
             eprintln!(
                 "[WARNING] --memory-at-alloc: no libcuda found (ldconfig -p lists no libcuda.so.1; give one with --cuda-lib); looking beside NVML once it loads"
             );
@@ -57,7 +74,10 @@ impl AllocSide {
         beside_nvml: Option<&Path>,
     ) {
         for lib in crate::bpf::cuda::libraries(given, beside_nvml) {
-            if self.attached.contains(&lib) {
+            let Ok(meta) = std::fs::metadata(&lib) else {
+                continue;
+            };
+            if !self.known.insert((meta.dev(), meta.ino())) {
                 continue;
             }
             match programs.attach_cuda(&lib) {
@@ -70,7 +90,7 @@ impl AllocSide {
                         "[INFO] --memory-at-alloc: allocations through {} are held to their environment's gpu_memory{missing}",
                         lib.display()
                     );
-                    self.attached.insert(lib);
+                    self.attached_any = true;
                 }
                 Err(e) => eprintln!(
                     "[WARNING] --memory-at-alloc: not probing {}: {e}",
@@ -158,7 +178,45 @@ impl AllocSide {
         }
     }
 
+    /// A process opened a GPU node: a libcuda it maps from a file not probed yet (a
+    /// container's, a user's copy) is probed from now on. CUDA opens the nodes in
+    /// `cuInit`, after loading the library and before any allocation.
+    pub(super) fn opened(&mut self, programs: &mut KernelPrograms, pid: u32) {
+        if !self.scanned.insert(pid) || self.read >= MAX_READ {
+            return;
+        }
+        let Ok(files) = procfs::mapped_files(pid, "libcuda.so") else {
+            return;
+        };
+        for file in files {
+            // Through the map_files link: the mapped file itself.
+            let Ok(meta) = std::fs::metadata(&file) else {
+                continue;
+            };
+            if !self.known.insert((meta.dev(), meta.ino())) || !meta.is_file() {
+                continue;
+            }
+            self.read += 1;
+            if self.read == MAX_READ {
+                eprintln!(
+                    "[WARNING] --memory-at-alloc: {MAX_READ} libcuda copies read; copies first seen from now on are not probed (give them with --cuda-lib)"
+                );
+            }
+            match programs.attach_cuda(&file) {
+                Ok(_) => eprintln!(
+                    "[INFO] --memory-at-alloc: process {pid} maps a libcuda not probed yet (device {}, inode {}); allocations through it are held to their environment's gpu_memory",
+                    meta.dev(),
+                    meta.ino()
+                ),
+                Err(e) => eprintln!(
+                    "[WARNING] --memory-at-alloc: not probing the libcuda process {pid} maps: {e}"
+                ),
+            }
+        }
+    }
+
     pub(super) fn exited(&mut self, programs: &mut KernelPrograms, pid: u32) {
+        self.scanned.remove(&pid);
         if !self.cuda_pids.remove(&pid) {
             return;
         }

@@ -8,7 +8,8 @@
 //! reports what each process holds: with `GENV_FAKE_CUDA_LEDGER` set to a directory, it
 //! keeps a file `<pid>-<nvml index>` there holding the bytes the process holds on that
 //! GPU, which the fake NVML (its `ledger` setting) reports as the process's compute
-//! context.
+//! context. With `GENV_FAKE_CUDA_OPENS` (paths separated by `:`), `cuInit` opens those
+//! device nodes and keeps them open, as the driver opens `/dev/nvidiactl` and the GPUs.
 
 #![allow(non_snake_case)]
 
@@ -117,6 +118,14 @@ fn release(pointer: u64) -> CuResult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuInit(_flags: c_uint) -> CuResult {
+    if let Ok(paths) = std::env::var("GENV_FAKE_CUDA_OPENS") {
+        for path in paths.split(':').filter(|p| !p.is_empty()) {
+            // Kept open for the process's life, as the driver's descriptors are.
+            if let Ok(file) = std::fs::File::open(path) {
+                std::mem::forget(file);
+            }
+        }
+    }
     SUCCESS
 }
 
