@@ -11,7 +11,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{ChildStdin, ChildStdout, Stdio};
+use std::process::{ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -55,23 +55,29 @@ struct CudaUser {
 impl CudaUser {
     fn start(node: &mut Node, cuda_env: &[(String, String)], setup: &str) -> Self {
         let script = format!("{setup}; exec \"$CUDA_USER\"");
-        let mut shell = Genv::get()
-            .shell_command(node, &script)
+        let mut shell = Genv::get().shell_command(node, &script);
+        shell.env("CUDA_USER", artefact("cuda-user"));
+        Self::spawn(node, cuda_env, shell)
+    }
+
+    /// Runs `command` (which ends in `cuda-user`) with the node's CUDA environment,
+    /// once it said it is ready.
+    fn spawn(node: &mut Node, cuda_env: &[(String, String)], mut command: Command) -> Self {
+        let mut child = command
             .envs(cuda_env.iter().map(|(k, v)| (k, v)))
-            .env("CUDA_USER", artefact("cuda-user"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
-        let stdin = shell.stdin.take().unwrap();
-        let mut stdout = BufReader::new(shell.stdout.take().unwrap());
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         stdout.read_line(&mut line).unwrap();
         assert!(
             line.starts_with("ready "),
-            "genv's shell did not get there: {line:?}"
+            "cuda-user did not start: {line:?}"
         );
-        let pid = node.adopt(shell, &[]);
+        let pid = node.adopt(child, &[]);
         Self { pid, stdin, stdout }
     }
 
@@ -130,6 +136,16 @@ fn setup(mode: &str) -> Option<(Node, CudaEnv, EventDaemon)> {
     Some((node, cuda_env, daemon))
 }
 
+/// A node, its daemon in `mode`, and a CUDA program in the environment `eid` (1g on
+/// GPU 0, made by genv), CUDA started and on device 0: where most tests begin.
+fn ready(mode: &str, eid: &str) -> Option<(Node, EventDaemon, CudaUser)> {
+    let (mut node, cuda_env, daemon) = setup(mode)?;
+    let mut user = capped(&mut node, &cuda_env, &daemon, eid, &[0]);
+    user.init(&daemon, "0");
+    user.ok("ctx 0");
+    Some((node, daemon, user))
+}
+
 /// The environment `eid` with a cap of 1g, on `gpus`, made by genv in the shell that
 /// then runs the program; the daemon has the cap in the kernel when this returns.
 fn capped(
@@ -152,6 +168,14 @@ fn capped(
     user
 }
 
+/// `call` takes its process past the cap: it never returns, the process dies of SIGKILL,
+/// and the daemon says so. Its line.
+fn killed_at(node: &mut Node, daemon: &EventDaemon, user: &mut CudaUser, call: &str) -> String {
+    assert_eq!(user.call(call), None, "{call} returned");
+    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
+    daemon.expect(&format!("killed process {} at the allocation", user.pid))
+}
+
 fn ledger_total(node: &Node, pids: &[u32], gpu: u32) -> u64 {
     node.cuda_ledger()
         .iter()
@@ -165,20 +189,11 @@ fn ledger_total(node: &Node, pids: &[u32], gpu: u32) -> u64 {
 #[test]
 fn the_allocation_that_crosses_the_cap_kills_its_process_in_the_call() {
     let _serial = serial();
-    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+    let Some((mut node, daemon, mut user)) = ready("kill", "alpha") else {
         return;
     };
-    let mut user = capped(&mut node, &cuda_env, &daemon, "alpha", &[0]);
-    user.init(&daemon, "0");
-    user.ok("ctx 0");
     user.ok("alloc 600");
-    assert_eq!(
-        user.call("alloc 600"),
-        None,
-        "the second allocation returned"
-    );
-    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
-    let line = daemon.expect(&format!("; killed process {} at the allocation", user.pid));
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
     assert!(
         line.starts_with(
             "Environment alpha would use 1258m on device 0 which is 258m over its capacity of 1g;"
@@ -199,12 +214,9 @@ fn the_allocation_that_crosses_the_cap_kills_its_process_in_the_call() {
 #[test]
 fn freed_memory_is_given_back_and_the_process_survives() {
     let _serial = serial();
-    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+    let Some((mut node, daemon, mut user)) = ready("kill", "beta") else {
         return;
     };
-    let mut user = capped(&mut node, &cuda_env, &daemon, "beta", &[0]);
-    user.init(&daemon, "0");
-    user.ok("ctx 0");
     for _ in 0..3 {
         let pointer = user.ok("alloc 600");
         user.ok(&format!("free {pointer}"));
@@ -309,15 +321,11 @@ fn live_total(ledger: &Path, pids: &[u32]) -> u64 {
 #[test]
 fn cu_mem_create_counts_against_the_cap() {
     let _serial = serial();
-    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+    let Some((mut node, daemon, mut user)) = ready("kill", "delta") else {
         return;
     };
-    let mut user = capped(&mut node, &cuda_env, &daemon, "delta", &[0]);
-    user.init(&daemon, "0");
     user.ok("vmm 600 0");
-    assert_eq!(user.call("vmm 600 0"), None);
-    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
-    daemon.expect(&format!("killed process {} at the allocation", user.pid));
+    killed_at(&mut node, &daemon, &mut user, "vmm 600 0");
 }
 
 /// Each GPU has its own account: 600 MiB on GPU 0 and 600 MiB on GPU 1 are both under
@@ -340,9 +348,7 @@ fn a_context_on_gpu_1_does_not_count_against_gpu_0() {
     user.ok("alloc 300");
     user.ok("pop");
     // Back on device 1, which holds 600 MiB.
-    assert_eq!(user.call("alloc 600"), None);
-    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
-    let line = daemon.expect(&format!("killed process {} at the allocation", user.pid));
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
     assert!(line.contains(" on device 1 "), "{line}");
 
     // Attached to GPU 1 alone: CUDA's device 0 is NVML's GPU 1.
@@ -363,12 +369,9 @@ fn a_context_on_gpu_1_does_not_count_against_gpu_0() {
 #[test]
 fn report_mode_says_so_and_lets_the_allocation_through() {
     let _serial = serial();
-    let Some((mut node, cuda_env, daemon)) = setup("report") else {
+    let Some((_node, daemon, mut user)) = ready("report", "eta") else {
         return;
     };
-    let mut user = capped(&mut node, &cuda_env, &daemon, "eta", &[0]);
-    user.init(&daemon, "0");
-    user.ok("ctx 0");
     user.ok("alloc 600");
     user.ok("alloc 600");
     let line = daemon.expect(&format!(
@@ -395,19 +398,10 @@ fn a_process_outside_any_environment_is_stopped_when_it_starts_cuda() {
     };
     let mut insider = capped(&mut node, &cuda_env, &daemon, "theta", &[0]);
     insider.init(&daemon, "0");
-    let mut child = std::process::Command::new(artefact("cuda-user"))
-        .envs(cuda_env.iter().map(|(k, v)| (k, v)))
-        .env_remove("GENV_ENVIRONMENT_ID")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdin = child.stdin.take().unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    let pid = node.adopt(child, &[]);
-    let mut outsider = CudaUser { pid, stdin, stdout };
+    let mut command = Command::new(artefact("cuda-user"));
+    command.env_remove("GENV_ENVIRONMENT_ID");
+    let mut outsider = CudaUser::spawn(&mut node, &cuda_env, command);
+    let pid = outsider.pid;
     // Answered or not (the signal may land first), the process is gone.
     let _ = outsider.call("init");
     assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGTERM));
@@ -428,12 +422,9 @@ fn a_process_outside_any_environment_is_stopped_when_it_starts_cuda() {
 #[test]
 fn an_impossible_size_leaves_no_credit_behind() {
     let _serial = serial();
-    let Some((mut node, cuda_env, daemon)) = setup("report") else {
+    let Some((_node, daemon, mut user)) = ready("report", "kappa") else {
         return;
     };
-    let mut user = capped(&mut node, &cuda_env, &daemon, "kappa", &[0]);
-    user.init(&daemon, "0");
-    user.ok("ctx 0");
     user.ok("alloc 600");
     assert_eq!(
         user.call("bytes 9223372036854775809").as_deref(),
@@ -454,16 +445,11 @@ fn an_impossible_size_leaves_no_credit_behind() {
 #[test]
 fn a_pitched_allocation_counts_its_pitch_not_its_width() {
     let _serial = serial();
-    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+    let Some((mut node, daemon, mut user)) = ready("kill", "lambda") else {
         return;
     };
-    let mut user = capped(&mut node, &cuda_env, &daemon, "lambda", &[0]);
-    user.init(&daemon, "0");
-    user.ok("ctx 0");
     user.ok("pitchw 1 1000000");
-    assert_eq!(user.call("pitchw 1 1000000"), None);
-    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
-    let line = daemon.expect(&format!("killed process {} at the allocation", user.pid));
+    let line = killed_at(&mut node, &daemon, &mut user, "pitchw 1 1000000");
     assert!(line.contains("would use 1024m on device 0"), "{line}");
 }
 
@@ -524,11 +510,5 @@ fn a_copy_of_libcuda_is_probed_when_its_process_opens_a_gpu() {
     ));
     user.ok("ctx 0");
     user.ok("alloc 600");
-    assert_eq!(
-        user.call("alloc 600"),
-        None,
-        "the copy's allocation went past the cap"
-    );
-    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
-    daemon.expect(&format!("killed process {} at the allocation", user.pid));
+    killed_at(&mut node, &daemon, &mut user, "alloc 600");
 }

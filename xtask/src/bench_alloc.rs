@@ -26,20 +26,12 @@ use crate::sim;
 const PAIRS: u64 = 100_000;
 const CAP: u64 = 1_000_000_000;
 const CHUNK: u64 = 100 << 20;
-const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
 pub fn run(release: &Path) -> Result<String> {
-    let dir = std::env::temp_dir().join(format!("genv-enforcer-alloc-{}", std::process::id()));
-    // Made afresh (never through something already there), then its state directory.
-    std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    std::fs::create_dir(dir.join("genv"))?;
-    std::fs::create_dir(dir.join("ledger"))?;
-    let before = std::fs::read_to_string(STATS_SYSCTL).unwrap_or_else(|_| "0".into());
-    std::fs::write(STATS_SYSCTL, "1").context("enabling kernel.bpf_stats_enabled")?;
-    let result = measure(release, &dir);
-    let _ = std::fs::write(STATS_SYSCTL, before.trim());
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    sim::with_bpf_stats("alloc", |dir| {
+        std::fs::create_dir(dir.join("ledger"))?;
+        measure(release, dir)
+    })
 }
 
 struct Node<'a> {

@@ -8,25 +8,15 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use serde_json::{Value, json};
 
 use crate::sim;
 
 const OPENS: u64 = 20_000;
-const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
 pub fn run(release: &Path) -> Result<String> {
-    let dir = std::env::temp_dir().join(format!("genv-enforcer-bpf-log-{}", std::process::id()));
-    // Made afresh (never through something already there), then its state directory.
-    std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    std::fs::create_dir(dir.join("genv"))?;
-    let before = std::fs::read_to_string(STATS_SYSCTL).unwrap_or_else(|_| "0".into());
-    std::fs::write(STATS_SYSCTL, "1").context("enabling kernel.bpf_stats_enabled")?;
-    let result = measure(release, &dir);
-    let _ = std::fs::write(STATS_SYSCTL, before.trim());
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    sim::with_bpf_stats("bpf-log", |dir| measure(release, dir))
 }
 
 fn measure(release: &Path, dir: &Path) -> Result<String> {

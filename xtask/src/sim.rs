@@ -94,6 +94,22 @@ pub fn wait_exit(child: &mut Child, timeout: Duration) -> Result<ExitStatus> {
     }
 }
 
+/// Runs `measure` in a scratch directory made afresh (never through something already
+/// there) with a `genv` state directory in it, and the kernel's BPF statistics on
+/// (`kernel.bpf_stats_enabled=1`, put back as it was afterwards).
+pub fn with_bpf_stats(name: &str, measure: impl FnOnce(&Path) -> Result<String>) -> Result<String> {
+    const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
+    let dir = std::env::temp_dir().join(format!("genv-enforcer-{name}-{}", std::process::id()));
+    std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::create_dir(dir.join("genv"))?;
+    let before = std::fs::read_to_string(STATS_SYSCTL).unwrap_or_else(|_| "0".into());
+    std::fs::write(STATS_SYSCTL, "1").context("enabling kernel.bpf_stats_enabled")?;
+    let result = measure(&dir);
+    let _ = std::fs::write(STATS_SYSCTL, before.trim());
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 /// A release `genv-enforcer enforce --event-driven` on a simulated node (genv's state
 /// under `dir/genv`, the fake NVML configured by `nvml`) with `extra` flags and its
 /// status under `run_dir`; its stderr lines, once it watches GPU nodes.

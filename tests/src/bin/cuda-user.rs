@@ -60,6 +60,37 @@ macro_rules! call {
     }};
 }
 
+/// `cuDevicePrimaryCtxRetain` on `device`, the context into `context`.
+fn retain(cuda: &Cuda, device: u64, context: &mut u64) -> c_int {
+    call!(
+        cuda,
+        "cuDevicePrimaryCtxRetain",
+        fn(*mut u64, c_int),
+        context,
+        device as c_int
+    )
+}
+
+/// `cuMemAlloc_v2` of `bytes`, the pointer into `pointer`.
+fn alloc(cuda: &Cuda, bytes: usize, pointer: &mut u64) -> c_int {
+    call!(cuda, "cuMemAlloc_v2", fn(*mut u64, usize), pointer, bytes)
+}
+
+/// `cuMemAllocPitch_v2` of `height` rows of `width` bytes.
+fn pitched(cuda: &Cuda, width: usize, height: usize, pointer: &mut u64) -> c_int {
+    let mut pitch = 0usize;
+    call!(
+        cuda,
+        "cuMemAllocPitch_v2",
+        fn(*mut u64, *mut usize, usize, usize, c_uint),
+        pointer,
+        &mut pitch,
+        width,
+        height,
+        1
+    )
+}
+
 fn answer(code: c_int, value: u64) -> String {
     match code {
         0 => format!("ok {value:#x}"),
@@ -84,19 +115,10 @@ fn main() {
         let mut value: u64 = 0;
         let code = match words.first().copied().unwrap_or("") {
             "init" => call!(cuda, "cuInit", fn(c_uint), 0),
-            "ctx" => {
-                let code = call!(
-                    cuda,
-                    "cuDevicePrimaryCtxRetain",
-                    fn(*mut u64, c_int),
-                    &mut value,
-                    number(1) as c_int
-                );
-                match code {
-                    0 => call!(cuda, "cuCtxSetCurrent", fn(u64), value),
-                    code => code,
-                }
-            }
+            "ctx" => match retain(&cuda, number(1), &mut value) {
+                0 => call!(cuda, "cuCtxSetCurrent", fn(u64), value),
+                code => code,
+            },
             "create" => call!(
                 cuda,
                 "cuCtxCreate_v2",
@@ -105,47 +127,14 @@ fn main() {
                 0,
                 number(1) as c_int
             ),
-            "push" => {
-                let code = call!(
-                    cuda,
-                    "cuDevicePrimaryCtxRetain",
-                    fn(*mut u64, c_int),
-                    &mut value,
-                    number(1) as c_int
-                );
-                match code {
-                    0 => call!(cuda, "cuCtxPushCurrent_v2", fn(u64), value),
-                    code => code,
-                }
-            }
+            "push" => match retain(&cuda, number(1), &mut value) {
+                0 => call!(cuda, "cuCtxPushCurrent_v2", fn(u64), value),
+                code => code,
+            },
             "pop" => call!(cuda, "cuCtxPopCurrent_v2", fn(*mut u64), &mut value),
-            "alloc" => call!(
-                cuda,
-                "cuMemAlloc_v2",
-                fn(*mut u64, usize),
-                &mut value,
-                number(1) as usize * MIB
-            ),
-            "bytes" => call!(
-                cuda,
-                "cuMemAlloc_v2",
-                fn(*mut u64, usize),
-                &mut value,
-                number(1) as usize
-            ),
-            "pitchw" => {
-                let mut pitch = 0usize;
-                call!(
-                    cuda,
-                    "cuMemAllocPitch_v2",
-                    fn(*mut u64, *mut usize, usize, usize, c_uint),
-                    &mut value,
-                    &mut pitch,
-                    number(1) as usize,
-                    number(2) as usize,
-                    1
-                )
-            }
+            "alloc" => alloc(&cuda, number(1) as usize * MIB, &mut value),
+            "bytes" => alloc(&cuda, number(1) as usize, &mut value),
+            "pitchw" => pitched(&cuda, number(1) as usize, number(2) as usize, &mut value),
             "async" => call!(
                 cuda,
                 "cuMemAllocAsync",
@@ -154,19 +143,7 @@ fn main() {
                 number(1) as usize * MIB,
                 0
             ),
-            "pitch" => {
-                let mut pitch = 0usize;
-                call!(
-                    cuda,
-                    "cuMemAllocPitch_v2",
-                    fn(*mut u64, *mut usize, usize, usize, c_uint),
-                    &mut value,
-                    &mut pitch,
-                    MIB,
-                    number(1) as usize,
-                    4
-                )
-            }
+            "pitch" => pitched(&cuda, MIB, number(1) as usize, &mut value),
             "vmm" => {
                 let prop = AllocationProp {
                     kind: 1,
