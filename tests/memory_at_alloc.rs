@@ -384,10 +384,10 @@ fn report_mode_says_so_and_lets_the_allocation_through() {
     );
 }
 
-/// A process outside any environment that starts CUDA is computing: with
-/// `--non-env-processes` it is terminated at its `cuInit`, with genv's line, without
-/// waiting for NVML to list it (here NVML never does: it allocates nothing). A process
-/// of an environment starting CUDA is left alone.
+/// A process outside any environment that makes a CUDA context is computing: with
+/// `--non-env-processes` it is terminated then, with genv's line, without waiting for
+/// NVML to list it (here NVML never does: it allocates nothing). `cuInit` alone is only
+/// a probe, and is left alone; so is a process of an environment.
 #[test]
 fn a_process_outside_any_environment_is_stopped_when_it_starts_cuda() {
     let _serial = serial();
@@ -402,8 +402,12 @@ fn a_process_outside_any_environment_is_stopped_when_it_starts_cuda() {
     command.env_remove("GENV_ENVIRONMENT_ID");
     let mut outsider = CudaUser::spawn(&mut node, &cuda_env, command);
     let pid = outsider.pid;
+    // `cuInit` alone only asks whether there is a GPU (`torch.cuda.is_available()`).
+    outsider.ok("init");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(node.alive(pid), "killed for probing CUDA");
     // Answered or not (the signal may land first), the process is gone.
-    let _ = outsider.call("init");
+    let _ = outsider.call("ctx 0");
     assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGTERM));
     daemon.expect(&format!(
         "Process {pid} is not running in a GPU environment"

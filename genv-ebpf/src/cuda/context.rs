@@ -22,7 +22,6 @@ pub fn cu_init(_ctx: ProbeContext) -> u32 {
 #[uprobe]
 pub fn cu_ctx_retain(ctx: ProbeContext) -> u32 {
     context_made(&ctx, 1, CALL_CTX_RETAIN);
-    started(cuda_call::PRIMARY_CTX_RETAIN);
     0
 }
 
@@ -30,7 +29,6 @@ pub fn cu_ctx_retain(ctx: ProbeContext) -> u32 {
 #[uprobe]
 pub fn cu_ctx_create(ctx: ProbeContext) -> u32 {
     context_made(&ctx, 2, CALL_CTX_CREATE);
-    started(cuda_call::CTX_CREATE);
     0
 }
 
@@ -50,6 +48,9 @@ pub fn cu_ctx_made(ctx: RetProbeContext) -> u32 {
     let _ = CTX_DEVICE.insert(&handle(pid, context), &p.gpu, 0);
     if p.call == CALL_CTX_CREATE {
         push_context(tid, context);
+        started(cuda_call::CTX_CREATE);
+    } else {
+        started(cuda_call::PRIMARY_CTX_RETAIN);
     }
     0
 }

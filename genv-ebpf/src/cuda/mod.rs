@@ -27,7 +27,7 @@ use genv_ebpf_common::alloc::{
     Baseline, Charge, CtxStack, EnvGpu, MAX_ALLOCATIONS, MAX_CUDA_PROCESSES, MAX_ENV_GPUS,
     Ordinals, ProcGpu,
 };
-use genv_ebpf_common::{MAX_ENVS, RawEvent, hook, kind};
+use genv_ebpf_common::{MAX_ENVS, RawEvent, cuda_call, hook, kind};
 
 use crate::kernel::current;
 use crate::maps::{Wake, emit};
@@ -120,13 +120,21 @@ pub(super) fn take_pending(tid: u32) -> Option<Pending> {
     Some(pending)
 }
 
-/// The process started using CUDA: the daemon reads its device numbering, and treats a
-/// process outside any environment as computing.
+/// The process started using CUDA: at `cuInit` the daemon reads its device numbering;
+/// once a context is made (the call returned success) it is computing, and a process
+/// outside any environment is judged as such. Each is said once per program image.
 #[inline(always)]
 pub(super) fn started(call: u32) {
     let (pid, tid) = current();
-    if ANNOUNCED.insert(&pid, &1, BPF_NOEXIST).is_err() {
-        return; // said already for this program image
+    let bit: u8 = if call == cuda_call::INIT { 1 } else { 2 };
+    match ANNOUNCED.get_ptr_mut(pid) {
+        // SAFETY: this process's entry; a race with another thread of it at most says
+        // the same thing twice.
+        Some(said) if unsafe { *said } & bit != 0 => return,
+        Some(said) => unsafe { *said |= bit },
+        None => {
+            let _ = ANNOUNCED.insert(&pid, &bit, 0);
+        }
     }
     emit(
         RawEvent {

@@ -114,56 +114,114 @@ pub struct Attachment {
     pub missing: Vec<&'static str>,
 }
 
-/// Attaches every probe to `library`. A library without the required symbols is
-/// refused whole; the others missing are listed.
-pub(super) fn attach(ebpf: &mut Ebpf, library: &Path) -> Result<Attachment, LoadError> {
-    let symbols = exported_symbols(library)?;
-    if let Some(absent) = REQUIRED.iter().find(|s| !symbols.contains(**s)) {
+/// The largest library read: a libcuda is tens of MB.
+pub const LIBRARY_LIMIT: u64 = 256 << 20;
+
+/// An open library, to be probed. Everything is done through this one descriptor: its
+/// type and size are checked, its bytes read, and the probes attached through
+/// `/proc/self/fd/N` at offsets found in those bytes, so that nothing is looked up by
+/// a path someone else can change between the steps.
+pub struct Library {
+    file: std::fs::File,
+    /// What it is called in messages.
+    pub name: String,
+}
+
+impl Library {
+    /// Opens `path` without blocking on it (a FIFO, a device) or taking it as a
+    /// terminal; a regular file of at most [`LIBRARY_LIMIT`] bytes, else refused.
+    pub fn open(path: &Path, name: String) -> Result<Self, LoadError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let refuse = |why: String| LoadError::Object(format!("{name}: {why}"));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+            .map_err(|e| refuse(e.to_string()))?;
+        let meta = file.metadata().map_err(|e| refuse(e.to_string()))?;
+        if !meta.is_file() {
+            return Err(refuse("not a regular file".into()));
+        }
+        if meta.len() > LIBRARY_LIMIT {
+            return Err(refuse(format!(
+                "{} bytes, over {LIBRARY_LIMIT}",
+                meta.len()
+            )));
+        }
+        Ok(Self { file, name })
+    }
+
+    /// Its device and inode: the file, whatever path reached it.
+    pub fn identity(&self) -> Option<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = self.file.metadata().ok()?;
+        Some((meta.dev(), meta.ino()))
+    }
+
+    /// Whether it starts as an ELF shared object for this machine: a cheap look before
+    /// the whole file is read.
+    pub fn looks_like_a_library(&self) -> bool {
+        use std::os::unix::fs::FileExt;
+        let mut header = [0u8; 64];
+        if self.file.read_exact_at(&mut header, 0).is_err() {
+            return false;
+        }
+        header.starts_with(b"\x7fELF")
+            && header[4] == 2 // 64-bit
+            && header[16] == 3 // ET_DYN
+    }
+}
+
+/// Attaches every probe to `library`. A library without the required symbols, or for
+/// another architecture, is refused whole; the others missing are listed.
+pub(super) fn attach(ebpf: &mut Ebpf, library: &Library) -> Result<Attachment, LoadError> {
+    use std::os::fd::AsRawFd;
+    let offsets = symbol_offsets(library)?;
+    if let Some(absent) = REQUIRED.iter().find(|s| !offsets.contains_key(**s)) {
         return Err(LoadError::Object(format!(
             "{}: no {absent} (not a libcuda)",
-            library.display()
+            library.name
         )));
     }
+    // The descriptor we hold: the kernel resolves it to the file we read.
+    let target = PathBuf::from(format!("/proc/self/fd/{}", library.file.as_raw_fd()));
     let mut attachment = Attachment::default();
     for &(name, wanted) in PROBES {
         let probe: &mut UProbe = program_mut(ebpf, name)?
             .try_into()
             .map_err(program_error(name))?;
         for &symbol in wanted {
-            if !symbols.contains(symbol) {
+            let Some(&offset) = offsets.get(symbol) else {
                 if !attachment.missing.contains(&symbol) {
                     attachment.missing.push(symbol);
                 }
                 continue;
-            }
+            };
             probe
-                .attach(symbol, library, UProbeScope::AllProcesses)
+                .attach(offset, &target, UProbeScope::AllProcesses)
                 .map_err(|e| LoadError::Program {
                     program: name,
-                    message: format!(
-                        "attaching to {symbol} in {}: {}",
-                        library.display(),
-                        chain(&e)
-                    ),
+                    message: format!("attaching to {symbol} in {}: {}", library.name, chain(&e)),
                 })?;
         }
     }
     Ok(attachment)
 }
 
-/// The dynamic symbols a library defines (bounded: a libcuda is tens of MiB; anything
-/// over 1 GiB is not one).
-fn exported_symbols(library: &Path) -> Result<HashSet<String>, LoadError> {
-    use object::{Object, ObjectSymbol};
-    const LIMIT: u64 = 1 << 30;
-    let refuse = |why: String| LoadError::Object(format!("{}: {why}", library.display()));
-    let size = std::fs::metadata(library)
-        .map_err(|e| refuse(e.to_string()))?
-        .len();
-    if size > LIMIT {
-        return Err(refuse(format!("{size} bytes, over {LIMIT}")));
+/// The file offsets of the dynamic symbols a library defines, read from its bytes
+/// (through the descriptor, bounded).
+fn symbol_offsets(library: &Library) -> Result<HashMap<String, u64>, LoadError> {
+    use object::{Object, ObjectSection, ObjectSymbol};
+    use std::io::Read;
+    let refuse = |why: String| LoadError::Object(format!("{}: {why}", library.name));
+    let mut bytes = Vec::new();
+    (&library.file)
+        .take(LIBRARY_LIMIT + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| refuse(e.to_string()))?;
+    if bytes.len() as u64 > LIBRARY_LIMIT {
+        return Err(refuse(format!("over {LIBRARY_LIMIT} bytes")));
     }
-    let bytes = std::fs::read(library).map_err(|e| refuse(e.to_string()))?;
     let file = object::File::parse(&*bytes).map_err(|e| refuse(e.to_string()))?;
     // ldconfig lists the 32-bit library too: its calls pass arguments elsewhere, so the
     // probes would read other registers as sizes.
@@ -174,11 +232,22 @@ fn exported_symbols(library: &Path) -> Result<HashSet<String>, LoadError> {
             host_architecture()
         )));
     }
-    Ok(file
-        .dynamic_symbols()
-        .filter(|s| s.is_definition())
-        .filter_map(|s| s.name().ok().map(str::to_owned))
-        .collect())
+    let mut offsets = HashMap::new();
+    for symbol in file.dynamic_symbols().filter(|s| s.is_definition()) {
+        let (Ok(name), Some(index)) = (symbol.name(), symbol.section_index()) else {
+            continue;
+        };
+        // A symbol's file offset: where its section's bytes sit in the file, plus its
+        // distance from the section's start in memory.
+        let offset = file.section_by_index(index).ok().and_then(|section| {
+            let (start, _) = section.file_range()?;
+            Some(start + symbol.address().checked_sub(section.address())?)
+        });
+        if let Some(offset) = offset {
+            offsets.insert(name.to_owned(), offset);
+        }
+    }
+    Ok(offsets)
 }
 
 fn host_architecture() -> object::Architecture {

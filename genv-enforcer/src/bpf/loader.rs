@@ -246,7 +246,7 @@ impl KernelPrograms {
     }
 
     /// Attaches the libcuda probes to `library` (`--memory-at-alloc`).
-    pub fn attach_cuda(&mut self, library: &std::path::Path) -> Result<Attachment, LoadError> {
+    pub fn attach_cuda(&mut self, library: &cuda::Library) -> Result<Attachment, LoadError> {
         if self.alloc.is_none() {
             return Err(LoadError::Object(
                 "the libcuda probes are not loaded".into(),

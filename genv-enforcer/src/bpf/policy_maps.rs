@@ -178,6 +178,11 @@ impl PolicyMaps {
             .map_err(map_error(EXEMPT_PIDS_MAP))
     }
 
+    /// The identity the kernel recorded for `pid`.
+    pub fn identity(&self, pid: u32) -> Option<u64> {
+        self.proc_env.get(&pid, 0).ok()
+    }
+
     /// Whether the kernel counts `pid` (running as `uid`) inside an active environment
     /// it may claim: the open hook's own test, from the same maps.
     pub fn in_environment(&self, pid: u32, uid: u32) -> bool {

@@ -284,7 +284,7 @@ impl Daemon {
             KernelEvent::Open(open) => {
                 counts.open_events += 1;
                 if let Some(kernel) = self.kernel.as_mut() {
-                    kernel.opened(open.pid);
+                    kernel.opened(open.pid, open.uid);
                 }
                 let counts = &mut self.status.counts;
                 if self.settings.verbose {

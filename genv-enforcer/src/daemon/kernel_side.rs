@@ -275,17 +275,17 @@ impl KernelSide {
         }
     }
 
-    /// Whether the kernel counts `pid` (running as `uid`) inside an environment it may
-    /// claim.
-    pub(super) fn in_environment(&self, pid: u32, uid: u32) -> bool {
-        self.programs.policy().in_environment(pid, uid)
+    /// Whether the kernel recorded, at `pid`'s exec, that it has no environment id at
+    /// all: not one still being resolved, not one naming an environment not mirrored yet.
+    pub(super) fn definitely_outside(&self, pid: u32) -> bool {
+        self.programs.policy().identity(pid) == Some(genv_ebpf_common::identity::NO_ENV)
     }
 
     /// A process opened a GPU node (`--memory-at-alloc`: a libcuda copy it maps is
     /// probed).
-    pub(super) fn opened(&mut self, pid: u32) {
+    pub(super) fn opened(&mut self, pid: u32, uid: u32) {
         if let Some(alloc) = &mut self.alloc {
-            alloc.opened(&mut self.programs, pid);
+            alloc.opened(&mut self.programs, pid, uid);
         }
     }
 

@@ -6,7 +6,6 @@
 //! taken off when it exits. The kernel decides; this prints what it decided.
 
 use std::collections::{HashMap, HashSet};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use genv_ebpf_common::alloc::EnvGpu;
@@ -14,12 +13,17 @@ use genv_ebpf_common::alloc::EnvGpu;
 use super::event_driven::Settings;
 use crate::backends::procfs;
 use crate::bpf::KernelPrograms;
+use crate::bpf::cuda::Library;
 use crate::intake::OverCap;
 use crate::prevention::alloc::{Caps, ordinals};
 use crate::state::Env;
 
-/// How many libraries first seen in processes are read, in the daemon's life.
+/// How many libraries first seen in processes are read, in the daemon's life, in all
+/// and per uid (root's count to the total only).
 const MAX_READ: usize = 64;
+const MAX_READ_PER_UID: usize = 4;
+/// How often a process that opens GPU nodes is looked at for a libcuda it maps.
+const LOOKS_PER_PROCESS: u8 = 4;
 
 pub(super) struct AllocSide {
     caps: Caps,
@@ -28,14 +32,17 @@ pub(super) struct AllocSide {
     known: HashSet<(u64, u64)>,
     /// Whether any library is attached.
     attached_any: bool,
-    /// Processes whose mappings were looked at for libcuda copies (until they exec or
-    /// exit).
-    scanned: HashSet<u32>,
+    /// How often each process's mappings were looked at for libcuda copies (until it
+    /// execs or exits).
+    looks: HashMap<u32, u8>,
+    /// Libraries first seen in processes that were read, by the processes' uid.
+    read_by: HashMap<u32, usize>,
     /// Libraries first seen in a process that were read: a libcuda is tens of MB to
     /// parse, and a user could map file after file, so there is a bound.
     read: usize,
     /// Processes seen starting CUDA: only their exits have charges to take off.
-    cuda_pids: HashSet<u32>,
+    /// With the start time each had: a pid reused after a lost exit is another process.
+    cuda_pids: HashMap<u32, u64>,
     verbose: bool,
 }
 
@@ -47,9 +54,10 @@ impl AllocSide {
             caps: Caps::default(),
             known: HashSet::new(),
             attached_any: false,
-            scanned: HashSet::new(),
+            looks: HashMap::new(),
+            read_by: HashMap::new(),
             read: 0,
-            cuda_pids: HashSet::new(),
+            cuda_pids: HashMap::new(),
             verbose: settings.verbose,
         };
         for lib in &settings.cuda_libs {
@@ -73,30 +81,40 @@ impl AllocSide {
         given: &[PathBuf],
         beside_nvml: Option<&Path>,
     ) {
-        for lib in crate::bpf::cuda::libraries(given, beside_nvml) {
-            let Ok(meta) = std::fs::metadata(&lib) else {
-                continue;
-            };
-            if !self.known.insert((meta.dev(), meta.ino())) {
-                continue;
+        for path in crate::bpf::cuda::libraries(given, beside_nvml) {
+            let name = path.display().to_string();
+            match Library::open(&path, name.clone()) {
+                Ok(library) => self.attach(programs, &library, None),
+                Err(e) => eprintln!("[WARNING] --memory-at-alloc: not probing {e}"),
             }
-            match programs.attach_cuda(&lib) {
-                Ok(attachment) => {
-                    let missing = match attachment.missing.is_empty() {
-                        true => String::new(),
-                        false => format!(" (it has no {})", attachment.missing.join(", ")),
-                    };
-                    eprintln!(
-                        "[INFO] --memory-at-alloc: allocations through {} are held to their environment's gpu_memory{missing}",
-                        lib.display()
-                    );
-                    self.attached_any = true;
-                }
-                Err(e) => eprintln!(
-                    "[WARNING] --memory-at-alloc: not probing {}: {e}",
-                    lib.display()
-                ),
+        }
+    }
+
+    /// Probes `library` unless it was already (attached or refused), by its device and
+    /// inode; `pid` is the process it was first seen in, if not named by the admin.
+    fn attach(&mut self, programs: &mut KernelPrograms, library: &Library, pid: Option<u32>) {
+        let Some((dev, ino)) = library.identity() else {
+            return;
+        };
+        if !self.known.insert((dev, ino)) {
+            return;
+        }
+        match (programs.attach_cuda(library), pid) {
+            (Ok(attachment), None) => {
+                let missing = match attachment.missing.is_empty() {
+                    true => String::new(),
+                    false => format!(" (it has no {})", attachment.missing.join(", ")),
+                };
+                eprintln!(
+                    "[INFO] --memory-at-alloc: allocations through {} are held to their environment's gpu_memory{missing}",
+                    library.name
+                );
+                self.attached_any = true;
             }
+            (Ok(_), Some(pid)) => eprintln!(
+                "[INFO] --memory-at-alloc: process {pid} maps a libcuda not probed yet (device {dev}, inode {ino}); allocations through it are held to their environment's gpu_memory"
+            ),
+            (Err(e), _) => eprintln!("[WARNING] --memory-at-alloc: not probing {e}"),
         }
     }
 
@@ -152,7 +170,10 @@ impl AllocSide {
         let Some(maps) = programs.alloc_mut() else {
             return;
         };
-        if !self.cuda_pids.insert(pid) {
+        let Ok(started) = procfs::stat(pid).map(|s| s.start_time) else {
+            return; // gone already
+        };
+        if self.cuda_pids.insert(pid, started) == Some(started) {
             return; // read at its first CUDA call already
         }
         // CUDA reads it with getenv: the first assignment wins.
@@ -180,44 +201,51 @@ impl AllocSide {
 
     /// A process opened a GPU node: a libcuda it maps from a file not probed yet (a
     /// container's, a user's copy) is probed from now on. CUDA opens the nodes in
-    /// `cuInit`, after loading the library and before any allocation.
-    pub(super) fn opened(&mut self, programs: &mut KernelPrograms, pid: u32) {
-        if !self.scanned.insert(pid) || self.read >= MAX_READ {
+    /// `cuInit`, after loading the library and before any allocation. A process that
+    /// maps none yet (NVML opens the nodes too) is looked at again at its next open, a
+    /// few times. Each file is opened once, through `/proc/<pid>/map_files` (the very
+    /// file mapped) and then only through that descriptor; a uid gets a few such reads,
+    /// and all of them together a few more, so that junk files cannot keep the daemon
+    /// reading, nor use up what real copies need.
+    pub(super) fn opened(&mut self, programs: &mut KernelPrograms, pid: u32, uid: u32) {
+        let looks = self.looks.entry(pid).or_insert(0);
+        if *looks >= LOOKS_PER_PROCESS || self.read >= MAX_READ {
             return;
         }
+        *looks += 1;
         let Ok(files) = procfs::mapped_files(pid, "libcuda.so") else {
             return;
         };
-        for file in files {
-            // Through the map_files link: the mapped file itself.
-            let Ok(meta) = std::fs::metadata(&file) else {
+        if !files.is_empty() {
+            self.looks.insert(pid, LOOKS_PER_PROCESS); // found: not looked at again
+        }
+        for link in files {
+            let Ok(library) = Library::open(&link, format!("the libcuda process {pid} maps"))
+            else {
                 continue;
             };
-            if !self.known.insert((meta.dev(), meta.ino())) || !meta.is_file() {
+            let seen = library
+                .identity()
+                .is_some_and(|id| self.known.contains(&id));
+            if seen || !library.looks_like_a_library() {
                 continue;
             }
-            self.read += 1;
-            if self.read == MAX_READ {
+            let read_by_uid = self.read_by.entry(uid).or_insert(0);
+            if self.read >= MAX_READ || (uid != 0 && *read_by_uid >= MAX_READ_PER_UID) {
                 eprintln!(
-                    "[WARNING] --memory-at-alloc: {MAX_READ} libcuda copies read; copies first seen from now on are not probed (give them with --cuda-lib)"
+                    "[WARNING] --memory-at-alloc: not reading the libcuda process {pid} (uid {uid}) maps: too many copies read already; give it with --cuda-lib"
                 );
+                return;
             }
-            match programs.attach_cuda(&file) {
-                Ok(_) => eprintln!(
-                    "[INFO] --memory-at-alloc: process {pid} maps a libcuda not probed yet (device {}, inode {}); allocations through it are held to their environment's gpu_memory",
-                    meta.dev(),
-                    meta.ino()
-                ),
-                Err(e) => eprintln!(
-                    "[WARNING] --memory-at-alloc: not probing the libcuda process {pid} maps: {e}"
-                ),
-            }
+            *read_by_uid += 1;
+            self.read += 1;
+            self.attach(programs, &library, Some(pid));
         }
     }
 
     pub(super) fn exited(&mut self, programs: &mut KernelPrograms, pid: u32) {
-        self.scanned.remove(&pid);
-        if !self.cuda_pids.remove(&pid) {
+        self.looks.remove(&pid);
+        if self.cuda_pids.remove(&pid).is_none() {
             return;
         }
         if let Some(maps) = programs.alloc_mut() {

@@ -40,7 +40,9 @@ pub struct SnapshotBuilder {
     said_minor_guess: bool,
     /// Processes the kernel saw start CUDA outside any environment, each with the GPU
     /// it counts on: computing before NVML lists them (see [`Self::prove_computing`]).
-    proven: HashMap<u32, u32>,
+    /// Keyed by pid, with the start time it had: a pid reused after a lost exit event
+    /// is not the process proven.
+    proven: HashMap<u32, (u32, u64)>,
 }
 
 impl SnapshotBuilder {
@@ -104,7 +106,9 @@ impl SnapshotBuilder {
     /// The kernel saw `pid` start CUDA (a libcuda probe): it is a GPU process on GPU
     /// `index` from now until its exec or exit, whether or not NVML lists it yet.
     pub fn prove_computing(&mut self, pid: u32, index: u32) {
-        self.proven.insert(pid, index);
+        if let Ok(stat) = procfs::stat(pid) {
+            self.proven.insert(pid, (index, stat.start_time));
+        }
     }
 
     /// Loads NVML if it is not loaded; says once that it is missing, and once that it is
@@ -208,7 +212,9 @@ impl SnapshotBuilder {
     pub fn take(&mut self) -> (Snapshot, Vec<Warning>) {
         let mut warnings = Vec::new();
         let (mut contexts, memory_known) = self.gpu_contexts(&mut warnings);
-        for (&pid, &index) in &self.proven {
+        self.proven
+            .retain(|&pid, (_, started)| procfs::stat(pid).is_ok_and(|s| s.start_time == *started));
+        for (&pid, &(index, _)) in &self.proven {
             if !contexts.iter().any(|c| c.pid == pid) {
                 let used_memory = memory_known.then_some(0);
                 contexts.push(ComputeContext {

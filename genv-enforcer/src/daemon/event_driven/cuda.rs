@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::{Daemon, monotonic_ns};
 use crate::cycle::Scope;
-use crate::intake::{AllocOutcome, CudaStart, OverCap};
+use crate::intake::{AllocOutcome, CudaCall, CudaStart, OverCap};
 
 impl Daemon {
     /// The kernel found an allocation past its environment's cap.
@@ -25,18 +25,23 @@ impl Daemon {
         }
     }
 
-    /// A process started CUDA (`cuInit`, a context retained or made): its device
-    /// numbering is read for the probes' accounting; and outside any environment it is
-    /// computing, which is what the non-env rule waits for NVML to show (on a real GPU
-    /// some 230 ms after the open, mostly CUDA's own start-up): it is judged now, as a
-    /// GPU process on the GPU it opened (or GPU 0).
+    /// A process started CUDA. At `cuInit` its device numbering is read for the probes'
+    /// accounting. Once it has made a context (the call succeeded: `cuInit` alone is
+    /// only a probe, as `torch.cuda.is_available()` is), it is computing, which is what
+    /// the non-env rule waits for NVML to show (on a real GPU some 230 ms after the
+    /// open, mostly CUDA's own start-up): a process the kernel knows to be outside any
+    /// environment (no `GENV_ENVIRONMENT_ID` at its exec; not one still being resolved)
+    /// is judged now, as a GPU process on the GPU it opened (or GPU 0).
     pub(super) fn on_cuda_start(&mut self, start: CudaStart, now: Instant) {
         self.status.counts.cuda_starts += 1;
         let Some(kernel) = self.kernel.as_mut() else {
             return;
         };
-        kernel.cuda_started(start.pid);
-        if !self.enforcer.rules.non_env_processes || kernel.in_environment(start.pid, start.uid) {
+        if start.call == CudaCall::Init {
+            kernel.cuda_started(start.pid);
+            return;
+        }
+        if !self.enforcer.rules.non_env_processes || !kernel.definitely_outside(start.pid) {
             return;
         }
         let index = self.watchlist.first_open(start.pid).map_or(0, |o| o.index);
