@@ -16,6 +16,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use genv_enforcer_tests::events::{EventDaemon, make_gpu_node};
+use genv_enforcer_tests::mounts::{self, SilentFuse};
 use genv_enforcer_tests::{Genv, MIB, Node, artefact};
 
 const DEATH: Duration = Duration::from_secs(30);
@@ -515,4 +516,33 @@ fn a_copy_of_libcuda_is_probed_when_its_process_opens_a_gpu() {
     user.ok("ctx 0");
     user.ok("alloc 600");
     killed_at(&mut node, &daemon, &mut user, "alloc 600");
+}
+
+/// A library on a FUSE mount (any user's server, which may never answer) is refused
+/// unopened: the daemon says so and goes on, instead of waiting in `open` or `stat` for
+/// ever. A server that never answers stands for it, mounted over the library in the
+/// daemon's own mount namespace; the library beside it is probed as usual.
+#[test]
+fn a_libcuda_on_a_fuse_mount_is_refused_unopened() {
+    let _serial = serial();
+    let mut node = Node::new(2);
+    let (lib, _) = node.cuda();
+    let silent = node.dir.join("silent.so");
+    std::fs::write(&silent, b"not read").unwrap();
+    // Declared after the node, so dropped first: closing the server frees anything
+    // stuck on the mount.
+    let fuse = SilentFuse::new();
+    node.before_exec = Some(mounts::private_namespace(Some((&fuse, &silent))));
+    let Some(daemon) = daemon(
+        &node,
+        &lib,
+        "kill",
+        &["--cuda-lib", silent.to_str().unwrap()],
+    ) else {
+        return;
+    };
+    daemon.expect(&format!(
+        "not probing {}: on a FUSE file system: not read",
+        silent.display()
+    ));
 }

@@ -66,8 +66,7 @@ pub mod kind {
     /// A watched GPU node was opened; `arg` is its kernel `dev_t`, `index` its GPU.
     pub const OPEN: u32 = 4;
     /// A process in an environment allocated past its environment's `gpu_memory` on a
-    /// GPU (`--memory-at-alloc`): `amount` is what the environment would use, in bytes,
-    /// `index` the GPU, `detail` the environment's [`env_id_hash`], `verdict` one of
+    /// GPU (`--memory-at-alloc`), as an [`AllocEvent`]: `index` is the GPU, `verdict` one of
     /// [`verdict::ALLOC_KILLED`], [`verdict::ALLOC_REPORTED`], [`verdict::ALLOC_KILL_FAILED`].
     pub const ALLOC: u32 = 5;
     /// A process started using CUDA (`cuInit`, a context retained or created): `arg`
@@ -257,11 +256,19 @@ pub struct RawEvent {
     pub verdict: u32,
     /// `bpf_ktime_get_ns()` when the event happened (CLOCK_MONOTONIC).
     pub ktime_ns: u64,
-    /// Kind-specific: the environment's [`env_id_hash`] for `ALLOC`.
-    pub detail: u64,
-    /// Kind-specific: for `ALLOC`, the bytes the environment would use on the GPU with
-    /// the allocation.
-    pub amount: u64,
+}
+
+/// An `ALLOC` event: the common record and what only it carries, written as a record
+/// of its own size so that every other event (a GPU open, an exec) stays
+/// [`RawEvent`]'s size in the ring buffer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllocEvent {
+    pub head: RawEvent,
+    /// The environment's [`env_id_hash`].
+    pub env: u64,
+    /// Bytes the environment would use on the GPU with the allocation.
+    pub would_use: u64,
 }
 
 /// `RawEvent::arg` of an `EXEC` whose environment block could not be read in full.
@@ -361,6 +368,7 @@ pub mod alloc;
 mod pod {
     // SAFETY: plain `#[repr(C)]` integers with no padding holes.
     unsafe impl aya::Pod for super::RawEvent {}
+    unsafe impl aya::Pod for super::AllocEvent {}
     unsafe impl aya::Pod for super::Offsets {}
     unsafe impl aya::Pod for super::EnvEntry {}
     unsafe impl aya::Pod for super::ExeKey {}
@@ -379,7 +387,8 @@ mod tests {
     fn records_have_the_layout_both_sides_compile() {
         // The programs and the daemon are built by different compilers for different
         // targets; a size change means one side was not rebuilt or a field is unaligned.
-        assert_eq!(size_of::<RawEvent>(), 56);
+        assert_eq!(size_of::<RawEvent>(), 40);
+        assert_eq!(size_of::<AllocEvent>(), 56);
         assert_eq!(size_of::<alloc::EnvGpu>(), 16);
         assert_eq!(size_of::<alloc::Baseline>(), 16);
         assert_eq!(size_of::<alloc::Charge>(), 24);

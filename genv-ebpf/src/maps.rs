@@ -125,8 +125,21 @@ pub enum Wake {
 /// full.
 #[inline(always)]
 pub fn emit(mut event: RawEvent, wake: Wake) {
+    event.ktime_ns = now_ns();
+    send(&event, wake);
+}
+
+/// `bpf_ktime_get_ns()`: CLOCK_MONOTONIC.
+#[inline(always)]
+pub fn now_ns() -> u64 {
     // SAFETY: a helper without arguments.
-    event.ktime_ns = unsafe { bpf_ktime_get_ns() };
+    unsafe { bpf_ktime_get_ns() }
+}
+
+/// Writes a record (time already stamped) into the ring buffer, counting it as lost if
+/// there is no room.
+#[inline(always)]
+pub fn send<T>(record: &T, wake: Wake) {
     let flags = match wake {
         Wake::Now => BPF_RB_FORCE_WAKEUP,
         Wake::Later
@@ -137,7 +150,7 @@ pub fn emit(mut event: RawEvent, wake: Wake) {
         }
         Wake::Later => BPF_RB_NO_WAKEUP,
     } as u64;
-    if EVENTS.output::<RawEvent>(&event, flags).is_err() {
+    if EVENTS.output::<T>(record, flags).is_err() {
         if let Some(lost) = LOST.get_ptr_mut(0) {
             // SAFETY: this CPU's slot; programs on one CPU do not preempt each other.
             unsafe { *lost += 1 };

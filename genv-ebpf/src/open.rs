@@ -107,8 +107,6 @@ fn decide<C: EbpfContext>(ctx: &C, file: *const u8, o: &Offsets, tier: u32) -> u
             uid,
             verdict,
             ktime_ns: 0,
-            detail: 0,
-            amount: 0,
         },
         Wake::Now,
     );

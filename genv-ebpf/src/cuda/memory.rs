@@ -5,7 +5,7 @@ use aya_ebpf::helpers::{bpf_get_current_uid_gid, bpf_send_signal};
 use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use genv_ebpf_common::alloc::{Charge, EnvGpu, MAX_CHARGE, ProcGpu};
-use genv_ebpf_common::{RawEvent, hook, identity, kind, policy, verdict};
+use genv_ebpf_common::{AllocEvent, RawEvent, hook, identity, kind, policy, verdict};
 
 use super::context::{current_device, nvml_index};
 use super::{
@@ -14,7 +14,7 @@ use super::{
     handle, read_user_u64, take_pending,
 };
 use crate::kernel::current;
-use crate::maps::{ENVS, PROC_ENV, Wake, emit, policy};
+use crate::maps::{ENVS, PROC_ENV, Wake, now_ns, policy, send};
 
 /// `cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)`, and the two asynchronous ones
 /// whose first two arguments are the same (`cuMemAllocAsync`,
@@ -307,22 +307,22 @@ fn add(at: *mut i64, value: i64) {
 #[inline(always)]
 fn report(pid: u32, env: u64, gpu: u32, usage: i64, verdict: u32) {
     let (_, tid) = current();
-    emit(
-        RawEvent {
+    let event = AllocEvent {
+        head: RawEvent {
             kind: kind::ALLOC,
             pid,
             tid,
-            arg: 0,
             index: gpu,
             hook: hook::UPROBE,
             uid: bpf_get_current_uid_gid() as u32,
             verdict,
-            ktime_ns: 0,
-            detail: env,
-            amount: usage.max(0) as u64,
+            ktime_ns: now_ns(),
+            ..RawEvent::default()
         },
-        Wake::Now,
-    );
+        env,
+        would_use: usage.max(0) as u64,
+    };
+    send(&event, Wake::Now);
 }
 
 /// The process's environment identity, when it names an active environment its uid may

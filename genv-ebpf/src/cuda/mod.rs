@@ -155,7 +155,12 @@ pub(super) const BPF_NOEXIST: u64 = 1;
 /// The exec hook: a new program image starts CUDA anew.
 #[inline(always)]
 pub fn forget_image(pid: u32) {
-    let _ = ANNOUNCED.remove(&pid);
+    // Every exec and exit of the machine comes here: a lookup (lock-free) first, the
+    // delete (which locks its bucket) only for the processes that used CUDA.
+    // SAFETY: a plain lookup.
+    if unsafe { ANNOUNCED.get(&pid) }.is_some() {
+        let _ = ANNOUNCED.remove(&pid);
+    }
 }
 
 #[inline(always)]

@@ -128,15 +128,28 @@ pub struct Library {
 }
 
 impl Library {
-    /// Opens `path` without blocking on it (a FIFO, a device) or taking it as a
-    /// terminal; a regular file of at most [`LIBRARY_LIMIT`] bytes, else refused.
-    pub fn open(path: &Path, name: String) -> Result<Self, LoadError> {
+    /// Opens `path` (reached through the mount namespace `mountinfo` lists) for reading:
+    /// first as `O_PATH`, which asks the file system nothing, so that a FUSE mount (any
+    /// user's server, which could stall every request) is refused before any open, stat
+    /// or read reaches it; then for reading through that descriptor, without blocking
+    /// or taking a terminal. A regular file of at most [`LIBRARY_LIMIT`] bytes, else
+    /// refused.
+    pub fn open(path: &Path, name: String, mountinfo: &str) -> Result<Self, LoadError> {
+        use rustix::fs::{Mode, OFlags};
+        use std::os::fd::AsRawFd;
         use std::os::unix::fs::OpenOptionsExt;
-        let refuse = |why: String| LoadError::Object(format!("{name}: {why}"));
+        let refuse = |why: String| LoadError::Library(format!("{name}: {why}"));
+        let handle = rustix::fs::open(path, OFlags::PATH | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| refuse(e.to_string()))?;
+        match crate::state::served_by_fuse(&handle, mountinfo) {
+            Ok(false) => {}
+            Ok(true) => return Err(refuse("on a FUSE file system: not read".into())),
+            Err(e) => return Err(refuse(format!("cannot tell its file system: {e}"))),
+        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(path)
+            .open(format!("/proc/self/fd/{}", handle.as_raw_fd()))
             .map_err(|e| refuse(e.to_string()))?;
         let meta = file.metadata().map_err(|e| refuse(e.to_string()))?;
         if !meta.is_file() {
@@ -178,7 +191,7 @@ pub(super) fn attach(ebpf: &mut Ebpf, library: &Library) -> Result<Attachment, L
     use std::os::fd::AsRawFd;
     let offsets = symbol_offsets(library)?;
     if let Some(absent) = REQUIRED.iter().find(|s| !offsets.contains_key(**s)) {
-        return Err(LoadError::Object(format!(
+        return Err(LoadError::Library(format!(
             "{}: no {absent} (not a libcuda)",
             library.name
         )));
@@ -213,7 +226,7 @@ pub(super) fn attach(ebpf: &mut Ebpf, library: &Library) -> Result<Attachment, L
 fn symbol_offsets(library: &Library) -> Result<HashMap<String, u64>, LoadError> {
     use object::{Object, ObjectSection, ObjectSymbol};
     use std::io::Read;
-    let refuse = |why: String| LoadError::Object(format!("{}: {why}", library.name));
+    let refuse = |why: String| LoadError::Library(format!("{}: {why}", library.name));
     let mut bytes = Vec::new();
     (&library.file)
         .take(LIBRARY_LIMIT + 1)
@@ -259,20 +272,19 @@ fn host_architecture() -> object::Architecture {
     }
 }
 
-/// The libraries to probe: `ldconfig`'s `libcuda.so.1`, the one beside NVML, and those
-/// given (`--cuda-lib`); each file once, by its real path.
+/// The libraries to probe: `ldconfig`'s `libcuda.so.1`, the one beside NVML (where the
+/// daemon loaded NVML from), and those given (`--cuda-lib`). Not resolved or looked at
+/// here: a path on a FUSE mount would hold up even a `stat` (see [`Library::open`]). The
+/// same file reached twice is attached once (the daemon keeps them by device and inode).
 pub fn libraries(given: &[PathBuf], beside_nvml: Option<&Path>) -> Vec<PathBuf> {
     let mut found: Vec<PathBuf> = given.to_vec();
     found.extend(ldconfig_libcuda());
-    if let Some(dir) = beside_nvml {
-        found.push(dir.join("libcuda.so.1"));
+    if let Some(beside) = beside_nvml.map(|dir| dir.join("libcuda.so.1")) {
+        if beside.exists() {
+            found.push(beside);
+        }
     }
-    let mut seen = HashSet::new();
     found
-        .into_iter()
-        .filter_map(|p| std::fs::canonicalize(&p).ok())
-        .filter(|p| seen.insert(p.clone()))
-        .collect()
 }
 
 /// `libcuda.so.1` in `ldconfig -p`'s cache listing (`\tlibcuda.so.1 (libc6,x86-64) =>

@@ -26,6 +26,9 @@ pub enum LoadError {
     NoTier(String),
     #[error("pinning {path}: {message}")]
     Pin { path: PathBuf, message: String },
+    /// A libcuda the probes were not attached to, and why (its name first).
+    #[error("{0}")]
+    Library(String),
     /// The libcuda probes (`--memory-at-alloc`), asked for, could not be loaded.
     #[error("the libcuda probes: {0}")]
     MemoryAtAlloc(String),

@@ -60,11 +60,8 @@ impl AllocSide {
             cuda_pids: HashMap::new(),
             verbose: settings.verbose,
         };
-        for lib in &settings.cuda_libs {
-            if !lib.exists() {
-                eprintln!("[ERROR] --cuda-lib {}: no such file", lib.display());
-            }
-        }
+        // A given library that cannot be opened is said by name (never looked at by
+        // path first: on a FUSE mount even a `stat` could wait for ever).
         side.attach_found(programs, &settings.cuda_libs, None);
         if !side.attached_any {
             eprintln!(
@@ -83,7 +80,7 @@ impl AllocSide {
     ) {
         for path in crate::bpf::cuda::libraries(given, beside_nvml) {
             let name = path.display().to_string();
-            match Library::open(&path, name.clone()) {
+            match Library::open(&path, name.clone(), "/proc/thread-self/mountinfo") {
                 Ok(library) => self.attach(programs, &library, None),
                 Err(e) => eprintln!("[WARNING] --memory-at-alloc: not probing {e}"),
             }
@@ -220,9 +217,14 @@ impl AllocSide {
             self.looks.insert(pid, LOOKS_PER_PROCESS); // found: not looked at again
         }
         for link in files {
-            let Ok(library) = Library::open(&link, format!("the libcuda process {pid} maps"))
-            else {
-                continue;
+            let name = format!("the libcuda process {pid} maps");
+            let mountinfo = format!("/proc/{pid}/mountinfo");
+            let library = match Library::open(&link, name, &mountinfo) {
+                Ok(library) => library,
+                Err(e) => {
+                    eprintln!("[WARNING] --memory-at-alloc: not probing {e}");
+                    continue;
+                }
             };
             let seen = library
                 .identity()

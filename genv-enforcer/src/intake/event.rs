@@ -1,7 +1,8 @@
 //! Kernel events, typed: a record with an unknown kind or hook is refused, not guessed.
 
 use genv_ebpf_common::{
-    EXEC_UNRESOLVED, FORK_UNRESOLVED, RawEvent, cuda_call, hook, kind, split_kernel_dev, verdict,
+    AllocEvent, EXEC_UNRESOLVED, FORK_UNRESOLVED, RawEvent, cuda_call, hook, kind,
+    split_kernel_dev, verdict,
 };
 
 use crate::bpf::Tier;
@@ -157,7 +158,8 @@ pub struct UnknownEvent {
 /// A ring buffer record the daemon cannot take as an event.
 #[derive(Clone, Copy, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BadRecord {
-    /// Not one [`RawEvent`]: the programs write exactly one per record.
+    /// Not one [`RawEvent`] (nor one [`AllocEvent`]): the programs write exactly one
+    /// per record.
     #[error(
         "kernel record of {0} bytes, expected {size}: the daemon and its programs disagree",
         size = size_of::<RawEvent>()
@@ -170,6 +172,12 @@ pub enum BadRecord {
 impl KernelEvent {
     /// Decodes one ring buffer record, whatever its bytes: any length, any alignment.
     pub fn from_record(bytes: &[u8]) -> Result<Self, BadRecord> {
+        if bytes.len() == size_of::<AllocEvent>() {
+            // SAFETY: exactly one AllocEvent's bytes; every bit pattern is valid (plain
+            // integers, no padding); read unaligned, as the ring promises no alignment.
+            let alloc: AllocEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+            return Ok(Self::try_from(alloc)?);
+        }
         if bytes.len() != size_of::<RawEvent>() {
             return Err(BadRecord::Size(bytes.len()));
         }
@@ -178,6 +186,36 @@ impl KernelEvent {
         // promise for our type.
         let raw: RawEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
         Ok(Self::try_from(raw)?)
+    }
+}
+
+/// An allocation past a cap: the only event written as an [`AllocEvent`].
+impl TryFrom<AllocEvent> for KernelEvent {
+    type Error = UnknownEvent;
+
+    fn try_from(alloc: AllocEvent) -> Result<Self, UnknownEvent> {
+        let raw = alloc.head;
+        let unknown = UnknownEvent {
+            kind: raw.kind,
+            hook: raw.hook,
+            verdict: raw.verdict,
+        };
+        if (raw.kind, raw.hook) != (kind::ALLOC, hook::UPROBE) {
+            return Err(unknown);
+        }
+        Ok(KernelEvent::Alloc(OverCap {
+            pid: raw.pid,
+            env: alloc.env,
+            index: raw.index,
+            would_use: alloc.would_use,
+            outcome: match raw.verdict {
+                verdict::ALLOC_KILLED => AllocOutcome::Killed,
+                verdict::ALLOC_REPORTED => AllocOutcome::Reported,
+                verdict::ALLOC_KILL_FAILED => AllocOutcome::KillFailed,
+                _ => return Err(unknown),
+            },
+            at_ns: raw.ktime_ns,
+        }))
     }
 }
 
@@ -215,19 +253,6 @@ impl TryFrom<RawEvent> for KernelEvent {
                     at_ns: raw.ktime_ns,
                 })
             }
-            kind::ALLOC if raw.hook == hook::UPROBE => KernelEvent::Alloc(OverCap {
-                pid: raw.pid,
-                env: raw.detail,
-                index: raw.index,
-                would_use: raw.amount,
-                outcome: match raw.verdict {
-                    verdict::ALLOC_KILLED => AllocOutcome::Killed,
-                    verdict::ALLOC_REPORTED => AllocOutcome::Reported,
-                    verdict::ALLOC_KILL_FAILED => AllocOutcome::KillFailed,
-                    _ => return Err(unknown),
-                },
-                at_ns: raw.ktime_ns,
-            }),
             kind::CUDA if raw.hook == hook::UPROBE => KernelEvent::CudaStart(CudaStart {
                 pid: raw.pid,
                 uid: raw.uid,
@@ -262,7 +287,6 @@ mod tests {
             uid: 1000,
             verdict: verdict::KILLED,
             ktime_ns: 5,
-            ..RawEvent::default()
         };
         let KernelEvent::Open(open) = KernelEvent::try_from(raw).unwrap() else {
             panic!("not an open");
@@ -322,11 +346,11 @@ mod tests {
         );
         let mut long = bytes.to_vec();
         long.extend([0; 8]);
-        assert_eq!(KernelEvent::from_record(&long), Err(BadRecord::Size(64)));
+        assert_eq!(KernelEvent::from_record(&long), Err(BadRecord::Size(48)));
         assert_eq!(KernelEvent::from_record(&[]), Err(BadRecord::Size(0)));
         assert_eq!(
             BadRecord::Size(39).to_string(),
-            "kernel record of 39 bytes, expected 56: the daemon and its programs disagree"
+            "kernel record of 39 bytes, expected 40: the daemon and its programs disagree"
         );
     }
 }

@@ -1,9 +1,9 @@
 //! Property tests of the ring buffer records' decoding (how they run, and how to run
 //! them longer: `state::arbitrary`): any bytes, of any length and alignment, decode
-//! without a panic; only exactly one `RawEvent` of a known kind, hook and verdict is an
-//! event, and it is the event the programs meant.
+//! without a panic; only exactly one `RawEvent` (or one `AllocEvent`) of a known kind,
+//! hook and verdict is an event, and it is the event the programs meant.
 
-use genv_ebpf_common::{RawEvent, hook, kind, split_kernel_dev, verdict};
+use genv_ebpf_common::{AllocEvent, RawEvent, hook, kind, split_kernel_dev, verdict};
 use proptest::collection::vec;
 use proptest::prelude::*;
 
@@ -11,6 +11,7 @@ use super::{BadRecord, KernelEvent, UnknownEvent};
 use crate::state::arbitrary::check;
 
 const SIZE: usize = size_of::<RawEvent>();
+const ALLOC_SIZE: usize = size_of::<AllocEvent>();
 
 /// The record's bytes as the programs write them: the fields in declaration order,
 /// native-endian (the programs are built for the host's endianness).
@@ -27,8 +28,14 @@ fn record(raw: &RawEvent) -> Vec<u8> {
     ];
     let mut bytes: Vec<u8> = fields.iter().flat_map(|f| f.to_ne_bytes()).collect();
     bytes.extend(raw.ktime_ns.to_ne_bytes());
-    bytes.extend(raw.detail.to_ne_bytes());
-    bytes.extend(raw.amount.to_ne_bytes());
+    bytes
+}
+
+/// An `AllocEvent`'s bytes: the common record, then its own fields.
+fn alloc_record(alloc: &AllocEvent) -> Vec<u8> {
+    let mut bytes = record(&alloc.head);
+    bytes.extend(alloc.env.to_ne_bytes());
+    bytes.extend(alloc.would_use.to_ne_bytes());
     bytes
 }
 
@@ -69,34 +76,33 @@ fn raw_event() -> impl Strategy<Value = RawEvent> {
     ];
     let ids = (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>());
     let decided = (field(kinds), field(hooks), field(verdicts), any::<u32>());
-    let wide = (any::<u64>(), any::<u64>(), any::<u64>());
-    (ids, decided, wide).prop_map(
-        |((pid, tid, arg, index), (kind, hook, verdict, uid), (ktime_ns, detail, amount))| {
-            RawEvent {
-                kind,
-                pid,
-                tid,
-                arg,
-                index,
-                hook,
-                uid,
-                verdict,
-                ktime_ns,
-                detail,
-                amount,
-            }
+    (ids, decided, any::<u64>()).prop_map(
+        |((pid, tid, arg, index), (kind, hook, verdict, uid), ktime_ns)| RawEvent {
+            kind,
+            pid,
+            tid,
+            arg,
+            index,
+            hook,
+            uid,
+            verdict,
+            ktime_ns,
         },
     )
 }
 
 #[test]
 fn any_bytes_decode_without_a_panic_and_only_one_record_is_an_event() {
-    let length = prop_oneof![0..=2 * SIZE, Just(SIZE), Just(SIZE)];
+    let length = prop_oneof![0..=2 * SIZE, Just(SIZE), Just(SIZE), Just(ALLOC_SIZE)];
     let bytes = length.prop_flat_map(|n| vec(any::<u8>(), n));
     check(bytes, |bytes| {
         match KernelEvent::from_record(&bytes) {
-            Err(BadRecord::Size(n)) => prop_assert!(n == bytes.len() && n != SIZE),
-            Err(BadRecord::Unknown(_)) | Ok(_) => prop_assert_eq!(bytes.len(), SIZE),
+            Err(BadRecord::Size(n)) => {
+                prop_assert!(n == bytes.len() && n != SIZE && n != ALLOC_SIZE)
+            }
+            Err(BadRecord::Unknown(_)) | Ok(_) => {
+                prop_assert!(bytes.len() == SIZE || bytes.len() == ALLOC_SIZE)
+            }
         }
         Ok(())
     });
@@ -141,16 +147,8 @@ fn a_record_decodes_to_the_event_it_describes_at_any_alignment() {
                     return Ok(());
                 }
             },
+            // An allocation past a cap comes only as an `AllocEvent` (below).
             kind::ALLOC | kind::CUDA => match decoded {
-                Ok(KernelEvent::Alloc(over)) => {
-                    prop_assert_eq!((raw.kind, raw.hook), (kind::ALLOC, hook::UPROBE));
-                    prop_assert_eq!(
-                        (over.pid, over.env, over.index),
-                        (raw.pid, raw.detail, raw.index)
-                    );
-                    prop_assert_eq!((over.would_use, over.at_ns), (raw.amount, raw.ktime_ns));
-                    return Ok(());
-                }
                 Ok(KernelEvent::CudaStart(start)) => {
                     prop_assert_eq!((raw.kind, raw.hook), (kind::CUDA, hook::UPROBE));
                     prop_assert_eq!(
@@ -175,6 +173,44 @@ fn a_record_decodes_to_the_event_it_describes_at_any_alignment() {
     });
 }
 
+/// An `AllocEvent` the programs wrote, at any offset, decodes to the allocation it
+/// describes; with another kind or hook in its head, it is no event.
+#[test]
+fn an_allocation_record_decodes_to_the_event_it_describes() {
+    let alloc =
+        (raw_event(), any::<u64>(), any::<u64>()).prop_map(|(head, env, would_use)| AllocEvent {
+            head,
+            env,
+            would_use,
+        });
+    check((alloc, 0..8usize), |(alloc, offset)| {
+        let mut memory = vec![0xa5; offset];
+        memory.extend(alloc_record(&alloc));
+        let decoded = KernelEvent::from_record(&memory[offset..]);
+        prop_assert_eq!(
+            decoded,
+            KernelEvent::try_from(alloc).map_err(BadRecord::from)
+        );
+        let head = alloc.head;
+        match decoded {
+            Ok(KernelEvent::Alloc(over)) => {
+                prop_assert_eq!((head.kind, head.hook), (kind::ALLOC, hook::UPROBE));
+                prop_assert_eq!(
+                    (over.pid, over.env, over.index),
+                    (head.pid, alloc.env, head.index)
+                );
+                prop_assert_eq!(
+                    (over.would_use, over.at_ns),
+                    (alloc.would_use, head.ktime_ns)
+                );
+            }
+            Ok(other) => return Err(TestCaseError::fail(format!("{other:?}"))),
+            Err(e) => prop_assert!(matches!(e, BadRecord::Unknown(_)), "{e:?}"),
+        }
+        Ok(())
+    });
+}
+
 /// A record cut short or run long (the daemon and programs built apart) is refused,
 /// whatever it holds.
 #[test]
@@ -185,6 +221,15 @@ fn a_record_of_another_size_is_refused() {
         let decoded = KernelEvent::from_record(&bytes);
         if length == SIZE {
             prop_assert_eq!(decoded, KernelEvent::try_from(raw).map_err(BadRecord::from));
+        } else if length == ALLOC_SIZE {
+            let padded = AllocEvent {
+                head: raw,
+                ..AllocEvent::default()
+            };
+            prop_assert_eq!(
+                decoded,
+                KernelEvent::try_from(padded).map_err(BadRecord::from)
+            );
         } else {
             prop_assert_eq!(decoded, Err(BadRecord::Size(length)));
             let message = decoded.unwrap_err().to_string();

@@ -67,14 +67,14 @@ impl Caps {
     /// device I which is Mm over its capacity of C; killed process P at the
     /// allocation`.
     pub fn line(&self, over: &OverCap) -> String {
-        let (eid, cap) = match self.by_identity.get(&over.env) {
-            Some((eid, cap)) => (eid.clone(), cap.to_string()),
-            None => (format!("{:016x}", over.env), "its cap".to_owned()),
+        let (eid, cap, excess) = match self.by_identity.get(&over.env) {
+            Some((eid, cap)) => (
+                eid.clone(),
+                cap.to_string(),
+                over.would_use.saturating_sub(cap.bytes()),
+            ),
+            None => (format!("{:016x}", over.env), "its cap".to_owned(), 0),
         };
-        let excess = self
-            .by_identity
-            .get(&over.env)
-            .map_or(0, |(_, cap)| over.would_use.saturating_sub(cap.bytes()));
         let outcome = match over.outcome {
             AllocOutcome::Killed => format!("killed process {} at the allocation", over.pid),
             AllocOutcome::Reported => format!(

@@ -34,11 +34,22 @@ impl Mount {
 /// The mount that `fd` (an `O_PATH` descriptor is enough) lies on, found by the mount
 /// id the kernel gives for the descriptor. Neither read calls into that file system.
 pub(super) fn of(fd: impl AsFd) -> io::Result<Mount> {
+    of_in(fd, "/proc/thread-self/mountinfo")
+}
+
+/// Whether `fd` (an `O_PATH` descriptor is enough) lies on a FUSE mount, looked up in
+/// `mountinfo`: the table of the mount namespace it was reached through (a file another
+/// process maps: `/proc/<pid>/mountinfo`). Mount ids are the kernel's, across
+/// namespaces.
+pub fn served_by_fuse(fd: impl AsFd, mountinfo: &str) -> io::Result<bool> {
+    Ok(of_in(fd, mountinfo)?.is_fuse())
+}
+
+fn of_in(fd: impl AsFd, mountinfo: &str) -> io::Result<Mount> {
     let fd = fd.as_fd().as_raw_fd();
     let fdinfo = format!("/proc/thread-self/fdinfo/{fd}");
     let text = fs::read_to_string(&fdinfo).map_err(|e| context(&fdinfo, e))?;
     let id = mount_id(&text).ok_or_else(|| invalid(&fdinfo, "no mnt_id"))?;
-    let mountinfo = "/proc/thread-self/mountinfo";
     let table = fs::read_to_string(mountinfo).map_err(|e| context(mountinfo, e))?;
     table
         .lines()
