@@ -12,7 +12,7 @@ use genv_enforcer_tests::workspace_root;
 /// modules listed before it. (`bpf` needs only the backends' device map, so it sits
 /// low, below the intake that reads its events and the prevention stage that fills
 /// its maps.)
-const LAYERS: [&str; 12] = [
+const LAYERS: [&str; 13] = [
     "backends",
     "state",
     "snapshot",
@@ -24,6 +24,7 @@ const LAYERS: [&str; 12] = [
     "intake",
     "prevention",
     "daemon",
+    "remote",
     "cli",
 ];
 

@@ -20,6 +20,7 @@ use serde_json::{Value, json};
 
 pub mod events;
 pub mod mounts;
+pub mod sshd;
 
 pub const MIB: u64 = 1024 * 1024;
 
@@ -416,7 +417,7 @@ impl Drop for Node {
     }
 }
 
-fn unique() -> u64 {
+pub(crate) fn unique() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
     NEXT.fetch_add(1, Ordering::Relaxed)
@@ -506,6 +507,16 @@ impl Genv {
             );
             Genv { bin, path }
         })
+    }
+
+    /// genv's executable.
+    pub fn bin(&self) -> &Path {
+        &self.bin
+    }
+
+    /// The PATH genv runs with: the mock nvidia-smi, then the venv.
+    pub fn path(&self) -> &str {
+        &self.path
     }
 
     /// The environment a genv user's shell would have, for scripts the test runs itself.

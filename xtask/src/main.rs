@@ -106,6 +106,7 @@ fn test(extra: &[String]) -> Result<()> {
         bail!("the test suite needs root (mknod, other uids): run `sudo -E cargo xtask test`");
     }
     ensure_python_venv()?;
+    ensure_openssh()?;
     toolchain::ensure_ebpf_toolchain()?;
     run(&mut cargo(&["fmt", "--all", "--", "--check"]))?;
     run(&mut cargo(&[
@@ -173,6 +174,44 @@ fn ensure_python_venv() -> Result<()> {
         run(Command::new("apt-get").args(["install", "-y", "python3-venv"]))?;
     }
     Ok(())
+}
+
+/// The remote-enforcement tests run Debian's real sshd (one per simulated host, in
+/// network namespaces) and sudo on the hosts' side. Installed without starting the
+/// system's own ssh service: a `policy-rc.d` that refuses service starts is put in
+/// place for the install where none exists, and removed after.
+pub fn ensure_openssh() -> Result<()> {
+    let tools = [
+        "/usr/sbin/sshd",
+        "/usr/bin/ssh",
+        "/usr/bin/ssh-keygen",
+        "/usr/bin/sudo",
+    ];
+    if tools.iter().all(|t| Path::new(t).exists()) {
+        return Ok(());
+    }
+    let policy = Path::new("/usr/sbin/policy-rc.d");
+    let ours = !policy.exists();
+    if ours {
+        std::fs::write(
+            policy,
+            "#!/bin/sh\n# genv-enforcer's xtask: no service starts while installing\nexit 101\n",
+        )?;
+        std::fs::set_permissions(
+            policy,
+            <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755),
+        )?;
+    }
+    let installed = run(Command::new("apt-get").arg("update")).and_then(|()| {
+        run(Command::new("apt-get")
+            .args(["install", "-y", "--no-install-recommends"])
+            .args(["openssh-server", "openssh-client", "sudo"])
+            .env("DEBIAN_FRONTEND", "noninteractive"))
+    });
+    if ours {
+        let _ = std::fs::remove_file(policy);
+    }
+    installed.context("installing openssh-server, openssh-client and sudo for the remote tests")
 }
 
 /// What a simulated node runs: the enforcer, the fake NVML, the gpu-process helper.

@@ -31,6 +31,8 @@ pub enum Command {
     /// Take a usage snapshot or execute a report (genv usage), wire-compatible with genv.
     #[command(subcommand)]
     Usage(UsageCommand),
+    /// Enforce on many hosts over SSH (genv remote ... enforce).
+    Remote(super::remote_args::RemoteArgs),
     /// Show what a running event-driven enforcer is doing (tier, programs, counters).
     Status {
         /// The running enforcer's runtime directory.
@@ -62,6 +64,20 @@ pub enum UsageCommand {
         #[command(flatten)]
         sources: SourceArgs,
     },
+    /// Print the snapshot as one line of JSON at start and again whenever it changes
+    /// (genv's state files, a GPU open or exit, or the poll); what `remote enforce
+    /// --event-driven` streams from each host.
+    Watch {
+        /// Seconds between polls, which catch what no event announces (memory use).
+        #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = positive_seconds)]
+        poll_interval: f64,
+        /// Which kernel programs report GPU opens and exits: the best the kernel
+        /// accepts (auto), or none (the poll alone).
+        #[arg(long, value_enum, value_name = "TIER", default_value_t = TierChoice::Auto)]
+        bpf_tier: TierChoice,
+        #[command(flatten)]
+        sources: SourceArgs,
+    },
     /// Execute the report passed as JSON on stdin.
     Execute {
         #[command(flatten)]
@@ -75,6 +91,38 @@ pub struct EnforceArgs {
     #[arg(long, default_value_t = 10.0, value_parser = non_negative_seconds, allow_hyphen_values = true)]
     pub interval: f64,
 
+    #[command(flatten)]
+    pub rules: RuleArgs,
+
+    /// genv's behaviour: a process whose GENV_ENVIRONMENT_ID names no active environment
+    /// still counts as inside one.
+    #[arg(long)]
+    pub allow_unknown_env: bool,
+
+    /// genv's behaviour: a process may claim another user's environment.
+    #[arg(long)]
+    pub allow_foreign_env: bool,
+
+    /// Processes of an environment genv dropped when its shells exited (a `nohup` job):
+    /// `leave` them running on the GPUs it had, reported (as genv leaves them), or
+    /// `terminate` them as outside any environment.
+    #[arg(long, value_enum, default_value_t = OrphanPolicy::Leave)]
+    pub orphans: OrphanPolicy,
+
+    #[command(flatten)]
+    pub execution: ExecutionArgs,
+
+    #[command(flatten)]
+    pub sources: SourceArgs,
+
+    #[command(flatten)]
+    pub events: EventArgs,
+}
+
+/// genv's rule flags, each with its `--no-` form; shared by `enforce` and `remote
+/// enforce`.
+#[derive(Debug, Args)]
+pub struct RuleArgs {
     /// Terminate processes that are not running in a GPU environment [default: off].
     #[arg(long, overrides_with = "no_non_env_processes")]
     pub non_env_processes: bool,
@@ -103,30 +151,6 @@ pub struct EnforceArgs {
     /// Per-user maximum of attached devices (with --max-devices-per-user).
     #[arg(long, value_name = "USERNAME=MAXIMUM", num_args = 1.., value_parser = user_limit, action = clap::ArgAction::Append)]
     pub max_devices_for_user: Vec<(String, u32)>,
-
-    /// genv's behaviour: a process whose GENV_ENVIRONMENT_ID names no active environment
-    /// still counts as inside one.
-    #[arg(long)]
-    pub allow_unknown_env: bool,
-
-    /// genv's behaviour: a process may claim another user's environment.
-    #[arg(long)]
-    pub allow_foreign_env: bool,
-
-    /// Processes of an environment genv dropped when its shells exited (a `nohup` job):
-    /// `leave` them running on the GPUs it had, reported (as genv leaves them), or
-    /// `terminate` them as outside any environment.
-    #[arg(long, value_enum, default_value_t = OrphanPolicy::Leave)]
-    pub orphans: OrphanPolicy,
-
-    #[command(flatten)]
-    pub execution: ExecutionArgs,
-
-    #[command(flatten)]
-    pub sources: SourceArgs,
-
-    #[command(flatten)]
-    pub events: EventArgs,
 }
 
 /// The event-driven mode: kernel programs report GPU opens and process lifecycle.
@@ -243,14 +267,14 @@ pub struct SourceArgs {
     pub genv_tmpdir: PathBuf,
 }
 
-fn non_negative_seconds(text: &str) -> Result<f64, String> {
+pub(super) fn non_negative_seconds(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(s) if s.is_finite() && s >= 0.0 => Ok(s),
         _ => Err(format!("{text:?} is not a number of seconds (0 or more)")),
     }
 }
 
-fn positive_seconds(text: &str) -> Result<f64, String> {
+pub(super) fn positive_seconds(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(s) if s.is_finite() && s > 0.0 => Ok(s),
         _ => Err(format!("{text:?} is not a number of seconds above 0")),
@@ -300,9 +324,9 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(args.interval, 0.0);
-        assert!(args.non_env_processes && args.no_env_memory);
+        assert!(args.rules.non_env_processes && args.rules.no_env_memory);
         assert_eq!(
-            args.max_devices_for_user,
+            args.rules.max_devices_for_user,
             [("alice".into(), 2), ("bob".into(), 0)]
         );
     }
@@ -310,7 +334,7 @@ mod tests {
     #[test]
     fn the_last_of_a_flag_and_its_no_form_wins() {
         let args = enforce(&["--no-env-devices", "--env-devices"]).unwrap();
-        assert!(args.env_devices && !args.no_env_devices);
+        assert!(args.rules.env_devices && !args.rules.no_env_devices);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::args::{EnforceArgs, ExecutionArgs};
+use super::args::{EnforceArgs, ExecutionArgs, RuleArgs};
 use crate::actions::ExecutorConfig;
 use crate::backends::devmap::NodeOverride;
 use crate::bpf::TierChoice;
@@ -65,14 +65,8 @@ pub enum ConfigError {
 
 impl EnforceConfig {
     pub fn from_args(args: EnforceArgs) -> Result<Self, ConfigError> {
-        let rules = rules(&args);
-        let mut warnings = Vec::new();
-        if args.max_devices_per_user.is_none() && !args.max_devices_for_user.is_empty() {
-            warnings.push(
-                "--max-devices-for-user has no effect without --max-devices-per-user (as in genv)"
-                    .to_owned(),
-            );
-        }
+        let rules = args.rules.rules();
+        let warnings: Vec<String> = args.rules.warning().into_iter().collect();
         let mode = mode(&args, &rules)?;
         Ok(Self {
             policy: EnvPolicy {
@@ -91,16 +85,26 @@ impl EnforceConfig {
     }
 }
 
-/// The rules `genv enforce` would run with these flags.
-fn rules(args: &EnforceArgs) -> Rules {
-    Rules {
-        non_env_processes: args.non_env_processes && !args.no_non_env_processes,
-        env_devices: !args.no_env_devices,
-        env_memory: !args.no_env_memory,
-        max_devices_per_user: args.max_devices_per_user.map(|default| DeviceLimit {
-            default,
-            per_user: args.max_devices_for_user.iter().cloned().collect(),
-        }),
+impl RuleArgs {
+    /// The rules `genv enforce` would run with these flags.
+    pub fn rules(&self) -> Rules {
+        Rules {
+            non_env_processes: self.non_env_processes && !self.no_non_env_processes,
+            env_devices: !self.no_env_devices,
+            env_memory: !self.no_env_memory,
+            max_devices_per_user: self.max_devices_per_user.map(|default| DeviceLimit {
+                default,
+                per_user: self.max_devices_for_user.iter().cloned().collect(),
+            }),
+        }
+    }
+
+    /// A flag accepted that does nothing, said once at start.
+    pub fn warning(&self) -> Option<String> {
+        (self.max_devices_per_user.is_none() && !self.max_devices_for_user.is_empty()).then(|| {
+            "--max-devices-for-user has no effect without --max-devices-per-user (as in genv)"
+                .to_owned()
+        })
     }
 }
 

@@ -3,6 +3,8 @@
 
 pub mod args;
 pub mod config;
+mod remote;
+pub mod remote_args;
 
 use std::io::Read;
 use std::process::ExitCode;
@@ -34,6 +36,12 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Enforce(args) => enforce(args),
         Command::Status { run_dir } => daemon::status::show(&run_dir),
+        Command::Remote(args) => remote::run(args),
+        Command::Usage(UsageCommand::Watch {
+            poll_interval,
+            bpf_tier,
+            sources,
+        }) => usage_watch(poll_interval, bpf_tier, &sources),
         Command::Unpin { pin_dir } => unpin(&pin_dir),
         Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
             let mut builder = SnapshotBuilder::new(
@@ -93,13 +101,6 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
         executor: Executor::new(config.execution),
         lock: LockPolicy::blocking(),
     };
-    let runtime = || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .enable_io()
-            .build()
-            .context("starting the runtime")
-    };
     match config.mode {
         Mode::Once => {
             enforcer.cycle();
@@ -115,6 +116,33 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
             runtime()?.block_on(daemon::event_driven::run(enforcer, settings))
         }
     }
+}
+
+/// `usage watch`.
+fn usage_watch(
+    poll: f64,
+    tier: crate::bpf::TierChoice,
+    sources: &args::SourceArgs,
+) -> Result<ExitCode> {
+    let builder = SnapshotBuilder::new(
+        StateDir::new(&sources.genv_tmpdir),
+        sources.nvml_lib.clone(),
+        EnvPolicy::default(),
+    );
+    let settings = daemon::usage_watch::WatchSettings {
+        poll: std::time::Duration::from_secs_f64(poll),
+        tier,
+    };
+    runtime()?.block_on(daemon::usage_watch::run(builder, settings))
+}
+
+/// The single-threaded runtime every long-running mode uses.
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .enable_io()
+        .build()
+        .context("starting the runtime")
 }
 
 fn unpin(root: &std::path::Path) -> Result<ExitCode> {

@@ -2,6 +2,8 @@
 //! - [`polling`]: genv's loop, a full cycle every `--interval`;
 //! - [`event_driven`]: kernel events, state-file changes and an NVML memory poll trigger
 //!   narrow checks as they happen, with the full cycle kept as a safety net.
+//!
+//! And [`usage_watch`], which watches the same way and only prints snapshots.
 
 pub mod event_driven;
 mod instance;
@@ -13,6 +15,7 @@ mod schedule;
 mod settings;
 mod state_watch;
 pub mod status;
+pub mod usage_watch;
 mod watchlist;
 
 use anyhow::{Context, Result};

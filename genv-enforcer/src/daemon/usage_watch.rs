@@ -1,0 +1,264 @@
+//! `genv-enforcer usage watch`: genv's usage snapshot, as one line of JSON, at start and
+//! again whenever it changes: what a remote enforcer streams over SSH instead of asking
+//! every `--interval`.
+//!
+//! Driven by the same machinery as the event-driven daemon where it can load: a write
+//! to genv's state files (inotify), a GPU open reported by the kernel programs (looked
+//! at again as the process makes its context), the exit of a process the last snapshot
+//! listed. A poll every `--poll-interval` catches what no event announces (memory
+//! growth), and is all there is where the programs cannot load. It acts on nothing.
+//!
+//! It ends when stdout is closed, on SIGINT or SIGTERM, and, when its stdin is a pipe or
+//! socket (as under ssh), when that reaches its end: a stream whose reader went away
+//! does not stay behind on the host.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::os::fd::AsFd;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Result;
+use tokio::sync::oneshot;
+use tokio::time::{Instant, sleep_until};
+
+use super::StopSignals;
+use super::state_watch::StateWatch;
+use crate::backends::procfs;
+use crate::bpf::{KernelPrograms, LoadOptions, TierChoice};
+use crate::intake::{EventIntake, KernelEvent};
+use crate::snapshot::{Snapshot, SnapshotBuilder};
+
+/// How long a snapshot waits for genv's lock before reading without it.
+const LOCK_WAIT: Duration = Duration::from_millis(100);
+/// After a GPU open, when to look again: the process makes its compute context (and
+/// appears in NVML's list) some time after it opens the device.
+const AFTER_OPEN: [Duration; 4] = [
+    Duration::from_millis(20),
+    Duration::from_millis(200),
+    Duration::from_secs(1),
+    Duration::from_secs(3),
+];
+/// How often exit events are read (they do not wake the reader).
+const DRAIN_EVERY: Duration = Duration::from_millis(100);
+
+pub struct WatchSettings {
+    pub poll: Duration,
+    pub tier: TierChoice,
+}
+
+pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Result<ExitCode> {
+    let mut stop = StopSignals::install()?;
+    let mut hangup = stdin_hangup();
+    let mut kernel = load_programs(settings.tier);
+    let mut state_watch = match StateWatch::new(builder.state()) {
+        Ok(watch) => Some(watch),
+        Err(e) => {
+            eprintln!("[WARNING] Cannot watch genv's state directory ({e}); polling it");
+            None
+        }
+    };
+    let mut watcher = Watcher::default();
+    let mut rechecks: Vec<Instant> = Vec::new();
+    let mut due = true;
+    let mut next_poll = Instant::now();
+    loop {
+        if due {
+            if !watcher.emit(&mut builder, kernel.as_mut().map(|(p, _)| p)) {
+                return Ok(ExitCode::SUCCESS);
+            }
+            next_poll = Instant::now() + settings.poll;
+        }
+        due = false;
+        let now = Instant::now();
+        rechecks.retain(|at| *at > now);
+        let recheck = rechecks.iter().min().copied();
+        let mut events = Vec::new();
+        tokio::select! {
+            _ = stop.recv() => return Ok(ExitCode::SUCCESS),
+            _ = &mut hangup => return Ok(ExitCode::SUCCESS),
+            _ = sleep_until(next_poll) => due = true,
+            _ = sleep_until(recheck.unwrap_or(now)), if recheck.is_some() => due = true,
+            changed = watch_changed(&mut state_watch) => due = changed,
+            _ = next_events(&mut kernel, &mut events) => {}
+        }
+        if let Some((_, intake)) = &mut kernel {
+            intake.drain_now(&mut events, &mut Vec::new());
+        }
+        let (opened, exited) = watcher.relevant(&events);
+        if opened {
+            rechecks.extend(AFTER_OPEN.iter().map(|d| Instant::now() + *d));
+        }
+        due |= opened || exited;
+    }
+}
+
+#[derive(Default)]
+struct Watcher {
+    last: String,
+    /// The processes the last snapshot listed, and the environments' shells.
+    known: HashSet<u32>,
+}
+
+impl Watcher {
+    /// Takes a snapshot and prints it if it changed; `false` once stdout is closed.
+    fn emit(
+        &mut self,
+        builder: &mut SnapshotBuilder,
+        programs: Option<&mut KernelPrograms>,
+    ) -> bool {
+        let lock = builder.state().lock_within(LOCK_WAIT).ok();
+        let (snapshot, warnings) = builder.take();
+        drop(lock);
+        for warning in warnings {
+            eprintln!("{warning}");
+        }
+        if let Some(programs) = programs {
+            if let Err(e) = programs.watch_nodes(builder.device_map()) {
+                eprintln!("[WARNING] Cannot update the watched GPU nodes: {e}");
+            }
+        }
+        // State files unreadable this time (mid-write without the lock, or broken):
+        // nothing is printed until they read again.
+        let Some(text) = one_line(&snapshot) else {
+            return true;
+        };
+        self.known = known_pids(&snapshot);
+        if text == self.last {
+            return true;
+        }
+        let mut out = std::io::stdout().lock();
+        let written = writeln!(out, "{text}").and_then(|()| out.flush());
+        self.last = text;
+        written.is_ok()
+    }
+
+    /// Whether these events call for a look: a GPU open by another process, or the exit
+    /// of one the last snapshot knew.
+    fn relevant(&self, events: &[KernelEvent]) -> (bool, bool) {
+        let own = std::process::id();
+        let opened = events
+            .iter()
+            .any(|e| matches!(e, KernelEvent::Open(open) if open.pid != own));
+        let exited = events
+            .iter()
+            .any(|e| matches!(e, KernelEvent::Exit { pid } if self.known.contains(pid)));
+        (opened, exited)
+    }
+}
+
+/// genv's snapshot document on one line (newline-delimited JSON); `None` when the
+/// state could not be read.
+fn one_line(snapshot: &Snapshot) -> Option<String> {
+    let text = snapshot.to_genv_json(None).ok()?;
+    let document: serde_json::Value = serde_json::from_str(&text).ok()?;
+    serde_json::to_string(&document).ok()
+}
+
+fn known_pids(snapshot: &Snapshot) -> HashSet<u32> {
+    let shells = snapshot.envs.iter().flatten().flat_map(|e| e.pids.iter());
+    snapshot
+        .processes
+        .iter()
+        .map(|p| p.pid)
+        .chain(shells.filter_map(|p| u32::try_from(*p).ok()))
+        .collect()
+}
+
+/// The kernel programs, reporting only (no `--deny`), where they load; otherwise the
+/// poll alone, said once.
+fn load_programs(tier: TierChoice) -> Option<(KernelPrograms, EventIntake)> {
+    if tier == TierChoice::None {
+        return None;
+    }
+    if let Some(namespace) = procfs::nested_pid_namespace() {
+        eprintln!(
+            "[INFO] usage watch: in a pid namespace of its own ({namespace}), the kernel's pids are not this one's; polling"
+        );
+        return None;
+    }
+    let options = LoadOptions {
+        choice: tier,
+        ring_bytes: None,
+        pin_dir: None,
+        compat_opens: false,
+        log_decisions: false,
+        memory_at_alloc: false,
+    };
+    let loaded = KernelPrograms::load(&options)
+        .map_err(|e| e.to_string())
+        .and_then(|(programs, events)| {
+            let intake = EventIntake::new(events.ring, events.lost)
+                .map_err(|e| format!("reading its events: {e}"))?;
+            Ok((programs, intake))
+        });
+    match loaded {
+        Ok(loaded) => {
+            eprintln!(
+                "[INFO] usage watch: kernel programs on the {} tier report GPU opens and exits",
+                loaded.0.tier().name()
+            );
+            Some(loaded)
+        }
+        Err(e) => {
+            eprintln!("[INFO] usage watch: no kernel programs ({e}); polling");
+            None
+        }
+    }
+}
+
+async fn watch_changed(watch: &mut Option<StateWatch>) -> bool {
+    match watch {
+        Some(w) => match w.changed().await {
+            Ok(changed) => changed,
+            Err(e) => {
+                eprintln!("[WARNING] Lost the watch on genv's state directory ({e}); polling it");
+                *watch = None;
+                false
+            }
+        },
+        None => std::future::pending().await,
+    }
+}
+
+async fn next_events(
+    kernel: &mut Option<(KernelPrograms, EventIntake)>,
+    events: &mut Vec<KernelEvent>,
+) {
+    match kernel {
+        Some((_, intake)) => {
+            let mut unknown = Vec::new();
+            let waited = tokio::time::timeout(DRAIN_EVERY, intake.next_batch(events, &mut unknown));
+            if let Ok(Err(e)) = waited.await {
+                eprintln!("[WARNING] Reading the kernel's events: {e}; polling");
+                *kernel = None;
+            }
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when stdin, a pipe or socket, reaches its end. Read on a thread of its own
+/// (not the runtime's blocking pool), which the process's exit does not wait for.
+fn stdin_hangup() -> oneshot::Receiver<()> {
+    let (tx, rx) = oneshot::channel();
+    let watched = rustix::fs::fstat(std::io::stdin().as_fd()).is_ok_and(|st| {
+        let kind = rustix::fs::FileType::from_raw_mode(st.st_mode);
+        matches!(
+            kind,
+            rustix::fs::FileType::Fifo | rustix::fs::FileType::Socket
+        )
+    });
+    if watched {
+        std::thread::spawn(move || {
+            let mut sink = [0u8; 4096];
+            let mut stdin = std::io::stdin().lock();
+            while matches!(std::io::Read::read(&mut stdin, &mut sink), Ok(n) if n > 0) {}
+            let _ = tx.send(());
+        });
+    } else {
+        // Never resolves: the sender lives for the whole run.
+        std::mem::forget(tx);
+    }
+    rx
+}

@@ -1,0 +1,219 @@
+//! One remote cycle, as genv's `remote enforce` runs it: a snapshot from every host at
+//! once, the rules over all of them together, then each host's report executed on that
+//! host alone, its lines reprinted with the `[host] ` prefix. What a host answers is
+//! parsed and checked before anything is decided from it; a host that fails, times out
+//! or answers nonsense is reported and left out of the cycle, never acted on.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use super::hosts::Host;
+use super::ssh::{Ssh, SshError};
+use super::validate;
+use crate::report::Report;
+use crate::rules::{self, Rules, Survey};
+use crate::snapshot::{Snapshot, WireError};
+
+pub struct Fleet {
+    pub hosts: Vec<Host>,
+    pub ssh: Ssh,
+    pub rules: Rules,
+    /// `--remote-command`, in words (`sudo genv-enforcer`).
+    pub remote: Vec<String>,
+    pub errors: ErrorPolicy,
+    /// How long one host may take to answer one command.
+    pub host_timeout: Duration,
+    /// `--max-parallel`: how many hosts are talked to at once.
+    pub parallel: Arc<Semaphore>,
+}
+
+/// genv's `-e` and `-q`: what an SSH error does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorPolicy {
+    /// Printed; the host is left out of the cycle (genv's default).
+    Report,
+    /// `-e`: the run ends with the error.
+    Exit,
+    /// `-q`: not printed.
+    Quiet,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HostFailure {
+    #[error("{0}")]
+    Ssh(#[from] SshError),
+    /// The command ran and failed: its exit status and stderr.
+    #[error("{0}")]
+    Command(String),
+    #[error("malformed snapshot: {0}")]
+    Malformed(WireError),
+    #[error("inconsistent snapshot: {0}")]
+    Inconsistent(String),
+}
+
+impl HostFailure {
+    /// A failure to run the command, which `-e` and `-q` are about; an answer that
+    /// cannot be used is always reported.
+    fn is_ssh(&self) -> bool {
+        matches!(self, Self::Ssh(_) | Self::Command(_))
+    }
+}
+
+/// Reads one host's snapshot: parsed as genv's, then checked for consistency.
+pub fn read_snapshot(text: &[u8]) -> Result<Snapshot, HostFailure> {
+    let text = std::str::from_utf8(text).map_err(|e| {
+        HostFailure::Malformed(WireError::Shape(crate::state::model::ShapeError {
+            path: String::new(),
+            message: format!("not UTF-8: {e}"),
+        }))
+    })?;
+    let snapshot = Snapshot::from_genv_json(text).map_err(HostFailure::Malformed)?;
+    match validate::inconsistency(&snapshot) {
+        Some(why) => Err(HostFailure::Inconsistent(why)),
+        None => Ok(snapshot),
+    }
+}
+
+impl Fleet {
+    /// The remote command with these words after it.
+    pub fn words(&self, sub: &[&str]) -> Vec<String> {
+        let mut words = self.remote.clone();
+        words.extend(sub.iter().map(|w| (*w).to_owned()));
+        words
+    }
+
+    /// `usage snapshot` on one host.
+    pub async fn snapshot(&self, host: usize) -> Result<Snapshot, HostFailure> {
+        let _permit = self.parallel.acquire().await.expect("never closed");
+        let words = self.words(&["usage", "snapshot"]);
+        let answer = self
+            .ssh
+            .run(&self.hosts[host], &words, None, self.host_timeout)
+            .await?;
+        if !answer.status.success() {
+            return Err(HostFailure::Command(answer.stderr));
+        }
+        read_snapshot(&answer.stdout)
+    }
+
+    /// Snapshots of these hosts, taken concurrently, in host order.
+    pub async fn snapshots(
+        self: &Arc<Self>,
+        hosts: impl IntoIterator<Item = usize>,
+    ) -> Vec<(usize, Result<Snapshot, HostFailure>)> {
+        let mut tasks = JoinSet::new();
+        for host in hosts {
+            let fleet = Arc::clone(self);
+            tasks.spawn(async move { (host, fleet.snapshot(host).await) });
+        }
+        let mut taken: Vec<_> = tasks.join_all().await;
+        taken.sort_by_key(|(host, _)| *host);
+        taken
+    }
+
+    /// Says that a host failed, as `-e` and `-q` ask (genv's line for SSH errors).
+    pub fn failed(&self, host: usize, failure: &HostFailure) -> Result<()> {
+        let name = &self.hosts[host].name;
+        if failure.is_ssh() {
+            let line = format!("Failed running SSH command on {name} ({failure})");
+            match self.errors {
+                ErrorPolicy::Exit => bail!(line),
+                ErrorPolicy::Quiet => {}
+                ErrorPolicy::Report => eprintln!("{line}"),
+            }
+        } else {
+            eprintln!(
+                "[ERROR] [{name}] Refusing its answer ({failure}); nothing is decided or done on {name} until it answers well"
+            );
+        }
+        Ok(())
+    }
+
+    /// The rules over these hosts' snapshots together: prints their lines and returns
+    /// each host's report (empty ones left out).
+    pub fn judge(&self, taken: &[(usize, &Snapshot)]) -> Vec<(usize, Report)> {
+        let surveys: Vec<Survey<'_>> = taken
+            .iter()
+            .map(|(host, snapshot)| Survey {
+                hostname: Some(self.hosts[*host].name.as_str()),
+                snapshot,
+            })
+            .collect();
+        let findings = rules::check(&surveys, &self.rules);
+        let names: Vec<Option<&str>> = surveys.iter().map(|s| s.hostname).collect();
+        for finding in &findings {
+            println!("{}", finding.line(&names));
+        }
+        Report::build(&surveys, &findings)
+            .into_iter()
+            .zip(taken)
+            .filter(|(report, _)| !report.is_empty())
+            .map(|(report, (host, _))| (*host, report))
+            .collect()
+    }
+
+    /// `usage execute` on each host with its own report, concurrently; their output
+    /// reprinted in host order. Returns the hosts it ran on.
+    pub async fn execute(self: &Arc<Self>, reports: Vec<(usize, Report)>) -> Result<Vec<usize>> {
+        let mut tasks = JoinSet::new();
+        for (host, report) in reports {
+            let fleet = Arc::clone(self);
+            tasks.spawn(async move {
+                let _permit = fleet.parallel.acquire().await.expect("never closed");
+                let words = fleet.words(&["usage", "execute"]);
+                let input = report.to_genv_json();
+                let answer = fleet
+                    .ssh
+                    .run(
+                        &fleet.hosts[host],
+                        &words,
+                        Some(input.as_bytes()),
+                        fleet.host_timeout,
+                    )
+                    .await;
+                (host, answer)
+            });
+        }
+        let mut done: Vec<_> = tasks.join_all().await;
+        done.sort_by_key(|(host, _)| *host);
+        let mut ran = Vec::new();
+        for (host, answer) in done {
+            let name = &self.hosts[host].name;
+            match answer {
+                Ok(answer) if answer.status.success() => {
+                    for line in String::from_utf8_lossy(&answer.stdout).lines() {
+                        println!("[{name}] {line}");
+                    }
+                    for line in answer.stderr.lines() {
+                        eprintln!("[{name}] {line}");
+                    }
+                    ran.push(host);
+                }
+                Ok(answer) => self.failed(host, &HostFailure::Command(answer.stderr))?,
+                Err(e) => self.failed(host, &HostFailure::Ssh(e))?,
+            }
+        }
+        Ok(ran)
+    }
+
+    /// One polling cycle over every host.
+    pub async fn cycle(self: &Arc<Self>) -> Result<()> {
+        let mut taken = Vec::new();
+        for (host, snapshot) in self.snapshots(0..self.hosts.len()).await {
+            match snapshot {
+                Ok(snapshot) => taken.push((host, snapshot)),
+                Err(failure) => self.failed(host, &failure)?,
+            }
+        }
+        let views: Vec<(usize, &Snapshot)> = taken.iter().map(|(h, s)| (*h, s)).collect();
+        let reports = self.judge(&views);
+        if !reports.is_empty() {
+            self.execute(reports).await?;
+        }
+        Ok(())
+    }
+}

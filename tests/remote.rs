@@ -1,0 +1,431 @@
+//! Remote enforcement over real OpenSSH: `genv-enforcer remote … enforce` against
+//! simulated hosts, each a network namespace running Debian's sshd with its own genv
+//! state and fake NVML ([`genv_enforcer_tests::sshd`]); and interop with genv 1.4.3's
+//! own `genv remote`, both ways.
+
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use genv_enforcer_tests::sshd::{Runs, SshFleet};
+use genv_enforcer_tests::{Node, device_record, env_record};
+use serde_json::json;
+
+const DEATH: Duration = Duration::from_secs(10);
+
+fn lines(bytes: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(bytes)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn run(mut command: std::process::Command) -> (Output, Vec<String>, String) {
+    let output = command.output().unwrap();
+    let stdout = lines(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    (output, stdout, stderr)
+}
+
+/// A remote enforcer left running, its stdout read as it comes.
+struct Running {
+    child: std::process::Child,
+    stdout: std::sync::mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Running {
+    fn start(mut command: std::process::Command) -> Self {
+        let mut child = command
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Self {
+            child,
+            stdout: rx,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits for this many lines; fails with what came, and stderr, past the timeout.
+    fn lines(&mut self, count: usize, timeout: Duration) -> Vec<String> {
+        let deadline = Instant::now() + timeout;
+        while self.seen.len() < count {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.stdout.recv_timeout(left) {
+                Ok(line) => self.seen.push(line),
+                Err(_) => {
+                    let stderr = self.stop();
+                    panic!(
+                        "{} lines of {count} within {timeout:?}: {:?}; stderr: {stderr}",
+                        self.seen.len(),
+                        self.seen
+                    );
+                }
+            }
+        }
+        self.seen.clone()
+    }
+
+    /// SIGTERM; its stderr.
+    fn stop(&mut self) -> String {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+        let mut stderr = String::new();
+        if let Some(mut err) = self.child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut err, &mut stderr);
+        }
+        stderr
+    }
+}
+
+/// alice holds device 0 on the first host and devices 0 and 1 on the second, a process
+/// on each: three devices, one more than `--max-devices-per-user 2` allows. genv counts
+/// across hosts and detaches the first host's device first.
+fn alice_on_two_hosts(fleet: &mut SshFleet) -> [u32; 3] {
+    let mut pids = [0; 3];
+    let shell = fleet.hosts[0].node.shell();
+    fleet.hosts[0].node.write_state(
+        json!([env_record("a1", 0, "alice", None, shell)]),
+        json!([device_record(0, &["a1"]), device_record(1, &[])]),
+    );
+    pids[0] = fleet.hosts[0].node.spawn(Some("a1"), &[(0, 100)]);
+    let shell = fleet.hosts[1].node.shell();
+    fleet.hosts[1].node.write_state(
+        json!([env_record("a2", 0, "alice", None, shell)]),
+        json!([device_record(0, &["a2"]), device_record(1, &["a2"])]),
+    );
+    pids[1] = fleet.hosts[1].node.spawn(Some("a2"), &[(0, 100)]);
+    pids[2] = fleet.hosts[1].node.spawn(Some("a2"), &[(1, 100)]);
+    pids
+}
+
+fn expected_alice_lines(fleet: &SshFleet, victim: u32) -> Vec<String> {
+    let first = &fleet.hosts[0].name;
+    vec![
+        "User alice is using 3 devices on 2 hosts which is 1 more than the maximum allowed".into(),
+        format!(
+            "[{first}] Terminating process {victim} from environment a1 that is running on GPU(s) 0"
+        ),
+        format!("[{first}] Detaching environment a1 of user alice from device 0"),
+    ]
+}
+
+fn assert_alice_enforced(fleet: &mut SshFleet, pids: [u32; 3]) {
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(pids[0], DEATH),
+        Some(libc::SIGTERM)
+    );
+    assert!(
+        fleet.hosts[0].node.attached("a1").is_empty(),
+        "a1 must be detached"
+    );
+    assert_eq!(
+        fleet.hosts[1].node.attached("a2"),
+        [0, 1],
+        "the second host is left alone"
+    );
+    assert!(fleet.hosts[1].node.alive(pids[1]) && fleet.hosts[1].node.alive(pids[2]));
+}
+
+#[test]
+fn a_cross_host_device_limit_detaches_on_the_right_host() {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
+    let pids = alice_on_two_hosts(&mut fleet);
+    let (output, stdout, stderr) =
+        run(fleet.remote(&["enforce", "--interval", "0", "--max-devices-per-user", "2"]));
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(
+        stdout,
+        expected_alice_lines(&fleet, pids[0]),
+        "stderr: {stderr}"
+    );
+    assert_alice_enforced(&mut fleet, pids);
+}
+
+#[test]
+fn per_host_rules_act_only_on_their_host() {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
+    // The same environment id on both hosts: on the first, its process uses device 1,
+    // which is not attached there; on the second, device 1 is attached.
+    let mut pids = Vec::new();
+    for (host, attached) in [(0, 0), (1, 1)] {
+        let node: &mut Node = &mut fleet.hosts[host].node;
+        let shell = node.shell();
+        let devices = match attached {
+            0 => json!([device_record(0, &["env-a"]), device_record(1, &[])]),
+            _ => json!([device_record(0, &[]), device_record(1, &["env-a"])]),
+        };
+        node.write_state(json!([env_record("env-a", 0, "bob", None, shell)]), devices);
+        pids.push(node.spawn(Some("env-a"), &[(1, 100)]));
+    }
+    let (output, stdout, stderr) = run(fleet.remote(&["enforce", "--interval", "0"]));
+    assert!(output.status.success(), "{stderr}");
+    let first = &fleet.hosts[0].name;
+    assert_eq!(
+        stdout,
+        [
+            format!(
+                "[{first}] Process {} from environment env-a is using non-attached GPU(s) 1",
+                pids[0]
+            ),
+            format!(
+                "[{first}] Terminating process {} from environment env-a that is running on GPU(s) 1",
+                pids[0]
+            ),
+        ]
+    );
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(pids[0], DEATH),
+        Some(libc::SIGTERM)
+    );
+    assert!(fleet.hosts[1].node.alive(pids[1]));
+}
+
+/// A process outside any environment on each host, and an empty state.
+fn rogues(fleet: &mut SshFleet) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for host in &mut fleet.hosts {
+        host.node
+            .write_state(json!([]), json!([device_record(0, &[])]));
+        pids.push(host.node.spawn(None, &[(0, 100)]));
+    }
+    pids
+}
+
+fn rogue_lines(host: &str, pid: u32) -> [String; 2] {
+    [
+        format!("[{host}] Process {pid} is not running in a GPU environment"),
+        format!(
+            "[{host}] Terminating process {pid} from environment N/A that is running on GPU(s) 0"
+        ),
+    ]
+}
+
+#[test]
+fn hosts_down_or_hanging_are_reported_while_the_others_are_enforced() {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer, Runs::Enforcer], 1);
+    let pids = rogues(&mut fleet);
+    fleet.take_down(1);
+    fleet.hang(2);
+    let flags = [
+        "-t",
+        "2",
+        "--host-timeout",
+        "4",
+        "enforce",
+        "--interval",
+        "0",
+        "--non-env-processes",
+    ];
+    let (output, stdout, stderr) = run(fleet.remote(&flags));
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(stdout, rogue_lines(&fleet.hosts[0].name, pids[0]));
+    for host in [1, 2] {
+        let said = format!("Failed running SSH command on {} (", fleet.hosts[host].name);
+        assert!(stderr.contains(&said), "{said:?} not in {stderr}");
+        assert!(fleet.hosts[host].node.alive(pids[host]));
+    }
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(pids[0], DEATH),
+        Some(libc::SIGTERM)
+    );
+
+    // -q: the same, silently; -e: the run ends with the error.
+    let again = fleet.hosts[0].node.spawn(None, &[(0, 100)]);
+    let quiet: Vec<&str> = ["-q"].iter().chain(&flags).copied().collect();
+    let (output, stdout, stderr) = run(fleet.remote(&quiet));
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(stdout, rogue_lines(&fleet.hosts[0].name, again));
+    assert!(!stderr.contains("Failed running SSH command"), "{stderr}");
+    let exit: Vec<&str> = ["-e"].iter().chain(&flags).copied().collect();
+    let (output, _, stderr) = run(fleet.remote(&exit));
+    assert!(!output.status.success());
+    assert!(stderr.contains("Failed running SSH command on"), "{stderr}");
+}
+
+#[test]
+fn malformed_or_inconsistent_snapshots_are_refused_and_never_acted_on() {
+    let snapshot_only = |answer: &str| {
+        Runs::Script(format!(
+            "case \"$1 $2\" in \"usage snapshot\") echo '{answer}';; *) cat >/dev/null;; esac"
+        ))
+    };
+    // Would terminate process 4242 (outside any environment) if believed; device 5 does
+    // not exist there.
+    let inconsistent = r#"{"processes": {"processes": [{"pid": 4242, "used_gpu_memory": [{"index": 5, "gpu_memory": "1mi"}], "eid": null}]}, "envs": {"envs": []}, "devices": {"devices": [{"index": 0, "total_memory": "16384mi", "attachments": []}]}}"#;
+    let malformed = r#"{"processes": {"processes": [{"pid": 4242,"#;
+    let mut fleet = SshFleet::start(
+        &[
+            Runs::Enforcer,
+            snapshot_only(inconsistent),
+            snapshot_only(malformed),
+        ],
+        1,
+    );
+    fleet.hosts[0]
+        .node
+        .write_state(json!([]), json!([device_record(0, &[])]));
+    let rogue = fleet.hosts[0].node.spawn(None, &[(0, 100)]);
+    let (output, stdout, stderr) =
+        run(fleet.remote(&["enforce", "--interval", "0", "--non-env-processes"]));
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(stdout, rogue_lines(&fleet.hosts[0].name, rogue));
+    let inconsistent_said = format!(
+        "[ERROR] [{}] Refusing its answer (inconsistent snapshot: process 4242 uses device 5, which is not listed)",
+        fleet.hosts[1].name
+    );
+    assert!(stderr.contains(&inconsistent_said), "{stderr}");
+    let malformed_said = format!(
+        "[ERROR] [{}] Refusing its answer (malformed snapshot: not valid JSON",
+        fleet.hosts[2].name
+    );
+    assert!(stderr.contains(&malformed_said), "{stderr}");
+    for host in [1, 2] {
+        assert_eq!(
+            fleet.hosts[host].script_calls(),
+            "usage snapshot\n",
+            "nothing but the snapshot ran there"
+        );
+    }
+}
+
+#[test]
+fn with_usage_watch_a_violation_is_acted_on_without_waiting_for_the_interval() {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
+    let shell = fleet.hosts[0].node.shell();
+    fleet.hosts[0].node.write_state(
+        json!([env_record("a1", 0, "alice", None, shell)]),
+        json!([device_record(0, &["a1"]), device_record(1, &[])]),
+    );
+    let victim = fleet.hosts[0].node.spawn(Some("a1"), &[(0, 100)]);
+    let shell = fleet.hosts[1].node.shell();
+    let envs = json!([env_record("a2", 0, "alice", None, shell)]);
+    fleet.hosts[1].node.write_state(
+        envs.clone(),
+        json!([device_record(0, &[]), device_record(1, &[])]),
+    );
+    let mut enforcer = Running::start(fleet.remote(&[
+        "enforce",
+        "--event-driven",
+        "--interval",
+        "600",
+        "--max-devices-per-user",
+        "1",
+    ]));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !fleet.hosts.iter().all(|h| h.watching()) {
+        assert!(
+            Instant::now() < deadline,
+            "the usage watch streams did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    // alice attaches a device on the second host: two, one over; the first host's goes.
+    let attached = Instant::now();
+    fleet.hosts[1].node.write_state(
+        envs,
+        json!([device_record(0, &["a2"]), device_record(1, &[])]),
+    );
+    let deadline = attached + Duration::from_secs(60);
+    while !fleet.hosts[0].node.attached("a1").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "not detached within 60 s (the interval is 600 s)"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    eprintln!(
+        "detached {:?} after the attach, over SSH",
+        attached.elapsed()
+    );
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(victim, DEATH),
+        Some(libc::SIGTERM)
+    );
+    assert_eq!(fleet.hosts[1].node.attached("a2"), [0]);
+    let first = &fleet.hosts[0].name;
+    assert_eq!(
+        enforcer.lines(3, Duration::from_secs(30)),
+        [
+            "User alice is using 2 devices on 2 hosts which is 1 more than the maximum allowed"
+                .to_owned(),
+            format!(
+                "[{first}] Terminating process {victim} from environment a1 that is running on GPU(s) 0"
+            ),
+            format!("[{first}] Detaching environment a1 of user alice from device 0"),
+        ]
+    );
+    enforcer.stop();
+}
+
+#[test]
+fn genvs_own_remote_drives_hosts_running_genv_enforcer() {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
+    let pids = alice_on_two_hosts(&mut fleet);
+    let (output, stdout, stderr) =
+        run(fleet.genv_remote(&["enforce", "--interval", "0", "--max-devices-per-user", "2"]));
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(
+        stdout,
+        expected_alice_lines(&fleet, pids[0]),
+        "stderr: {stderr}"
+    );
+    assert_alice_enforced(&mut fleet, pids);
+}
+
+#[test]
+fn genv_enforcers_remote_drives_hosts_running_python_genv() {
+    let mut fleet = SshFleet::start(&[Runs::PythonGenv, Runs::PythonGenv], 2);
+    let pids = alice_on_two_hosts(&mut fleet);
+    let flags = [
+        "--remote-command",
+        "sudo genv",
+        "enforce",
+        "--interval",
+        "0",
+        "--max-devices-per-user",
+        "2",
+    ];
+    let (output, stdout, stderr) = run(fleet.remote(&flags));
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(
+        stdout,
+        expected_alice_lines(&fleet, pids[0]),
+        "stderr: {stderr}"
+    );
+    assert_alice_enforced(&mut fleet, pids);
+}
+
+#[test]
+fn hosts_that_cannot_stream_are_polled() {
+    let mut fleet = SshFleet::start(&[Runs::PythonGenv], 1);
+    let flags = [
+        "--remote-command",
+        "sudo genv",
+        "enforce",
+        "--event-driven",
+        "--interval",
+        "1",
+        "--non-env-processes",
+    ];
+    let mut enforcer = Running::start(fleet.remote(&flags));
+    let pids = rogues(&mut fleet);
+    let seen = enforcer.lines(2, Duration::from_secs(30));
+    assert_eq!(seen, rogue_lines(&fleet.hosts[0].name, pids[0]));
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(pids[0], DEATH),
+        Some(libc::SIGTERM)
+    );
+    let stderr = enforcer.stop();
+    assert!(stderr.contains("Cannot stream snapshots"), "{stderr}");
+}
