@@ -429,3 +429,285 @@ fn hosts_that_cannot_stream_are_polled() {
     let stderr = enforcer.stop();
     assert!(stderr.contains("Cannot stream snapshots"), "{stderr}");
 }
+
+// ---- `cargo xtask bench remote` ----
+
+/// Each host of a benchmark fleet: two GPUs, alice's environment attached to one, a
+/// process on it; nothing to enforce, so a cycle is the snapshots and the rules.
+fn typical_hosts(fleet: &mut SshFleet) {
+    for host in &mut fleet.hosts {
+        let shell = host.node.shell();
+        host.node.write_state(
+            json!([env_record("a", 0, "alice", None, shell)]),
+            json!([device_record(0, &["a"]), device_record(1, &[])]),
+        );
+        host.node.spawn(Some("a"), &[(0, 100)]);
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}
+
+fn wall_ms(mut command: std::process::Command) -> f64 {
+    let started = Instant::now();
+    let output = command.output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    started.elapsed().as_secs_f64() * 1e3
+}
+
+/// The median cycle of a long-running `remote -v enforce` (the first, which connects,
+/// left out).
+fn looped_cycle_ms(fleet: &SshFleet, extra: &[&str]) -> f64 {
+    let mut args = vec!["-v"];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["enforce", "--interval", "0.2"]);
+    let mut child = fleet
+        .remote(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut cycles = Vec::new();
+    use std::io::BufRead;
+    for line in std::io::BufReader::new(stderr)
+        .lines()
+        .map_while(Result::ok)
+    {
+        if let Some(ms) = line.strip_prefix("[INFO] Cycle over ").and_then(|l| {
+            let ms = l.rsplit(" in ").next()?.strip_suffix(" ms")?;
+            ms.parse::<f64>().ok()
+        }) {
+            cycles.push(ms);
+        }
+        if cycles.len() == 11 {
+            break;
+        }
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+    median(cycles[1..].to_vec())
+}
+
+/// alice holds device 0 on the first host; she attaches one on the second, one over
+/// `--max-devices-per-user 1`: how long until the first host's is detached.
+fn reaction_ms(fleet: &mut SshFleet) -> f64 {
+    let shell0 = fleet.hosts[0].node.shell();
+    let shell1 = fleet.hosts[1].node.shell();
+    let envs0 = json!([env_record("a1", 0, "alice", None, shell0)]);
+    let envs1 = json!([env_record("a2", 0, "alice", None, shell1)]);
+    // The second host first: were the first host's device attached while the second's
+    // still is, that would be the violation, too early.
+    fleet.hosts[1].node.write_state(
+        envs1.clone(),
+        json!([device_record(0, &[]), device_record(1, &[])]),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    fleet.hosts[0].node.write_state(
+        envs0,
+        json!([device_record(0, &["a1"]), device_record(1, &[])]),
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        fleet.hosts[0].node.attached("a1"),
+        [0],
+        "detached before the attach"
+    );
+    let attached = Instant::now();
+    fleet.hosts[1].node.write_state(
+        envs1,
+        json!([device_record(0, &["a2"]), device_record(1, &[])]),
+    );
+    while !fleet.hosts[0].node.attached("a1").is_empty() {
+        assert!(
+            attached.elapsed() < Duration::from_secs(30),
+            "never detached"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    attached.elapsed().as_secs_f64() * 1e3
+}
+
+fn cycle_row(hosts: usize) -> String {
+    let mut ours = SshFleet::start(&vec![Runs::Enforcer; hosts], 2);
+    typical_hosts(&mut ours);
+    let once = median(
+        (0..3)
+            .map(|_| wall_ms(ours.remote(&["enforce", "--interval", "0"])))
+            .collect(),
+    );
+    let multiplexed = looped_cycle_ms(&ours, &[]);
+    let plain = looped_cycle_ms(&ours, &["--no-multiplex"]);
+    drop(ours);
+    let mut python = SshFleet::start(&vec![Runs::PythonGenv; hosts], 2);
+    typical_hosts(&mut python);
+    let genv = median(
+        (0..3)
+            .map(|_| wall_ms(python.genv_remote(&["enforce", "--interval", "0"])))
+            .collect(),
+    );
+    let ours_on_python = looped_cycle_ms(&python, &["--remote-command", "sudo genv"]);
+    format!(
+        "| {hosts} | {genv:.0} ms | {once:.0} ms | {plain:.0} ms | {multiplexed:.0} ms | {ours_on_python:.0} ms |\n"
+    )
+}
+
+#[test]
+#[ignore = "a benchmark: cargo xtask bench remote"]
+fn bench_remote() {
+    let out = std::env::var("GENV_BENCH_TABLE").expect("GENV_BENCH_TABLE: where the table goes");
+    let mut table = String::from(
+        "One remote cycle (snapshot every host, rules across them, nothing to execute), hosts \
+         in network namespaces on this machine, each host 2 GPUs, one environment, one process:\n\n\
+         | hosts | genv 1.4.3 `remote enforce --interval 0` (Python genv hosts) | genv-enforcer, one run (`--interval 0`) | genv-enforcer cycle, `--no-multiplex` | genv-enforcer cycle, multiplexed | genv-enforcer cycle, multiplexed, Python genv hosts (`--remote-command 'sudo genv'`) |\n\
+         |---|---|---|---|---|---|\n",
+    );
+    for hosts in [1, 4, 16] {
+        table.push_str(&cycle_row(hosts));
+    }
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
+    let mut enforcer = Running::start(fleet.remote(&[
+        "enforce",
+        "--event-driven",
+        "--interval",
+        "600",
+        "--max-devices-per-user",
+        "1",
+    ]));
+    let ours: Vec<f64> = (0..7).map(|_| reaction_ms(&mut fleet)).collect();
+    enforcer.stop();
+    let mut python = SshFleet::start(&[Runs::PythonGenv, Runs::PythonGenv], 2);
+    let mut genv =
+        python.genv_remote(&["enforce", "--interval", "10", "--max-devices-per-user", "1"]);
+    // Its own process group: its ssh children go with it.
+    std::os::unix::process::CommandExt::process_group(&mut genv, 0);
+    let mut genv = genv
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let theirs: Vec<f64> = (0..3).map(|_| reaction_ms(&mut python)).collect();
+    unsafe { libc::kill(-(genv.id() as i32), libc::SIGTERM) };
+    let _ = genv.wait();
+    let range = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::MAX, f64::min);
+        let hi = v.iter().copied().fold(0.0, f64::max);
+        (lo, median(v.to_vec()), hi)
+    };
+    let (lo, mid, hi) = range(&ours);
+    let (glo, gmid, ghi) = range(&theirs);
+    table.push_str(&format!(
+        "\nCross-host reaction: alice attaches a device on one host, one over `--max-devices-per-user 1`; \
+         time until her device on the other host is detached (min / median / max):\n\n\
+         | enforcer | runs | min | median | max |\n|---|---|---|---|---|\n\
+         | genv-enforcer `remote enforce --event-driven` (`usage watch` streams) | {} | {lo:.0} ms | {mid:.0} ms | {hi:.0} ms |\n\
+         | genv 1.4.3 `remote enforce` (`--interval 10`, its default) | {} | {glo:.0} ms | {gmid:.0} ms | {ghi:.0} ms |\n",
+        ours.len(),
+        theirs.len()
+    ));
+    std::fs::write(out, table).unwrap();
+}
+
+// ---- `usage watch` on its own ----
+
+/// `usage watch` with a poll of ten minutes, so that every line within the test comes
+/// from an event: a write to genv's state, a GPU open (the context listed after it),
+/// the exit of a listed process. Its stdin closing ends it.
+#[test]
+fn usage_watch_prints_a_line_at_each_change_as_it_happens() {
+    use genv_enforcer_tests::events;
+    let mut node = Node::new(1);
+    node.write_state(json!([]), json!([device_record(0, &[])]));
+    let gpu = events::make_gpu_node(&node.dir.join("gpu0"));
+    let [gpu_flag, _] = events::test_node_flags();
+    let mut watch = node
+        .enforcer()
+        .args([
+            "usage",
+            "watch",
+            "--poll-interval",
+            "600",
+            "--gpu-node",
+            &gpu_flag,
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<serde_json::Value>();
+    let out = watch.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(serde_json::from_str(&line).expect("one JSON document a line"));
+        }
+    });
+    let next = |what: &str| {
+        rx.recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("no line for {what} within 20 s (the poll is 600 s)"))
+    };
+    let pids = |doc: &serde_json::Value| -> Vec<u64> {
+        doc["processes"]["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["pid"].as_u64().unwrap())
+            .collect()
+    };
+    let first = next("the start");
+    assert_eq!(first["envs"]["envs"], json!([]));
+
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("e", 0, "root", None, shell)]),
+        json!([device_record(0, &["e"])]),
+    );
+    let attached = next("the state change");
+    assert_eq!(
+        attached["devices"]["devices"][0]["attachments"][0]["eid"],
+        "e"
+    );
+
+    let stderr = watch.stderr.take().unwrap();
+    let mut stderr = std::io::BufReader::new(stderr);
+    let mut said = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut said).unwrap();
+    if !said.contains("kernel programs on the") {
+        assert!(
+            !events::bpf_required(),
+            "GENV_REQUIRE_BPF=1 and usage watch polls: {said}"
+        );
+        eprintln!("usage watch has no kernel programs here ({said}); the GPU-open part is not run");
+        let _ = watch.kill();
+        let _ = watch.wait();
+        return;
+    }
+    let opener = node.spawn_with(
+        Some("e"),
+        &[],
+        &["--wait-stdin", "--open", gpu.to_str().unwrap()],
+        None,
+    );
+    node.release(opener);
+    std::thread::sleep(Duration::from_millis(100));
+    node.add_context(opener, 0, 100);
+    assert_eq!(pids(&next("the GPU open")), [u64::from(opener)]);
+
+    unsafe { libc::kill(opener as i32, libc::SIGKILL) };
+    assert_eq!(node.wait_exit(opener, DEATH), Some(libc::SIGKILL));
+    assert!(pids(&next("the exit")).is_empty());
+
+    drop(watch.stdin.take());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while watch.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "usage watch outlived its stdin");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -6,7 +6,8 @@
 //!   the tracepoint tier), then the tier-dependent ones on every VM tier (LSM, fmod_ret, fentry)
 //!   in a VM, on each of Debian bookworm's kernels (6.1, then 6.12), then the VM
 //!   harness's refusal check (on 6.1). The real genv 1.4.3 is installed from PyPI
-//!   into `target/genv-venv` on first use.
+//!   into `target/genv-venv` on first use; openssh-server and sudo from apt, for the
+//!   remote tests' hosts.
 //! - `vm-test`: the tier-dependent suites in Debian's kernels under QEMU ([`vm`]).
 //! - `demo`: the event-driven enforcer on a simulated GPU node with no GPU: the fake
 //!   NVML, a genv environment, intruders opening a GPU node, and how fast they end.
@@ -14,13 +15,14 @@
 //!   and embeds it too). `test`, `demo` and `build-ebpf` first install what building it
 //!   needs ([`toolchain`]).
 //! - `bench`: one full enforcement cycle with 0, 100 and 1,000 GPU processes, the
-//!   event-driven reaction to a GPU open, and the kernel programs' cost per run; writes
-//!   the tables to `docs/bench.md`.
+//!   event-driven reaction to a GPU open, the kernel programs' cost per run, and remote
+//!   enforcement over SSH ([`bench_remote`]); writes the tables to `docs/bench.md`.
 
 mod bench_alloc;
 mod bench_bpf_log;
 mod bench_events;
 mod bench_footprint;
+mod bench_remote;
 mod demo;
 mod sim;
 mod toolchain;
@@ -41,9 +43,10 @@ fn main() -> Result<()> {
             Some("footprint") => bench_footprint_only(),
             Some("bpf-log") => bench_section(bench_bpf_log::run),
             Some("memory-at-alloc") => bench_section(bench_alloc::run),
+            Some("remote") => bench_section(bench_remote::run),
             Some(other) => {
                 bail!(
-                    "cargo xtask bench: unknown section {other:?} (footprint, bpf-log, memory-at-alloc)"
+                    "cargo xtask bench: unknown section {other:?} (footprint, bpf-log, memory-at-alloc, remote)"
                 )
             }
         },
@@ -51,7 +54,7 @@ fn main() -> Result<()> {
         Some("vm-test") => vm_test(&args[1..]),
         _ => bail!(
             "usage: cargo xtask <test [-- cargo test args] | vm-test [--kernel 6.1|6.12|all] \
-             [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench [footprint|bpf-log|memory-at-alloc] | build-ebpf>"
+             [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench [footprint|bpf-log|memory-at-alloc|remote] | build-ebpf>"
         ),
     }
 }
@@ -288,11 +291,12 @@ fn bench() -> Result<()> {
     }
     let venv = bench_footprint::genv_venv(&target_dir()?)?;
     let table = format!(
-        "{stdout}{}{}{}{}",
+        "{stdout}{}{}{}{}{}",
         bench_events::run(&release)?,
         bench_bpf_log::run(&release)?,
         bench_alloc::run(&release)?,
-        bench_footprint::run(&release, &venv)?
+        bench_footprint::run(&release, &venv)?,
+        bench_remote::run(&release)?
     );
     print!("{table}");
     let docs = root().join("docs");

@@ -75,6 +75,9 @@ pub enum UsageCommand {
         /// accepts (auto), or none (the poll alone).
         #[arg(long, value_enum, value_name = "TIER", default_value_t = TierChoice::Auto)]
         bpf_tier: TierChoice,
+        /// Treat device node MAJOR:MINOR as GPU INDEX (repeatable), as `enforce` does.
+        #[arg(long, value_name = "MAJOR:MINOR=INDEX", action = clap::ArgAction::Append)]
+        gpu_node: Vec<NodeOverride>,
         #[command(flatten)]
         sources: SourceArgs,
     },

@@ -23,7 +23,9 @@ use config::{EnforceConfig, Mode, executor_config};
 
 /// Parses the command line and runs it; the only place exit codes are decided.
 pub fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    match run(Cli::parse_from(remote_args::genv_spellings(
+        std::env::args_os(),
+    ))) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("genv-enforcer: {e:#}");
@@ -40,8 +42,9 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Command::Usage(UsageCommand::Watch {
             poll_interval,
             bpf_tier,
+            gpu_node,
             sources,
-        }) => usage_watch(poll_interval, bpf_tier, &sources),
+        }) => usage_watch(poll_interval, bpf_tier, gpu_node, &sources),
         Command::Unpin { pin_dir } => unpin(&pin_dir),
         Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
             let mut builder = SnapshotBuilder::new(
@@ -122,13 +125,15 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
 fn usage_watch(
     poll: f64,
     tier: crate::bpf::TierChoice,
+    gpu_nodes: Vec<crate::backends::devmap::NodeOverride>,
     sources: &args::SourceArgs,
 ) -> Result<ExitCode> {
     let builder = SnapshotBuilder::new(
         StateDir::new(&sources.genv_tmpdir),
         sources.nvml_lib.clone(),
         EnvPolicy::default(),
-    );
+    )
+    .with_gpu_nodes(gpu_nodes);
     let settings = daemon::usage_watch::WatchSettings {
         poll: std::time::Duration::from_secs_f64(poll),
         tier,

@@ -53,6 +53,7 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
         },
         host_timeout: Duration::from_secs_f64(args.host_timeout),
         parallel: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
+        verbose: args.verbose,
     };
     super::runtime()?.block_on(crate::remote::run(fleet, mode))
 }

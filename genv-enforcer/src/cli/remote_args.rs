@@ -1,6 +1,7 @@
 //! `genv-enforcer remote …`: genv's `genv remote` flags (`-H`, `--hostfile`, `-l`, `-t`,
 //! `-e`, `-q`), then `enforce` with genv's rule flags, plus the enforcer's own.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
@@ -63,6 +64,10 @@ pub struct RemoteArgs {
     #[arg(long)]
     pub no_multiplex: bool,
 
+    /// Say on stderr how long each cycle took, and what each host's stream does.
+    #[arg(long, short)]
+    pub verbose: bool,
+
     #[command(subcommand)]
     pub command: RemoteCommand,
 }
@@ -88,6 +93,25 @@ pub struct RemoteEnforceArgs {
     /// changes, instead of every --interval (hosts that cannot stream are polled).
     #[arg(long)]
     pub event_driven: bool,
+}
+
+/// genv's argparse also takes `-host` and `-hostfile` (single dash) before the remote
+/// subcommand; clap does not, so they are spelled `--host` and `--hostfile` first.
+pub fn genv_spellings(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
+    let mut args: Vec<OsString> = args.into_iter().collect();
+    if args.get(1).is_some_and(|a| a == "remote") {
+        for arg in args.iter_mut().skip(2) {
+            if arg == "enforce" {
+                break;
+            }
+            if arg == "-host" || arg == "-hostfile" {
+                let mut long = OsString::from("-");
+                long.push(&*arg);
+                *arg = long;
+            }
+        }
+    }
+    args
 }
 
 #[cfg(test)]
@@ -132,6 +156,17 @@ mod tests {
         let RemoteCommand::Enforce(enforce) = args.command;
         assert_eq!(enforce.interval, 0.0);
         assert_eq!(enforce.rules.max_devices_per_user, Some(1));
+    }
+
+    #[test]
+    fn genvs_single_dash_spellings_are_taken() {
+        let argv = ["genv-enforcer", "remote", "-host", "h1", "enforce", "-host"];
+        let args = genv_spellings(argv.iter().map(OsString::from));
+        assert_eq!(args[2], "--host");
+        assert_eq!(args[5], "-host", "the rule flags are left alone");
+        let args =
+            genv_spellings(["genv-enforcer", "remote", "-hostfile", "f"].map(OsString::from));
+        assert_eq!(args[2], "--hostfile");
     }
 
     #[test]

@@ -29,6 +29,8 @@ pub struct Fleet {
     pub host_timeout: Duration,
     /// `--max-parallel`: how many hosts are talked to at once.
     pub parallel: Arc<Semaphore>,
+    /// `--verbose`: each cycle's duration on stderr.
+    pub verbose: bool,
 }
 
 /// genv's `-e` and `-q`: what an SSH error does.
@@ -202,6 +204,7 @@ impl Fleet {
 
     /// One polling cycle over every host.
     pub async fn cycle(self: &Arc<Self>) -> Result<()> {
+        let started = std::time::Instant::now();
         let mut taken = Vec::new();
         for (host, snapshot) in self.snapshots(0..self.hosts.len()).await {
             match snapshot {
@@ -211,8 +214,17 @@ impl Fleet {
         }
         let views: Vec<(usize, &Snapshot)> = taken.iter().map(|(h, s)| (*h, s)).collect();
         let reports = self.judge(&views);
+        let acted = reports.len();
         if !reports.is_empty() {
             self.execute(reports).await?;
+        }
+        if self.verbose {
+            eprintln!(
+                "[INFO] Cycle over {} hosts: {} answered, {acted} acted on, in {:.1} ms",
+                self.hosts.len(),
+                taken.len(),
+                started.elapsed().as_secs_f64() * 1e3
+            );
         }
         Ok(())
     }

@@ -246,7 +246,15 @@ async fn judge(fleet: &Arc<Fleet>, views: &mut [HostView]) -> anyhow::Result<()>
         return Ok(());
     }
     let acted: Vec<usize> = reports.iter().map(|(host, _)| *host).collect();
+    let started = std::time::Instant::now();
     fleet.execute(reports).await?;
+    if fleet.verbose {
+        eprintln!(
+            "[INFO] Executed on {} hosts in {:.1} ms",
+            acted.len(),
+            started.elapsed().as_secs_f64() * 1e3
+        );
+    }
     let until = Instant::now() + fleet.host_timeout;
     for host in acted {
         views[host].awaiting = Some(until);
