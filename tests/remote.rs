@@ -31,6 +31,8 @@ struct Running {
     child: std::process::Child,
     stdout: std::sync::mpsc::Receiver<String>,
     seen: Vec<String>,
+    /// Its stderr, read as it comes (a full pipe would stall it).
+    stderr: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 impl Running {
@@ -48,11 +50,32 @@ impl Running {
                 let _ = tx.send(line);
             }
         });
+        let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (err, kept) = (child.stderr.take().unwrap(), std::sync::Arc::clone(&stderr));
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                let mut kept = kept.lock().unwrap();
+                if kept.len() < 1 << 20 {
+                    kept.push_str(&line);
+                    kept.push('\n');
+                }
+            }
+        });
         Self {
             child,
             stdout: rx,
             seen: Vec::new(),
+            stderr,
         }
+    }
+
+    /// Every line printed so far, without waiting.
+    fn printed(&mut self) -> Vec<String> {
+        while let Ok(line) = self.stdout.try_recv() {
+            self.seen.push(line);
+        }
+        self.seen.clone()
     }
 
     /// Waits for this many lines; fails with what came, and stderr, past the timeout.
@@ -79,11 +102,8 @@ impl Running {
     fn stop(&mut self) -> String {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let _ = self.child.wait();
-        let mut stderr = String::new();
-        if let Some(mut err) = self.child.stderr.take() {
-            let _ = std::io::Read::read_to_string(&mut err, &mut stderr);
-        }
-        stderr
+        std::thread::sleep(Duration::from_millis(50));
+        self.stderr.lock().unwrap().clone()
     }
 }
 
@@ -428,6 +448,99 @@ fn hosts_that_cannot_stream_are_polled() {
     );
     let stderr = enforcer.stop();
     assert!(stderr.contains("Cannot stream snapshots"), "{stderr}");
+}
+
+/// A host that answers as a script says, with process 4242 outside any environment on
+/// its only GPU: `watch` is what its `usage watch` does (SNAPSHOT and OTHER print a
+/// snapshot, the second with other memory figures), `execute` what its `usage execute`
+/// does after reading the report.
+fn scripted_host(watch: &str, execute: &str) -> Runs {
+    let snapshot = |mib: u32| {
+        format!(
+            r#"{{"processes": {{"processes": [{{"pid": 4242, "used_gpu_memory": [{{"index": 0, "gpu_memory": "{mib}mi"}}], "eid": null}}]}}, "envs": {{"envs": []}}, "devices": {{"devices": [{{"index": 0, "total_memory": "16384mi", "attachments": []}}]}}}}"#
+        )
+    };
+    let watch = watch
+        .replace("SNAPSHOT", &format!("echo '{}'", snapshot(1)))
+        .replace("OTHER", &format!("echo '{}'", snapshot(2)));
+    Runs::Script(format!(
+        "case \"$1 $2\" in\n\"usage watch\") {watch};;\n\"usage snapshot\") echo '{}';;\n*) cat >/dev/null; {execute};;\nesac",
+        snapshot(1)
+    ))
+}
+
+fn executes(fleet: &SshFleet) -> usize {
+    fleet.hosts[0]
+        .script_calls()
+        .matches("usage execute")
+        .count()
+}
+
+/// A host whose stream writes megabytes to stderr (a warning at every poll, for hours)
+/// still streams; a violation its execute does not clear is acted on again each
+/// --interval, as genv's cycle would.
+#[test]
+fn a_stream_flows_past_a_flood_of_stderr_and_a_standing_violation_is_acted_on_again() {
+    let watch = "head -c 3000000 /dev/zero | tr '\\0' x >&2; SNAPSHOT; exec sleep 600";
+    let fleet = SshFleet::start(&[scripted_host(watch, "true")], 1);
+    let mut enforcer = Running::start(fleet.remote(&[
+        "enforce",
+        "--event-driven",
+        "--interval",
+        "1",
+        "--non-env-processes",
+    ]));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while executes(&fleet) < 3 {
+        if Instant::now() > deadline {
+            let stderr = enforcer.stop();
+            let tail: String = stderr
+                .chars()
+                .rev()
+                .take(2000)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            panic!("{} executes in 60 s; stderr ends: {tail}", executes(&fleet));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    enforcer.stop();
+}
+
+/// Snapshots streamed while a report is being executed predate it: the report is not
+/// executed again on their account, nor its lines printed again, within --interval.
+#[test]
+fn lines_streamed_during_an_execute_do_not_act_twice() {
+    let watch =
+        "for i in 1 2 3 4 5; do SNAPSHOT; sleep 0.3; OTHER; sleep 0.3; done; exec sleep 600";
+    let fleet = SshFleet::start(&[scripted_host(watch, "sleep 1")], 1);
+    let mut enforcer = Running::start(fleet.remote(&[
+        "enforce",
+        "--event-driven",
+        "--interval",
+        "600",
+        "--non-env-processes",
+    ]));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while executes(&fleet) < 1 {
+        assert!(Instant::now() < deadline, "never executed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(
+        executes(&fleet),
+        1,
+        "executed again on lines that predate the execute"
+    );
+    let printed = enforcer.printed();
+    enforcer.stop();
+    let said = printed
+        .iter()
+        .filter(|l| l.contains("Process 4242 is not running"))
+        .count();
+    assert_eq!(said, 1, "{printed:?}");
 }
 
 // ---- `cargo xtask bench remote` ----

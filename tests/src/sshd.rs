@@ -262,8 +262,9 @@ impl SshHost {
                 "-c",
             ])
             .arg(format!(
-                "mount --bind {} /etc/sudoers && exec /usr/sbin/sshd -D -e -f {}",
+                "mount --bind {} /etc/sudoers && {} exec /usr/sbin/sshd -D -e -f {}",
                 sudoers.display(),
+                QUIET_SHELL,
                 dir.join("sshd_config").display()
             ))
             .stdin(Stdio::null())
@@ -307,6 +308,12 @@ impl SshHost {
         std::fs::read_to_string(self.dir().join("calls")).unwrap_or_default()
     }
 }
+
+/// sshd runs each command through root's bash, which on Debian reads `~/.bashrc` even
+/// without a terminal: this machine's own (pyenv's shims, rehashed under a lock at every
+/// shell) has no place on a simulated host, whose root gets empty ones.
+const QUIET_SHELL: &str = "for rc in /root/.bashrc /etc/bash.bashrc /root/.profile; do \
+     [ -f $rc ] && mount --bind /dev/null $rc; done;";
 
 fn install_tools(bin: &Path, kind: &Runs) {
     let enforcer = artefact("genv-enforcer");

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 
 use super::remote_args::{RemoteArgs, RemoteCommand};
 use crate::remote::hosts::{self, Host};
@@ -39,8 +39,7 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
         config: args.ssh_config.clone(),
         connect_timeout: args.timeout,
         multiplex: !args.no_multiplex,
-    })
-    .context("making a private directory for the SSH control sockets")?;
+    });
     let fleet = Fleet {
         hosts: hosts_of(&args)?,
         ssh,
@@ -53,6 +52,7 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
         },
         host_timeout: Duration::from_secs_f64(args.host_timeout),
         parallel: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
+        executing: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
         verbose: args.verbose,
     };
     super::runtime()?.block_on(crate::remote::run(fleet, mode))

@@ -41,6 +41,9 @@ const AFTER_OPEN: [Duration; 4] = [
 ];
 /// How often exit events are read (they do not wake the reader).
 const DRAIN_EVERY: Duration = Duration::from_millis(100);
+/// The least time between two snapshots: any user can open a GPU node in a loop, and
+/// each open must not cost this root process a snapshot.
+const MIN_GAP: Duration = Duration::from_millis(20);
 
 pub struct WatchSettings {
     pub poll: Duration,
@@ -62,12 +65,21 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
     let mut rechecks: Vec<Instant> = Vec::new();
     let mut due = true;
     let mut next_poll = Instant::now();
+    let mut last_emit: Option<Instant> = None;
     loop {
-        if due {
-            if !watcher.emit(&mut builder, kernel.as_mut().map(|(p, _)| p)) {
-                return Ok(ExitCode::SUCCESS);
+        let early = last_emit
+            .map(|at| at + MIN_GAP)
+            .filter(|at| *at > Instant::now());
+        match (due, early) {
+            (true, Some(at)) => rechecks.push(at),
+            (true, None) => {
+                if !watcher.emit(&mut builder, kernel.as_mut().map(|(p, _)| p)) {
+                    return Ok(ExitCode::SUCCESS);
+                }
+                last_emit = Some(Instant::now());
+                next_poll = Instant::now() + settings.poll;
             }
-            next_poll = Instant::now() + settings.poll;
+            (false, _) => {}
         }
         due = false;
         let now = Instant::now();
@@ -87,7 +99,11 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
         }
         let (opened, exited) = watcher.relevant(&events);
         if opened {
-            rechecks.extend(AFTER_OPEN.iter().map(|d| Instant::now() + *d));
+            // The latest open's schedule replaces an earlier one's: bounded however
+            // many opens come.
+            let now = Instant::now();
+            rechecks.retain(|at| *at <= now + MIN_GAP);
+            rechecks.extend(AFTER_OPEN.iter().map(|d| now + *d));
         }
         due |= opened || exited;
     }
@@ -96,6 +112,9 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
 #[derive(Default)]
 struct Watcher {
     last: String,
+    /// The last snapshot's warnings: each is said when it first appears, not at every
+    /// snapshot (a stream's reader reprints them all).
+    warned: HashSet<String>,
     /// The processes the last snapshot listed, and the environments' shells.
     known: HashSet<u32>,
 }
@@ -110,9 +129,11 @@ impl Watcher {
         let lock = builder.state().lock_within(LOCK_WAIT).ok();
         let (snapshot, warnings) = builder.take();
         drop(lock);
-        for warning in warnings {
+        let warnings: HashSet<String> = warnings.iter().map(ToString::to_string).collect();
+        for warning in warnings.difference(&self.warned) {
             eprintln!("{warning}");
         }
+        self.warned = warnings;
         if let Some(programs) = programs {
             if let Err(e) = programs.watch_nodes(builder.device_map()) {
                 eprintln!("[WARNING] Cannot update the watched GPU nodes: {e}");

@@ -12,7 +12,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::hosts::Host;
-use super::ssh::{Ssh, SshError};
+use super::ssh::{Answer, Ssh, SshError};
 use super::validate;
 use crate::report::Report;
 use crate::rules::{self, Rules, Survey};
@@ -27,8 +27,11 @@ pub struct Fleet {
     pub errors: ErrorPolicy,
     /// How long one host may take to answer one command.
     pub host_timeout: Duration,
-    /// `--max-parallel`: how many hosts are talked to at once.
+    /// `--max-parallel`: how many snapshots are asked for at once.
     pub parallel: Arc<Semaphore>,
+    /// And how many reports are executed at once: apart, so that hosts slow to answer
+    /// snapshots never hold up acting on the others.
+    pub executing: Arc<Semaphore>,
     /// `--verbose`: each cycle's duration on stderr.
     pub verbose: bool,
 }
@@ -88,7 +91,8 @@ impl Fleet {
         words
     }
 
-    /// `usage snapshot` on one host.
+    /// `usage snapshot` on one host; what it said on stderr is reprinted with its
+    /// prefix, as genv does.
     pub async fn snapshot(&self, host: usize) -> Result<Snapshot, HostFailure> {
         let _permit = self.parallel.acquire().await.expect("never closed");
         let words = self.words(&["usage", "snapshot"]);
@@ -98,6 +102,9 @@ impl Fleet {
             .await?;
         if !answer.status.success() {
             return Err(HostFailure::Command(answer.stderr));
+        }
+        for line in answer.stderr.lines() {
+            eprintln!("[{}] {line}", self.hosts[host].name);
         }
         read_snapshot(&answer.stdout)
     }
@@ -138,6 +145,16 @@ impl Fleet {
     /// The rules over these hosts' snapshots together: prints their lines and returns
     /// each host's report (empty ones left out).
     pub fn judge(&self, taken: &[(usize, &Snapshot)]) -> Vec<(usize, Report)> {
+        self.judge_where(taken, |_, _| true)
+    }
+
+    /// [`Self::judge`], keeping only the reports `keep` accepts, and printing only the
+    /// lines of findings that act on those hosts.
+    pub fn judge_where(
+        &self,
+        taken: &[(usize, &Snapshot)],
+        keep: impl Fn(usize, &Report) -> bool,
+    ) -> Vec<(usize, Report)> {
         let surveys: Vec<Survey<'_>> = taken
             .iter()
             .map(|(host, snapshot)| Survey {
@@ -146,60 +163,75 @@ impl Fleet {
             })
             .collect();
         let findings = rules::check(&surveys, &self.rules);
+        let reports: Vec<(usize, Report)> = Report::build(&surveys, &findings)
+            .into_iter()
+            .enumerate()
+            .filter(|(survey, report)| !report.is_empty() && keep(taken[*survey].0, report))
+            .collect();
+        let acting = |survey: usize| reports.iter().any(|(s, _)| *s == survey);
         let names: Vec<Option<&str>> = surveys.iter().map(|s| s.hostname).collect();
         for finding in &findings {
-            println!("{}", finding.line(&names));
+            let acts = finding.host.is_some_and(acting)
+                || finding.actions.iter().any(|a| acting(a.host()));
+            if acts {
+                println!("{}", finding.line(&names));
+            }
         }
-        Report::build(&surveys, &findings)
+        reports
             .into_iter()
-            .zip(taken)
-            .filter(|(report, _)| !report.is_empty())
-            .map(|(report, (host, _))| (*host, report))
+            .map(|(survey, report)| (taken[survey].0, report))
             .collect()
     }
 
-    /// `usage execute` on each host with its own report, concurrently; their output
-    /// reprinted in host order. Returns the hosts it ran on.
-    pub async fn execute(self: &Arc<Self>, reports: Vec<(usize, Report)>) -> Result<Vec<usize>> {
+    /// `usage execute` on one host with its own report.
+    pub async fn execute_one(&self, host: usize, report: &Report) -> Result<Answer, SshError> {
+        let _permit = self.executing.acquire().await.expect("never closed");
+        let words = self.words(&["usage", "execute"]);
+        let input = report.to_genv_json();
+        self.ssh
+            .run(
+                &self.hosts[host],
+                &words,
+                Some(input.as_bytes()),
+                self.host_timeout,
+            )
+            .await
+    }
+
+    /// Reprints what an execute said, with the host's prefix; `Ok(true)` if it ran.
+    pub fn executed(&self, host: usize, answer: Result<Answer, SshError>) -> Result<bool> {
+        let name = &self.hosts[host].name;
+        match answer {
+            Ok(answer) if answer.status.success() => {
+                for line in String::from_utf8_lossy(&answer.stdout).lines() {
+                    println!("[{name}] {line}");
+                }
+                for line in answer.stderr.lines() {
+                    eprintln!("[{name}] {line}");
+                }
+                Ok(true)
+            }
+            Ok(answer) => self
+                .failed(host, &HostFailure::Command(answer.stderr))
+                .map(|()| false),
+            Err(e) => self.failed(host, &HostFailure::Ssh(e)).map(|()| false),
+        }
+    }
+
+    /// Each host's report executed there, concurrently; their output reprinted in host
+    /// order.
+    pub async fn execute(self: &Arc<Self>, reports: Vec<(usize, Report)>) -> Result<()> {
         let mut tasks = JoinSet::new();
         for (host, report) in reports {
             let fleet = Arc::clone(self);
-            tasks.spawn(async move {
-                let _permit = fleet.parallel.acquire().await.expect("never closed");
-                let words = fleet.words(&["usage", "execute"]);
-                let input = report.to_genv_json();
-                let answer = fleet
-                    .ssh
-                    .run(
-                        &fleet.hosts[host],
-                        &words,
-                        Some(input.as_bytes()),
-                        fleet.host_timeout,
-                    )
-                    .await;
-                (host, answer)
-            });
+            tasks.spawn(async move { (host, fleet.execute_one(host, &report).await) });
         }
         let mut done: Vec<_> = tasks.join_all().await;
         done.sort_by_key(|(host, _)| *host);
-        let mut ran = Vec::new();
         for (host, answer) in done {
-            let name = &self.hosts[host].name;
-            match answer {
-                Ok(answer) if answer.status.success() => {
-                    for line in String::from_utf8_lossy(&answer.stdout).lines() {
-                        println!("[{name}] {line}");
-                    }
-                    for line in answer.stderr.lines() {
-                        eprintln!("[{name}] {line}");
-                    }
-                    ran.push(host);
-                }
-                Ok(answer) => self.failed(host, &HostFailure::Command(answer.stderr))?,
-                Err(e) => self.failed(host, &HostFailure::Ssh(e))?,
-            }
+            self.executed(host, answer)?;
         }
-        Ok(ran)
+        Ok(())
     }
 
     /// One polling cycle over every host.

@@ -10,6 +10,9 @@ use std::path::Path;
 /// do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Host {
+    /// Its place in the fleet: what its multiplexed connection is keyed by (never its
+    /// name, which several entries may resolve alike through different routes).
+    pub id: usize,
     pub name: String,
     /// The SSH login name: `user@` in the entry, else `-l`, else ssh's own default.
     pub user: Option<String>,
@@ -85,11 +88,12 @@ fn collect<'a>(
     }
     let mut hosts: Vec<Host> = Vec::new();
     for (at, entry) in entries {
-        let host = parse_one(entry, default_user).map_err(|why| HostError::Invalid {
-            at: at.clone(),
-            entry: entry.into(),
-            why,
-        })?;
+        let host =
+            parse_one(hosts.len(), entry, default_user).map_err(|why| HostError::Invalid {
+                at: at.clone(),
+                entry: entry.into(),
+                why,
+            })?;
         if hosts.iter().any(|h| h.name == host.name) {
             return Err(HostError::Duplicate {
                 at,
@@ -104,8 +108,8 @@ fn collect<'a>(
     Ok(hosts)
 }
 
-fn parse_one(entry: &str, default_user: Option<&str>) -> Result<Host, &'static str> {
-    let (user, name) = match entry.split_once('@') {
+fn parse_one(id: usize, entry: &str, default_user: Option<&str>) -> Result<Host, &'static str> {
+    let (user, name) = match entry.rsplit_once('@') {
         Some((user, name)) => (Some(user), name),
         None => (default_user, entry),
     };
@@ -114,6 +118,7 @@ fn parse_one(entry: &str, default_user: Option<&str>) -> Result<Host, &'static s
     }
     check_name(name)?;
     Ok(Host {
+        id,
         name: name.to_owned(),
         user: user.map(str::to_owned),
     })
@@ -146,7 +151,7 @@ fn check_user(user: &str) -> Result<(), &'static str> {
     }
     if !user
         .chars()
-        .all(|c| c.is_ascii_alphanumeric() || "._-$".contains(c))
+        .all(|c| c.is_ascii_alphanumeric() || "._-$@".contains(c))
         || user.len() > 64
     {
         return Err("the login name is not a user name");

@@ -62,39 +62,38 @@ pub enum SshError {
 }
 
 impl Ssh {
-    pub fn new(options: SshOptions) -> io::Result<Self> {
+    /// Without a place for the control sockets, every command connects anew (said once).
+    pub fn new(options: SshOptions) -> Self {
         let control_dir = match options.multiplex {
-            true => Some(ControlDir::create()?),
+            true => ControlDir::create()
+                .inspect_err(|e| {
+                    eprintln!(
+                        "[WARNING] No directory for SSH control sockets ({e}); one connection per command"
+                    )
+                })
+                .ok(),
             false => None,
         };
-        Ok(Self {
+        Self {
             options,
             control_dir,
-        })
+        }
     }
 
     /// `ssh … HOST WORDS…`, with stdout and stderr piped.
-    fn command(&self, host: &Host, words: &[String], stream: bool) -> Command {
+    fn command(&self, host: &Host, words: &[String]) -> Command {
         let mut command = Command::new(&self.options.program);
         command.args(["-T", "-o", "BatchMode=yes"]);
-        if let Some(config) = &self.options.config {
-            command.arg("-F").arg(config);
-        }
-        if let Some(user) = &host.user {
-            command.args(["-l", user]);
-        }
+        self.connection_options(&mut command, host);
         if let Some(timeout) = self.options.connect_timeout {
             command.args(["-o", &format!("ConnectTimeout={timeout}")]);
         }
-        if let Some(dir) = &self.control_dir {
-            command.args(["-o", "ControlMaster=auto", "-o", PERSIST, "-o"]);
-            command.arg(format!("ControlPath={}/%C", dir.0.display()));
+        if self.control_dir.is_some() {
+            command.args(["-o", "ControlMaster=auto", "-o", PERSIST]);
         }
-        if stream {
-            // A stream that stops answering (host down, network cut) ends within 15 s,
-            // and is opened again.
-            command.args(["-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]);
-        }
+        // A connection that stops answering (host down, network cut) ends within 15 s.
+        // It matters on the command that opens the shared connection, which may be any.
+        command.args(["-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]);
         // Names were checked not to start with '-'; `--` says so to ssh as well.
         command.arg("--").arg(&host.name).args(words);
         command
@@ -102,6 +101,19 @@ impl Ssh {
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         command
+    }
+
+    /// `-F`, `-l` and the control socket: what names one host's connection.
+    fn connection_options(&self, command: &mut Command, host: &Host) {
+        if let Some(config) = &self.options.config {
+            command.arg("-F").arg(config);
+        }
+        if let Some(user) = &host.user {
+            command.args(["-l", user]);
+        }
+        if let Some(dir) = &self.control_dir {
+            command.arg("-o").arg(dir.control_path(host));
+        }
     }
 
     /// Runs WORDS on HOST, feeding it `stdin`, within `deadline`.
@@ -112,7 +124,7 @@ impl Ssh {
         stdin: Option<&[u8]>,
         deadline: Duration,
     ) -> Result<Answer, SshError> {
-        let mut command = self.command(host, words, false);
+        let mut command = self.command(host, words);
         command.stdin(match stdin {
             Some(_) => Stdio::piped(),
             None => Stdio::null(),
@@ -130,7 +142,7 @@ impl Ssh {
     /// Starts WORDS on HOST as a stream: stdout piped for reading, stdin a pipe kept
     /// open (the remote end sees it close when this side goes away).
     pub fn stream(&self, host: &Host, words: &[String]) -> Result<Child, SshError> {
-        let mut command = self.command(host, words, true);
+        let mut command = self.command(host, words);
         command.stdin(Stdio::piped());
         self.spawn(&mut command)
     }
@@ -144,21 +156,14 @@ impl Ssh {
 
     /// Ends the multiplexed connections (`ssh -O exit`), at the end of a run.
     pub async fn close(&self, hosts: &[Host]) {
-        let Some(dir) = &self.control_dir else {
+        if self.control_dir.is_none() {
             return;
-        };
+        }
         for host in hosts {
             let mut command = Command::new(&self.options.program);
-            if let Some(config) = &self.options.config {
-                command.arg("-F").arg(config);
-            }
-            if let Some(user) = &host.user {
-                command.args(["-l", user]);
-            }
+            self.connection_options(&mut command, host);
             command
-                .args(["-O", "exit", "-o"])
-                .arg(format!("ControlPath={}/%C", dir.0.display()))
-                .arg("--")
+                .args(["-O", "exit", "--"])
                 .arg(&host.name)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -188,14 +193,7 @@ async fn converse(child: &mut Child, stdin: Option<&[u8]>) -> Result<Answer, Ssh
             .await
             .map(|_| out)
     };
-    let read_err = async {
-        let mut err = Vec::new();
-        (&mut stderr)
-            .take(STDERR_LIMIT)
-            .read_to_end(&mut err)
-            .await
-            .map(|_| err)
-    };
+    let read_err = read_tail(&mut stderr, STDERR_LIMIT);
     let ((), out, err) = tokio::join!(write, read_out, read_err);
     let (out, err) = (out?, err?);
     if out.len() as u64 > ANSWER_LIMIT {
@@ -210,23 +208,56 @@ async fn converse(child: &mut Child, stdin: Option<&[u8]>) -> Result<Answer, Ssh
     })
 }
 
+/// Reads to the end, keeping the last `limit` bytes: a host's stderr is read for as
+/// long as it writes (a pipe left full would stall its stdout too), and only its end is
+/// kept for the error line.
+pub async fn read_tail(
+    reader: &mut (impl tokio::io::AsyncRead + Unpin),
+    limit: u64,
+) -> io::Result<Vec<u8>> {
+    let limit = limit as usize;
+    let mut kept = Vec::new();
+    let mut chunk = vec![0u8; 8192];
+    loop {
+        let n = reader.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(kept);
+        }
+        kept.extend_from_slice(&chunk[..n]);
+        if kept.len() > 2 * limit {
+            kept.drain(..kept.len() - limit);
+        }
+    }
+}
+
 /// A directory of this run's own for the control sockets: made fresh (never one that
 /// exists, so never one another user prepared), mode 0700, removed at the end.
 struct ControlDir(PathBuf);
 
 impl ControlDir {
+    /// A socket path has room for 107 bytes, and ssh adds 17 to it while it sets one up:
+    /// the directory must leave room for that and a host's number.
+    const MAX_DIR: usize = 107 - 17 - 8;
+
     fn create() -> io::Result<Self> {
-        let base = std::env::var_os("XDG_RUNTIME_DIR")
-            .map(PathBuf::from)
-            .filter(|p| p.is_absolute())
-            .unwrap_or_else(std::env::temp_dir);
+        Self::create_in(std::env::temp_dir())
+    }
+
+    /// In `temp`, or in `/tmp` where `temp` is too long a path.
+    fn create_in(temp: PathBuf) -> io::Result<Self> {
+        let base = match temp.as_os_str().len() + 20 <= Self::MAX_DIR {
+            true => temp,
+            false => PathBuf::from("/tmp"),
+        };
         let mut last = None;
         for attempt in 0..16u32 {
-            let dir = base.join(format!(
-                "genv-enforcer-ssh.{}.{}",
-                std::process::id(),
-                nonce(attempt)
-            ));
+            let dir = base.join(format!("genv-ssh.{:010x}", nonce(attempt) & 0xff_ffff_ffff));
+            if dir.as_os_str().len() > Self::MAX_DIR {
+                return Err(io::Error::other(format!(
+                    "{} is too long a directory for SSH control sockets",
+                    dir.display()
+                )));
+            }
             match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
                 Ok(()) => return Ok(Self(dir)),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
@@ -234,6 +265,12 @@ impl ControlDir {
             }
         }
         Err(last.unwrap_or_else(|| io::Error::other("no control directory")))
+    }
+
+    /// `ControlPath=DIR/N`, N the host's place in the fleet; `%` (ssh's escape) doubled.
+    fn control_path(&self, host: &Host) -> String {
+        let dir = self.0.display().to_string().replace('%', "%%");
+        format!("ControlPath={dir}/{}", host.id)
     }
 
     #[cfg(test)]
@@ -246,7 +283,7 @@ fn nonce(attempt: u32) -> u64 {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
-    (now.as_nanos() as u64) ^ (u64::from(attempt) << 48)
+    (now.as_nanos() as u64) ^ (u64::from(std::process::id()) << 20) ^ (u64::from(attempt) << 36)
 }
 
 impl Drop for ControlDir {
@@ -275,20 +312,52 @@ mod tests {
     }
 
     #[test]
+    fn control_sockets_fit_a_socket_path_and_are_one_per_host() {
+        let long = std::env::temp_dir().join("x".repeat(100));
+        std::fs::create_dir_all(&long).unwrap();
+        let dir = ControlDir::create_in(long.clone()).unwrap();
+        assert!(dir.path().starts_with("/tmp"), "{}", dir.path().display());
+        assert!(dir.path().as_os_str().len() <= ControlDir::MAX_DIR);
+        let _ = std::fs::remove_dir(&long);
+        // Two entries reaching one name (through different ssh_config routes) never
+        // share a connection: the socket is the entry's, not the name's (`%C`).
+        let host = |id| Host {
+            id,
+            name: "gpu.internal".into(),
+            user: None,
+        };
+        assert_ne!(dir.control_path(&host(0)), dir.control_path(&host(1)));
+        assert!(!dir.control_path(&host(0)).contains("%C"));
+    }
+
+    #[test]
+    fn only_the_end_of_a_long_stderr_is_kept_and_all_of_it_is_read() {
+        let text: Vec<u8> = (0..300_000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let kept = runtime
+            .block_on(read_tail(&mut text.as_slice(), 1000))
+            .unwrap();
+        assert!(kept.len() >= 1000 && kept.len() <= 2000);
+        assert!(text.ends_with(&kept));
+    }
+
+    #[test]
     fn the_host_comes_after_every_option() {
         let ssh = Ssh::new(SshOptions {
             program: "ssh".into(),
             config: Some("/etc/fleet.conf".into()),
             connect_timeout: Some(3),
             multiplex: true,
-        })
-        .unwrap();
+        });
         let host = Host {
+            id: 3,
             name: "gpu1".into(),
             user: Some("admin".into()),
         };
         let words = ["sudo".to_owned(), "genv-enforcer".to_owned()];
-        let command = ssh.command(&host, &words, false);
+        let command = ssh.command(&host, &words);
         let args: Vec<String> = command
             .as_std()
             .get_args()
@@ -297,7 +366,16 @@ mod tests {
         let host_at = args.iter().position(|a| a == "gpu1").unwrap();
         assert_eq!(args[host_at - 1], "--");
         assert_eq!(&args[host_at + 1..], ["sudo", "genv-enforcer"]);
-        for option in ["BatchMode=yes", "ConnectTimeout=3", "ControlMaster=auto"] {
+        let control = format!(
+            "ControlPath={}/3",
+            ssh.control_dir.as_ref().unwrap().path().display()
+        );
+        for option in [
+            "BatchMode=yes",
+            "ConnectTimeout=3",
+            "ControlMaster=auto",
+            &control,
+        ] {
             assert!(args[..host_at].iter().any(|a| a == option), "{args:?}");
         }
         assert!(args.windows(2).any(|w| w == ["-l", "admin"]));

@@ -1,57 +1,70 @@
-//! `remote enforce --event-driven`: one multiplexed stream per host
-//! (`usage watch`, a snapshot line whenever that host changes), and the cross-host
-//! rules run as soon as any host's line arrives, instead of every `--interval`.
+//! `remote enforce --event-driven`: one multiplexed stream per host (`usage watch`, a
+//! snapshot line whenever that host changes), and the cross-host rules run as soon as
+//! any host's line arrives, instead of every `--interval`.
 //!
-//! After a report is executed on a host, the rules wait for that host's next snapshot
-//! (or its deadline) before they run again: judging its old one would act twice on what
-//! was just done, and a detach already made would still count against the user on the
-//! other hosts. A host that cannot stream (Python genv has no `usage watch`) is polled
-//! every `--interval`, as genv polls.
+//! The engine never waits on a host: snapshots asked for and reports executed are tasks
+//! of their own, whose results come back as [`Update`]s, so one host that hangs holds up
+//! nothing but itself. After a report is executed on a host, the rules wait for a
+//! snapshot of that host asked for after the execute (a line streamed meanwhile may
+//! predate it): judging an older one would act twice on what was just done, and a detach
+//! already made would still count against the user on the other hosts. Changes that come
+//! meanwhile are judged as soon as it is in. The same report is not executed on a host
+//! again within `--interval`; a violation that outlives it is acted on again then, as
+//! genv's cycle would. A host that cannot stream (Python genv has no `usage watch`) is
+//! polled every `--interval`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::sync::mpsc;
-use tokio::time::{Instant, sleep, sleep_until};
+use tokio::time::{Instant, sleep};
 
 use super::fleet::{Fleet, HostFailure, read_snapshot};
-use super::ssh::{ANSWER_LIMIT, SshError};
+use super::ssh::{ANSWER_LIMIT, Answer, SshError};
+use crate::report::Report;
 use crate::snapshot::Snapshot;
 
-/// What a host's task reports to the engine.
+/// What the tasks report to the engine.
 pub enum Update {
-    Snapshot(usize, Snapshot),
-    Failed(usize, HostFailure),
-    /// `usage watch` exited without a line, and not for an SSH error: polled instead.
+    /// A line of a host's stream.
+    Streamed(usize, Result<Snapshot, HostFailure>),
+    /// A snapshot asked for (a polled host, or after an execute).
+    Asked(usize, Result<Snapshot, HostFailure>),
+    /// A report executed (or not) on a host.
+    Executed(usize, Result<Answer, SshError>),
+    /// The host's stream ended or could not start; it is opened again.
+    StreamFailed(usize, HostFailure),
+    /// `usage watch` is not a command there (Python genv): polled instead.
     CannotStream(usize, String),
 }
 
 /// The longest wait before a failed stream is opened again.
 const RETRY_MAX: Duration = Duration::from_secs(10);
+/// The longest stderr line of a stream reprinted; the rest is cut.
+const STDERR_LINE: u64 = 4096;
 
 /// Keeps one host's stream open, for as long as the run lasts.
-pub async fn stream_host(fleet: Arc<Fleet>, host: usize, updates: mpsc::Sender<Update>) {
+async fn stream_host(fleet: Arc<Fleet>, host: usize, updates: mpsc::Sender<Update>) {
     let words = fleet.words(&["usage", "watch"]);
     let mut retry = Duration::from_millis(500);
     loop {
         let started = Instant::now();
-        match watch_once(&fleet, host, &words, &updates).await {
+        let update = match watch_once(&fleet, host, &words, &updates).await {
             Ended::Closed => return,
-            Ended::CannotStream(why) => {
-                let _ = updates.send(Update::CannotStream(host, why)).await;
-                return;
-            }
-            Ended::Failed(failure) => {
-                if updates.send(Update::Failed(host, failure)).await.is_err() {
-                    return;
-                }
-            }
+            Ended::CannotStream(why) => Update::CannotStream(host, why),
+            Ended::Failed(failure) => Update::StreamFailed(host, failure),
+        };
+        let last = matches!(update, Update::CannotStream(..));
+        if updates.send(update).await.is_err() || last {
+            return;
         }
         if started.elapsed() > RETRY_MAX {
             retry = Duration::from_millis(500);
         }
-        sleep(retry).await;
+        // Spread over the fleet: hosts that fell together do not all come back at once.
+        let jitter = Duration::from_millis(u64::from(std::process::id() ^ host as u32) % 250);
+        sleep(retry + jitter).await;
         retry = (retry * 2).min(RETRY_MAX);
     }
 }
@@ -75,16 +88,12 @@ async fn watch_once(
     };
     let stdout = child.stdout.take().expect("stdout is piped");
     let stderr = child.stderr.take().expect("stderr is piped");
-    let errors = tokio::spawn(async move {
-        let mut text = Vec::new();
-        let _ = stderr.take(64 << 10).read_to_end(&mut text).await;
-        String::from_utf8_lossy(&text).trim().to_owned()
-    });
+    let name = fleet.hosts[host].name.clone();
+    let errors = tokio::spawn(reprint_stderr(name, stderr));
     let mut lines = BufReader::new(stdout);
     let mut seen = false;
-    let mut line = Vec::new();
     loop {
-        line.clear();
+        let mut line = Vec::new();
         let read = (&mut lines)
             .take(ANSWER_LIMIT + 1)
             .read_until(b'\n', &mut line)
@@ -99,30 +108,49 @@ async fn watch_once(
             Err(e) => return Ended::Failed(SshError::Io(e).into()),
         }
         seen = true;
-        let update = match read_snapshot(&line) {
-            Ok(snapshot) => Update::Snapshot(host, snapshot),
-            Err(failure) => Update::Failed(host, failure),
-        };
+        let update = Update::Streamed(host, read_snapshot(&line));
         if updates.send(update).await.is_err() {
             return Ended::Closed;
         }
     }
     let status = child.wait().await;
-    let stderr = errors.await.unwrap_or_default();
+    let last_error = errors.await.unwrap_or_default();
     match status {
-        // ssh's own failures exit 255: the host may stream once it is back.
-        Ok(status) if !seen && status.code().is_some_and(|c| c != 255) => {
-            Ended::CannotStream(format!("{status}: {stderr}"))
+        // genv's argument parser: `usage` has no `watch` there.
+        Ok(status)
+            if !seen && status.code() == Some(2) && last_error.contains("invalid choice") =>
+        {
+            Ended::CannotStream(last_error)
         }
         Ok(status) => Ended::Failed(HostFailure::Command(format!(
             "the snapshot stream ended ({status}){}",
-            if stderr.is_empty() {
-                String::new()
-            } else {
-                format!(": {stderr}")
+            match last_error.is_empty() {
+                true => String::new(),
+                false => format!(": {last_error}"),
             }
         ))),
         Err(e) => Ended::Failed(SshError::Io(e).into()),
+    }
+}
+
+/// Reprints a stream's stderr, each line with the host's prefix, for as long as it
+/// writes (a full pipe would stall the stream itself); returns its last line.
+async fn reprint_stderr(name: String, stderr: tokio::process::ChildStderr) -> String {
+    let mut reader = BufReader::new(stderr);
+    let mut last = String::new();
+    loop {
+        let mut line = Vec::new();
+        match (&mut reader)
+            .take(STDERR_LINE)
+            .read_until(b'\n', &mut line)
+            .await
+        {
+            Ok(0) | Err(_) => return last,
+            Ok(_) => {
+                last = String::from_utf8_lossy(&line).trim_end().to_owned();
+                eprintln!("[{name}] {last}");
+            }
+        }
     }
 }
 
@@ -130,10 +158,40 @@ async fn watch_once(
 #[derive(Default)]
 struct HostView {
     latest: Option<Snapshot>,
-    /// A report was executed from `latest`: the rules wait for a newer snapshot until
-    /// then (after which the host is asked once).
-    awaiting: Option<Instant>,
+    /// A report is being executed there, or its snapshot after is awaited.
+    awaiting: bool,
+    /// A snapshot request is in flight (one at a time).
+    asking: bool,
+    /// Polled every --interval instead of streamed.
     polled: bool,
+    /// The last report executed there, and when.
+    last: Option<(Report, Instant)>,
+}
+
+/// Whether two reports do the same (the memory figures they carry may differ).
+fn same_actions(a: &Report, b: &Report) -> bool {
+    let pids = |r: &Report| r.terminate.iter().map(|p| p.pid).collect::<Vec<_>>();
+    let detach = |r: &Report| {
+        r.detach
+            .iter()
+            .map(|d| {
+                (
+                    d.index,
+                    d.envs.iter().map(|e| e.eid.clone()).collect::<Vec<_>>(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    pids(a) == pids(b) && detach(a) == detach(b)
+}
+
+struct Engine {
+    fleet: Arc<Fleet>,
+    views: Vec<HostView>,
+    tx: mpsc::Sender<Update>,
+    interval: Duration,
+    /// Something changed since the rules last ran.
+    dirty: bool,
 }
 
 /// The engine: runs the rules whenever a host's snapshot changes.
@@ -142,122 +200,155 @@ pub async fn run(fleet: Arc<Fleet>, interval: Duration) -> anyhow::Result<()> {
     for host in 0..fleet.hosts.len() {
         tokio::spawn(stream_host(Arc::clone(&fleet), host, tx.clone()));
     }
-    let mut views: Vec<HostView> = (0..fleet.hosts.len())
-        .map(|_| HostView::default())
-        .collect();
+    let mut engine = Engine {
+        views: (0..fleet.hosts.len())
+            .map(|_| HostView::default())
+            .collect(),
+        fleet,
+        tx,
+        interval,
+        dirty: false,
+    };
     let mut tick = tokio::time::interval(interval);
     tick.tick().await;
     loop {
-        let deadline = views.iter().filter_map(|v| v.awaiting).min();
-        let mut changed = false;
         tokio::select! {
             update = rx.recv() => {
                 let Some(update) = update else { return Ok(()) };
-                changed |= apply(&fleet, &mut views, update)?;
+                engine.apply(update)?;
                 while let Ok(update) = rx.try_recv() {
-                    changed |= apply(&fleet, &mut views, update)?;
+                    engine.apply(update)?;
                 }
             }
-            _ = tick.tick() => poll(&fleet, &views, &tx),
-            _ = sleep_until(deadline.unwrap_or_else(far_future)), if deadline.is_some() => {
-                expire(&fleet, &mut views, &tx);
+            _ = tick.tick() => engine.tick(),
+        }
+        if engine.dirty && engine.views.iter().all(|v| !v.awaiting) {
+            engine.dirty = false;
+            engine.judge();
+        }
+    }
+}
+
+impl Engine {
+    fn apply(&mut self, update: Update) -> anyhow::Result<()> {
+        match update {
+            Update::Streamed(host, Ok(snapshot)) => self.take(host, snapshot),
+            Update::Asked(host, taken) => {
+                let view = &mut self.views[host];
+                view.asking = false;
+                view.awaiting = false;
+                match taken {
+                    Ok(snapshot) => {
+                        // After an execute, judged even if unchanged: a violation that
+                        // persists is acted on again once its --interval has passed.
+                        self.dirty = true;
+                        self.take(host, snapshot);
+                    }
+                    Err(failure) => self.lost(host, &failure)?,
+                }
+            }
+            Update::Streamed(host, Err(failure)) | Update::StreamFailed(host, failure) => {
+                self.lost(host, &failure)?;
+            }
+            Update::Executed(host, answer) => {
+                if self.fleet.executed(host, answer)? {
+                    self.ask(host);
+                } else {
+                    self.views[host].awaiting = false;
+                }
+            }
+            Update::CannotStream(host, why) => {
+                let name = &self.fleet.hosts[host].name;
+                eprintln!(
+                    "[INFO] [{name}] Cannot stream snapshots (usage watch: {why}); polling it every --interval, as genv does"
+                );
+                self.views[host].polled = true;
+                self.ask(host);
             }
         }
-        if changed && views.iter().all(|v| v.awaiting.is_none()) {
-            judge(&fleet, &mut views).await?;
-        }
+        Ok(())
     }
-}
 
-fn far_future() -> Instant {
-    Instant::now() + Duration::from_secs(86400)
-}
-
-/// Takes in one update; whether the rules should run again.
-fn apply(fleet: &Fleet, views: &mut [HostView], update: Update) -> anyhow::Result<bool> {
-    match update {
-        Update::Snapshot(host, snapshot) => {
-            let view = &mut views[host];
-            let changed = view.latest.as_ref() != Some(&snapshot) || view.awaiting.is_some();
+    fn take(&mut self, host: usize, snapshot: Snapshot) {
+        let view = &mut self.views[host];
+        if view.latest.as_ref() != Some(&snapshot) {
             view.latest = Some(snapshot);
-            view.awaiting = None;
-            Ok(changed)
-        }
-        Update::Failed(host, failure) => {
-            views[host].latest = None;
-            views[host].awaiting = None;
-            fleet.failed(host, &failure)?;
-            Ok(false)
-        }
-        Update::CannotStream(host, why) => {
-            let name = &fleet.hosts[host].name;
-            eprintln!(
-                "[INFO] [{name}] Cannot stream snapshots (usage watch: {why}); polling it every --interval, as genv does"
-            );
-            views[host].polled = true;
-            Ok(false)
+            self.dirty = true;
         }
     }
-}
 
-/// The hosts that cannot stream: a snapshot each, as genv takes them.
-fn poll(fleet: &Arc<Fleet>, views: &[HostView], tx: &mpsc::Sender<Update>) {
-    let hosts = (0..views.len()).filter(|h| views[*h].polled);
-    ask(fleet, hosts.collect(), tx);
-}
+    /// The host's state is unknown until it answers again: nothing is decided from an
+    /// old snapshot of it.
+    fn lost(&mut self, host: usize, failure: &HostFailure) -> anyhow::Result<()> {
+        self.views[host].latest = None;
+        self.fleet.failed(host, failure)
+    }
 
-/// Hosts acted on that sent nothing newer in time are asked once.
-fn expire(fleet: &Arc<Fleet>, views: &mut [HostView], tx: &mpsc::Sender<Update>) {
-    let now = Instant::now();
-    let mut late = Vec::new();
-    for (host, view) in views.iter_mut().enumerate() {
-        if view.awaiting.is_some_and(|at| at <= now) {
-            view.awaiting = None;
-            late.push(host);
+    /// Every --interval: the hosts that cannot stream are asked; violations acted on
+    /// and still standing are judged again.
+    fn tick(&mut self) {
+        for host in 0..self.views.len() {
+            if self.views[host].polled {
+                self.ask(host);
+            }
+        }
+        if self.views.iter().any(|v| v.last.is_some()) {
+            self.dirty = true;
         }
     }
-    ask(fleet, late, tx);
-}
 
-fn ask(fleet: &Arc<Fleet>, hosts: Vec<usize>, tx: &mpsc::Sender<Update>) {
-    if hosts.is_empty() {
-        return;
-    }
-    let (fleet, tx) = (Arc::clone(fleet), tx.clone());
-    tokio::spawn(async move {
-        for (host, taken) in fleet.snapshots(hosts).await {
-            let update = match taken {
-                Ok(snapshot) => Update::Snapshot(host, snapshot),
-                Err(failure) => Update::Failed(host, failure),
-            };
-            let _ = tx.send(update).await;
+    /// A snapshot of the host, unless one is already on its way.
+    fn ask(&mut self, host: usize) {
+        let view = &mut self.views[host];
+        if view.asking {
+            return;
         }
-    });
-}
+        view.asking = true;
+        let (fleet, tx) = (Arc::clone(&self.fleet), self.tx.clone());
+        tokio::spawn(async move {
+            let taken = fleet.snapshot(host).await;
+            let _ = tx.send(Update::Asked(host, taken)).await;
+        });
+    }
 
-async fn judge(fleet: &Arc<Fleet>, views: &mut [HostView]) -> anyhow::Result<()> {
-    let taken: Vec<(usize, &Snapshot)> = views
-        .iter()
-        .enumerate()
-        .filter_map(|(host, view)| view.latest.as_ref().map(|s| (host, s)))
-        .collect();
-    let reports = fleet.judge(&taken);
-    if reports.is_empty() {
-        return Ok(());
+    fn judge(&mut self) {
+        let now = Instant::now();
+        let interval = self.interval;
+        let taken: Vec<(usize, &Snapshot)> = self
+            .views
+            .iter()
+            .enumerate()
+            .filter_map(|(host, view)| view.latest.as_ref().map(|s| (host, s)))
+            .collect();
+        let views = &self.views;
+        let standing = std::cell::RefCell::new(Vec::new());
+        let reports = self.fleet.judge_where(&taken, |host, report| {
+            let again = matches!(&views[host].last, Some((last, at)) if same_actions(last, report) && now - *at < interval);
+            if again {
+                standing.borrow_mut().push(host);
+            }
+            !again
+        });
+        let standing = standing.into_inner();
+        let acting: Vec<usize> = reports.iter().map(|(host, _)| *host).collect();
+        // A host with nothing to do any more forgets its last report.
+        for (host, view) in self.views.iter_mut().enumerate() {
+            if !standing.contains(&host) {
+                view.last = None;
+            }
+        }
+        for (host, report) in reports {
+            let view = &mut self.views[host];
+            view.awaiting = true;
+            view.last = Some((report.clone(), now));
+            let (fleet, tx) = (Arc::clone(&self.fleet), self.tx.clone());
+            tokio::spawn(async move {
+                let answer = fleet.execute_one(host, &report).await;
+                let _ = tx.send(Update::Executed(host, answer)).await;
+            });
+        }
+        if self.fleet.verbose && !acting.is_empty() {
+            eprintln!("[INFO] Acting on {} hosts", acting.len());
+        }
     }
-    let acted: Vec<usize> = reports.iter().map(|(host, _)| *host).collect();
-    let started = std::time::Instant::now();
-    fleet.execute(reports).await?;
-    if fleet.verbose {
-        eprintln!(
-            "[INFO] Executed on {} hosts in {:.1} ms",
-            acted.len(),
-            started.elapsed().as_secs_f64() * 1e3
-        );
-    }
-    let until = Instant::now() + fleet.host_timeout;
-    for host in acted {
-        views[host].awaiting = Some(until);
-    }
-    Ok(())
 }

@@ -56,6 +56,15 @@ pub enum Action {
     },
 }
 
+impl Action {
+    /// The survey (host) it acts on.
+    pub fn host(&self) -> usize {
+        match self {
+            Action::Terminate { host, .. } | Action::Detach { host, .. } => *host,
+        }
+    }
+}
+
 impl fmt::Display for FindingKind {
     /// genv's exact words.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
