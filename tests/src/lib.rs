@@ -210,8 +210,15 @@ impl Node {
 
     /// Devices attached to `eid`, as `devices.json` says now.
     pub fn attached(&self, eid: &str) -> Vec<u64> {
-        let devices: Value = serde_json::from_str(&self.read_file("devices.json")).unwrap();
-        devices["devices"]
+        self.try_attached(eid)
+            .expect("devices.json is not JSON (being rewritten?)")
+    }
+
+    /// [`Self::attached`] for a poll: `None` while the file is being rewritten (genv and
+    /// the enforcer truncate it and write it in place, under genv's lock).
+    pub fn try_attached(&self, eid: &str) -> Option<Vec<u64>> {
+        let devices: Value = serde_json::from_str(&self.read_file("devices.json")).ok()?;
+        let attached = devices["devices"]
             .as_array()
             .unwrap()
             .iter()
@@ -223,7 +230,8 @@ impl Node {
                     .any(|a| a["eid"] == eid)
             })
             .map(|d| d["index"].as_u64().unwrap())
-            .collect()
+            .collect();
+        Some(attached)
     }
 
     /// Starts a helper process; it is listed on the given GPUs with the given MiB.
