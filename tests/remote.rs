@@ -543,6 +543,39 @@ fn lines_streamed_during_an_execute_do_not_act_twice() {
     assert_eq!(said, 1, "{printed:?}");
 }
 
+/// A host where `usage watch` keeps failing before its first line (sudo allowing only
+/// `usage snapshot` and `usage execute`) is still enforced: asked every interval while
+/// its state is unknown, then polled.
+#[test]
+fn a_host_whose_stream_keeps_failing_is_polled() {
+    let watch = "echo 'Sorry, user root is not allowed to execute usage watch' >&2; exit 1";
+    let fleet = SshFleet::start(&[scripted_host(watch, "true")], 1);
+    let mut enforcer = Running::start(fleet.remote(&[
+        "enforce",
+        "--event-driven",
+        "--interval",
+        "1",
+        "--non-env-processes",
+    ]));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while executes(&fleet) < 1 {
+        if Instant::now() > deadline {
+            panic!("never polled and enforced; stderr: {}", enforcer.stop());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Asked every interval as a host whose state is unknown, then polled as one that
+    // cannot stream.
+    let said = "Cannot stream snapshots (3 streams failed";
+    while !enforcer.stderr.lock().unwrap().contains(said) {
+        if Instant::now() > deadline {
+            panic!("never said it polls; stderr: {}", enforcer.stop());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    enforcer.stop();
+}
+
 // ---- `cargo xtask bench remote` ----
 
 /// Each host of a benchmark fleet: two GPUs, alice's environment attached to one, a

@@ -104,7 +104,11 @@ pub fn genv_spellings(args: impl IntoIterator<Item = OsString>) -> Vec<OsString>
             if arg == "enforce" {
                 break;
             }
-            if arg == "-host" || arg == "-hostfile" {
+            let text = arg.to_string_lossy();
+            let genv_spelling = ["-host", "-hostfile"]
+                .iter()
+                .any(|s| text == *s || text.starts_with(&format!("{s}=")));
+            if genv_spelling {
                 let mut long = OsString::from("-");
                 long.push(&*arg);
                 *arg = long;
@@ -167,6 +171,8 @@ mod tests {
         let args =
             genv_spellings(["genv-enforcer", "remote", "-hostfile", "f"].map(OsString::from));
         assert_eq!(args[2], "--hostfile");
+        let args = genv_spellings(["genv-enforcer", "remote", "-host=h1"].map(OsString::from));
+        assert_eq!(args[2], "--host=h1");
     }
 
     #[test]

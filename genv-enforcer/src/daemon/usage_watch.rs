@@ -34,16 +34,46 @@ const LOCK_WAIT: Duration = Duration::from_millis(100);
 /// After a GPU open, when to look again: the process makes its compute context (and
 /// appears in NVML's list) some time after it opens the device.
 const AFTER_OPEN: [Duration; 4] = [
-    Duration::from_millis(20),
+    Duration::from_millis(50),
     Duration::from_millis(200),
     Duration::from_secs(1),
     Duration::from_secs(3),
 ];
 /// How often exit events are read (they do not wake the reader).
 const DRAIN_EVERY: Duration = Duration::from_millis(100);
-/// The least time between two snapshots: any user can open a GPU node in a loop, and
-/// each open must not cost this root process a snapshot.
-const MIN_GAP: Duration = Duration::from_millis(20);
+/// Snapshots are rate-limited: any user can open a GPU node, or write genv's world-
+/// writable state files, in a loop, and each must not cost this root process a
+/// snapshot. A burst of this many passes at once (genv writing both files, an open and
+/// its rechecks), then this many a second.
+const BURST: f64 = 5.0;
+const PER_SECOND: f64 = 10.0;
+
+/// A token bucket: when the next snapshot may be taken.
+struct RateLimit {
+    tokens: f64,
+    at: Instant,
+}
+
+impl RateLimit {
+    fn new() -> Self {
+        Self {
+            tokens: BURST,
+            at: Instant::now(),
+        }
+    }
+
+    /// Takes a token now, or says when one will be there.
+    fn take(&mut self, now: Instant) -> Result<(), Instant> {
+        let refill = (now - self.at).as_secs_f64() * PER_SECOND;
+        self.tokens = (self.tokens + refill).min(BURST);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            return Ok(());
+        }
+        Err(now + Duration::from_secs_f64((1.0 - self.tokens) / PER_SECOND))
+    }
+}
 
 pub struct WatchSettings {
     pub poll: Duration,
@@ -65,25 +95,28 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
     let mut rechecks: Vec<Instant> = Vec::new();
     let mut due = true;
     let mut next_poll = Instant::now();
-    let mut last_emit: Option<Instant> = None;
+    let mut limit = RateLimit::new();
     loop {
-        let early = last_emit
-            .map(|at| at + MIN_GAP)
-            .filter(|at| *at > Instant::now());
-        match (due, early) {
-            (true, Some(at)) => rechecks.push(at),
-            (true, None) => {
-                if !watcher.emit(&mut builder, kernel.as_mut().map(|(p, _)| p)) {
-                    return Ok(ExitCode::SUCCESS);
+        let now = Instant::now();
+        if due {
+            match limit.take(now) {
+                Ok(()) => {
+                    if !watcher.emit(&mut builder, kernel.as_mut().map(|(p, _)| p)) {
+                        return Ok(ExitCode::SUCCESS);
+                    }
+                    next_poll = Instant::now() + settings.poll;
                 }
-                last_emit = Some(Instant::now());
-                next_poll = Instant::now() + settings.poll;
+                Err(at) => {
+                    if !rechecks.contains(&at) {
+                        rechecks.push(at);
+                    }
+                    // A poll shorter than the limit's pace must not fire in a loop.
+                    next_poll = next_poll.max(at);
+                }
             }
-            (false, _) => {}
         }
         due = false;
-        let now = Instant::now();
-        rechecks.retain(|at| *at > now);
+        rechecks.retain(|at| *at >= now);
         let recheck = rechecks.iter().min().copied();
         let mut events = Vec::new();
         tokio::select! {
@@ -102,7 +135,7 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
             // The latest open's schedule replaces an earlier one's: bounded however
             // many opens come.
             let now = Instant::now();
-            rechecks.retain(|at| *at <= now + MIN_GAP);
+            rechecks.retain(|at| *at <= now + AFTER_OPEN[0]);
             rechecks.extend(AFTER_OPEN.iter().map(|d| now + *d));
         }
         due |= opened || exited;

@@ -95,6 +95,17 @@ impl Fleet {
     /// prefix, as genv does.
     pub async fn snapshot(&self, host: usize) -> Result<Snapshot, HostFailure> {
         let _permit = self.parallel.acquire().await.expect("never closed");
+        self.snapshot_now(host).await
+    }
+
+    /// [`Self::snapshot`] after an execute there: counted with the executes, so that it
+    /// never queues behind snapshots of hosts slow to answer.
+    pub async fn check(&self, host: usize) -> Result<Snapshot, HostFailure> {
+        let _permit = self.executing.acquire().await.expect("never closed");
+        self.snapshot_now(host).await
+    }
+
+    async fn snapshot_now(&self, host: usize) -> Result<Snapshot, HostFailure> {
         let words = self.words(&["usage", "snapshot"]);
         let answer = self
             .ssh

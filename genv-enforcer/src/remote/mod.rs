@@ -7,10 +7,11 @@
 //! - [`hosts`]: which hosts, as `-H` and `--hostfile` name them;
 //! - [`ssh`]: the client, multiplexed, with deadlines and bounded answers;
 //! - [`fleet`]: genv's cycle (snapshot all, judge together, execute each);
-//! - [`stream`]: `--event-driven`, a `usage watch` stream per host and the rules run
-//!   whenever one changes;
+//! - [`stream`] and [`engine`]: `--event-driven`, a `usage watch` stream per host and
+//!   the rules run whenever one changes;
 //! - [`validate`]: what makes a parsed snapshot one that cannot be acted on.
 
+mod engine;
 pub mod fleet;
 pub mod hosts;
 pub mod ssh;
@@ -49,7 +50,7 @@ pub async fn run(fleet: Fleet, mode: RemoteMode) -> Result<ExitCode> {
                 fleet.cycle().await?;
                 tokio::time::sleep(every).await;
             },
-            RemoteMode::EventDriven(every) => stream::run(Arc::clone(&fleet), every).await,
+            RemoteMode::EventDriven(every) => engine::run(Arc::clone(&fleet), every).await,
         }
     };
     let result = tokio::select! {

@@ -154,11 +154,13 @@ impl Ssh {
         })
     }
 
-    /// Ends the multiplexed connections (`ssh -O exit`), at the end of a run.
+    /// Ends the multiplexed connections (`ssh -O exit`), all at once, at the end of a
+    /// run.
     pub async fn close(&self, hosts: &[Host]) {
         if self.control_dir.is_none() {
             return;
         }
+        let mut exits = tokio::task::JoinSet::new();
         for host in hosts {
             let mut command = Command::new(&self.options.program);
             self.connection_options(&mut command, host);
@@ -169,8 +171,11 @@ impl Ssh {
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .kill_on_drop(true);
-            let _ = tokio::time::timeout(Duration::from_secs(2), command.status()).await;
+            exits.spawn(async move {
+                let _ = tokio::time::timeout(Duration::from_secs(2), command.status()).await;
+            });
         }
+        exits.join_all().await;
     }
 }
 
@@ -245,7 +250,12 @@ impl ControlDir {
 
     /// In `temp`, or in `/tmp` where `temp` is too long a path.
     fn create_in(temp: PathBuf) -> io::Result<Self> {
-        let base = match temp.as_os_str().len() + 20 <= Self::MAX_DIR {
+        // ssh_config's syntax splits ControlPath at spaces and quotes: plain paths only.
+        let plain = temp.to_str().is_some_and(|t| {
+            t.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"/._-".contains(&b))
+        });
+        let base = match plain && temp.as_os_str().len() + 20 <= Self::MAX_DIR {
             true => temp,
             false => PathBuf::from("/tmp"),
         };
@@ -328,6 +338,15 @@ mod tests {
         };
         assert_ne!(dir.control_path(&host(0)), dir.control_path(&host(1)));
         assert!(!dir.control_path(&host(0)).contains("%C"));
+    }
+
+    #[test]
+    fn a_temporary_directory_ssh_would_split_is_not_used() {
+        let spaced = std::env::temp_dir().join("a dir");
+        std::fs::create_dir_all(&spaced).unwrap();
+        let dir = ControlDir::create_in(spaced.clone()).unwrap();
+        assert!(dir.path().starts_with("/tmp") && !dir.path().starts_with(&spaced));
+        let _ = std::fs::remove_dir(&spaced);
     }
 
     #[test]
