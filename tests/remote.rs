@@ -576,6 +576,52 @@ fn a_host_whose_stream_keeps_failing_is_polled() {
     enforcer.stop();
 }
 
+/// Nothing of a run stays behind: SIGKILLed, its hosts' `usage watch` end with their
+/// ssh sessions; stopped with SIGTERM, its multiplexed connections end and their
+/// directory goes.
+#[test]
+fn nothing_of_a_run_stays_behind() {
+    let fleet = SshFleet::start(&[Runs::Enforcer], 1);
+    fleet.hosts[0]
+        .node
+        .write_state(json!([]), json!([device_record(0, &[])]));
+    let args = ["-v", "enforce", "--event-driven", "--interval", "600"];
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done() {
+            assert!(Instant::now() < deadline, "{what} within 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut killed = Running::start(fleet.remote(&args));
+    wait_for("a stream", &|| fleet.hosts[0].watching());
+    let _ = killed.child.kill();
+    let _ = killed.child.wait();
+    wait_for("usage watch ending with its session", &|| {
+        !fleet.hosts[0].watching()
+    });
+
+    let mut stopped = Running::start(fleet.remote(&args));
+    wait_for("a stream", &|| fleet.hosts[0].watching());
+    let said = stopped.stderr.lock().unwrap().clone();
+    let dir = said
+        .lines()
+        .find_map(|l| l.strip_prefix("[INFO] SSH control sockets in "))
+        .unwrap_or_else(|| panic!("no control directory said: {said}"))
+        .to_owned();
+    assert!(std::path::Path::new(&dir).exists());
+    stopped.stop();
+    let uses_dir = || {
+        std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            String::from_utf8_lossy(&cmdline).contains(&dir)
+        })
+    };
+    wait_for("the masters ending", &|| !uses_dir());
+    assert!(!std::path::Path::new(&dir).exists(), "{dir} left behind");
+    wait_for("usage watch ending", &|| !fleet.hosts[0].watching());
+}
+
 // ---- `cargo xtask bench remote` ----
 
 /// Each host of a benchmark fleet: two GPUs, alice's environment attached to one, a

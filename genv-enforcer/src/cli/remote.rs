@@ -55,6 +55,9 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
         executing: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
         verbose: args.verbose,
     };
+    if let (true, Some(dir)) = (fleet.verbose, fleet.ssh.control_dir()) {
+        eprintln!("[INFO] SSH control sockets in {}", dir.display());
+    }
     super::runtime()?.block_on(crate::remote::run(fleet, mode))
 }
 

@@ -80,6 +80,11 @@ impl Ssh {
         }
     }
 
+    /// Where the control sockets are (none without multiplexing).
+    pub fn control_dir(&self) -> Option<&std::path::Path> {
+        self.control_dir.as_ref().map(|d| d.0.as_path())
+    }
+
     /// `ssh … HOST WORDS…`, with stdout and stderr piped.
     fn command(&self, host: &Host, words: &[String]) -> Command {
         let mut command = Command::new(&self.options.program);
