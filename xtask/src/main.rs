@@ -14,6 +14,8 @@
 //! - `build-ebpf`: the kernel programs' object alone (the enforcer's build script builds
 //!   and embeds it too). `test`, `demo` and `build-ebpf` first install what building it
 //!   needs ([`toolchain`]).
+//! - `install` / `uninstall`: genv-enforcer on a node, with its `genv` front and its
+//!   systemd unit ([`install`]).
 //! - `bench`: one full enforcement cycle with 0, 100 and 1,000 GPU processes, the
 //!   event-driven reaction to a GPU open, the kernel programs' cost per run, and remote
 //!   enforcement over SSH ([`bench_remote`]); writes the tables to `docs/bench.md`.
@@ -24,6 +26,7 @@ mod bench_events;
 mod bench_footprint;
 mod bench_remote;
 mod demo;
+mod install;
 mod sim;
 mod toolchain;
 mod vm;
@@ -52,9 +55,12 @@ fn main() -> Result<()> {
         },
         Some("build-ebpf") => toolchain::build_ebpf(&root()),
         Some("vm-test") => vm_test(&args[1..]),
+        Some("install") => install::install(&args[1..]),
+        Some("uninstall") => install::uninstall(&args[1..]),
         _ => bail!(
             "usage: cargo xtask <test [-- cargo test args] | vm-test [--kernel 6.1|6.12|all] \
-             [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench [footprint|bpf-log|memory-at-alloc|remote] | build-ebpf>"
+             [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench [footprint|bpf-log|memory-at-alloc|remote] | build-ebpf | \
+             install [--root DIR] [--binary PATH] | uninstall [--root DIR]>"
         ),
     }
 }

@@ -1,0 +1,192 @@
+//! genv-enforcer as a node's service: `cargo xtask install` lays down the binary, the
+//! `genv` front and the systemd unit; the front sends `genv enforce` to genv-enforcer
+//! and every other `genv` command to the real genv 1.4.3; the daemon runs with exactly
+//! the capabilities the unit gives it (`setpriv`, its bounding set), on the tracepoint
+//! tier here.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use genv_enforcer_tests::events::{self, EventDaemon};
+use genv_enforcer_tests::{Genv, Node, artefact};
+
+const DEATH: Duration = Duration::from_secs(10);
+
+fn xtask(args: &[&str], root: &Path) {
+    let status = Command::new(artefact("xtask"))
+        .args(args)
+        .arg("--root")
+        .arg(root)
+        .status()
+        .unwrap();
+    assert!(status.success(), "xtask {args:?} failed");
+}
+
+fn install(node: &Node) -> PathBuf {
+    let root = node.dir.join("root");
+    let binary = artefact("genv-enforcer");
+    xtask(&["install", "--binary", binary.to_str().unwrap()], &root);
+    root
+}
+
+/// The unit's `CapabilityBoundingSet`, as `setpriv --bounding-set` takes it.
+fn unit_capabilities(root: &Path) -> String {
+    let unit =
+        std::fs::read_to_string(root.join("etc/systemd/system/genv-enforcer.service")).unwrap();
+    let caps = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("CapabilityBoundingSet="))
+        .expect("the unit names its capabilities");
+    let caps: Vec<String> = caps
+        .split_whitespace()
+        .map(|c| format!("+{}", c.trim_start_matches("CAP_").to_lowercase()))
+        .collect();
+    format!("-all,{}", caps.join(","))
+}
+
+/// PATH with the installed front first, then the installed binary, then genv's own.
+fn front_path(root: &Path) -> String {
+    format!(
+        "{}:{}:{}",
+        root.join("usr/local/lib/genv-enforcer/front").display(),
+        root.join("usr/local/bin").display(),
+        Genv::get().path()
+    )
+}
+
+fn bash(node: &Node, path: &str, script: &str) -> (bool, String, String) {
+    let out = Command::new("bash")
+        .args([
+            "-c",
+            &format!("set -e; eval \"$(genv shell --init)\"; {script}"),
+        ])
+        .env("PATH", path)
+        .env("GENV_TMPDIR", &node.state)
+        .env("GENV_FAKE_NVML_CONFIG", node.config_path())
+        .env("GENV_ENFORCER_NVML_LIB", artefact("libnvidia_ml_fake.so"))
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn genv_enforce_event_driven_runs_through_the_front_beside_genvs_own_commands() {
+    let mut node = Node::new(2);
+    let root = install(&node);
+    let path = front_path(&root);
+    // The daemon as the unit starts it: `genv enforce …` through the front, with the
+    // unit's capabilities and no others.
+    let as_unit = node.dir.join("as-the-unit");
+    std::fs::write(
+        &as_unit,
+        format!(
+            "#!/bin/sh\nexec setpriv --bounding-set={} --inh-caps=-all {} \"$@\"\n",
+            unit_capabilities(&root),
+            root.join("usr/local/lib/genv-enforcer/front/genv")
+                .display()
+        ),
+    )
+    .unwrap();
+    Command::new("chmod")
+        .arg("755")
+        .arg(&as_unit)
+        .status()
+        .unwrap();
+    node.enforcer_binary = Some(as_unit);
+    node.enforcer_env.push(("PATH".into(), path.clone()));
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    let status = std::fs::read_to_string(daemon.run_dir.join("status.json")).unwrap();
+    assert!(status.contains("\"pid\""), "{status}");
+
+    // genv's own commands, through the front, in one shell: genv answers them.
+    let (ok, stdout, stderr) = bash(
+        &node,
+        &path,
+        "genv activate --id e1 --no-prompt; genv attach --index 0; genv devices",
+    );
+    assert!(ok, "{stderr}");
+    let attached = stdout
+        .lines()
+        .find(|l| l.starts_with("0 "))
+        .unwrap_or_default();
+    assert!(attached.contains("e1"), "genv devices: {stdout}");
+
+    // An outside process opening a GPU: the daemon, started as `genv enforce`, acts.
+    let gpu = events::make_gpu_node(&node.dir.join("gpu0"));
+    let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
+    daemon.expect(&format!(
+        "Process {rogue} is not running in a GPU environment"
+    ));
+    assert_eq!(node.wait_exit(rogue, DEATH), Some(libc::SIGTERM));
+    drop(daemon);
+
+    // `genv enforce --interval 0` is genv-enforcer's one-shot cycle (Python genv would
+    // refuse --kill-after).
+    let rogue = node.spawn(None, &[(1, 100)]);
+    let (ok, stdout, stderr) = bash(
+        &node,
+        &path,
+        "genv enforce --interval 0 --non-env-processes --kill-after 5",
+    );
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains(&format!(
+            "Process {rogue} is not running in a GPU environment"
+        )),
+        "{stdout}"
+    );
+    assert_eq!(node.wait_exit(rogue, DEATH), Some(libc::SIGTERM));
+}
+
+#[test]
+fn install_is_idempotent_and_uninstall_leaves_nothing_of_ours() {
+    let node = Node::new(1);
+    let root = install(&node);
+    let listing = |root: &Path| {
+        let out = Command::new("find")
+            .arg(root)
+            .arg("-type")
+            .arg("f")
+            .output()
+            .unwrap();
+        let mut files: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        files.sort();
+        files
+    };
+    let first = listing(&root);
+    install(&node);
+    assert_eq!(
+        listing(&root),
+        first,
+        "a second install lays down the same files"
+    );
+    let link = root.join("usr/local/sbin/genv");
+    assert_eq!(
+        std::fs::read_link(&link).unwrap(),
+        Path::new("/usr/local/lib/genv-enforcer/front/genv")
+    );
+    xtask(&["uninstall"], &root);
+    assert!(
+        listing(&root).is_empty(),
+        "left behind: {:?}",
+        listing(&root)
+    );
+    assert!(link.symlink_metadata().is_err());
+
+    // Someone else's /usr/local/sbin/genv is neither replaced nor removed.
+    std::fs::create_dir_all(link.parent().unwrap()).unwrap();
+    std::fs::write(&link, "#!/bin/sh\n").unwrap();
+    install(&node);
+    xtask(&["uninstall"], &root);
+    assert_eq!(std::fs::read_to_string(&link).unwrap(), "#!/bin/sh\n");
+}

@@ -1,0 +1,191 @@
+//! `cargo xtask install` and `uninstall`: genv-enforcer on a node, idempotently.
+//!
+//! Lays down, under `--root` (default `/`, for packaging and tests any directory):
+//! - `usr/local/bin/genv-enforcer`: the release build (built first if needed), or
+//!   `--binary PATH`;
+//! - `usr/local/lib/genv-enforcer/front/genv`: the `genv` front (`deploy/genv`), with
+//!   `etc/profile.d/genv-enforcer.sh` putting its directory first on users' PATH, and
+//!   `usr/local/sbin/genv` linking to it for root and sudo (whose secure_path puts
+//!   `/usr/local/sbin` first), unless another file is there already;
+//! - `etc/systemd/system/genv-enforcer.service` (`deploy/systemd`), where systemd is;
+//! - `usr/local/share/doc/genv-enforcer/README.md`.
+//!
+//! Installing again replaces what it laid down and nothing else. `uninstall` removes
+//! it all, and the pinned programs (`genv-enforcer unpin`) when `--root` is `/`.
+
+use std::os::unix::fs::{PermissionsExt, symlink};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+const FRONT_DIR: &str = "usr/local/lib/genv-enforcer/front";
+const BINARY: &str = "usr/local/bin/genv-enforcer";
+const SBIN_LINK: &str = "usr/local/sbin/genv";
+const PROFILE: &str = "etc/profile.d/genv-enforcer.sh";
+const UNIT: &str = "etc/systemd/system/genv-enforcer.service";
+const DOC: &str = "usr/local/share/doc/genv-enforcer/README.md";
+
+struct Options {
+    root: PathBuf,
+    binary: Option<PathBuf>,
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut options = Options {
+        root: PathBuf::from("/"),
+        binary: None,
+    };
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        let mut value = |flag: &str| {
+            args.next()
+                .map(PathBuf::from)
+                .with_context(|| format!("{flag} needs a value"))
+        };
+        match arg.as_str() {
+            "--root" => options.root = value("--root")?,
+            "--binary" => options.binary = Some(value("--binary")?),
+            other => bail!("unknown flag {other:?} (--root DIR, --binary PATH)"),
+        }
+    }
+    if !options.root.is_absolute() {
+        bail!("--root {}: give an absolute path", options.root.display());
+    }
+    Ok(options)
+}
+
+pub fn install(args: &[String]) -> Result<()> {
+    let options = parse(args)?;
+    let root = &options.root;
+    let binary = match &options.binary {
+        Some(binary) => binary.clone(),
+        None => {
+            crate::toolchain::ensure_ebpf_toolchain()?;
+            crate::run(&mut crate::cargo(&[
+                "build",
+                "--release",
+                "-p",
+                "genv-enforcer",
+            ]))?;
+            crate::target_dir()?.join("release/genv-enforcer")
+        }
+    };
+    let repo = crate::root();
+    put(&binary, &root.join(BINARY), 0o755)?;
+    put(
+        &repo.join("deploy/genv"),
+        &root.join(FRONT_DIR).join("genv"),
+        0o755,
+    )?;
+    write(
+        &root.join(PROFILE),
+        &format!(
+            "# genv-enforcer's genv front first on PATH (cargo xtask install)\n\
+             case \":$PATH:\" in *:/{FRONT_DIR}:*) ;; *) PATH=\"/{FRONT_DIR}:$PATH\" ;; esac\n\
+             export PATH\n"
+        ),
+        0o644,
+    )?;
+    link_sbin(root)?;
+    if root.join("etc/systemd").is_dir() || options.root != Path::new("/") {
+        put(
+            &repo.join("deploy/systemd/genv-enforcer.service"),
+            &root.join(UNIT),
+            0o644,
+        )?;
+    }
+    put(&repo.join("README.md"), &root.join(DOC), 0o644)?;
+    eprintln!(
+        "xtask: installed under {}: {BINARY}, the genv front ({FRONT_DIR}/genv, first on PATH \
+         through {PROFILE}, and {SBIN_LINK}), {UNIT}",
+        root.display()
+    );
+    Ok(())
+}
+
+pub fn uninstall(args: &[String]) -> Result<()> {
+    let options = parse(args)?;
+    let root = &options.root;
+    let binary = root.join(BINARY);
+    if options.root == Path::new("/") && binary.exists() {
+        crate::run(Command::new(&binary).arg("unpin"))?;
+    }
+    if is_our_link(root)? {
+        std::fs::remove_file(root.join(SBIN_LINK))?;
+    }
+    for file in [BINARY, PROFILE, UNIT, DOC] {
+        remove(&root.join(file))?;
+    }
+    for dir in [
+        "usr/local/lib/genv-enforcer",
+        "usr/local/share/doc/genv-enforcer",
+    ] {
+        match std::fs::remove_dir_all(root.join(dir)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing {}", root.join(dir).display()));
+            }
+            _ => {}
+        }
+    }
+    eprintln!("xtask: uninstalled from {}", root.display());
+    Ok(())
+}
+
+/// Copies `from` to `to` through a temporary file renamed into place (a running binary
+/// is replaced, not overwritten).
+fn put(from: &Path, to: &Path, mode: u32) -> Result<()> {
+    let bytes = std::fs::read(from).with_context(|| format!("reading {}", from.display()))?;
+    write_bytes(to, &bytes, mode)
+}
+
+fn write(to: &Path, text: &str, mode: u32) -> Result<()> {
+    write_bytes(to, text.as_bytes(), mode)
+}
+
+fn write_bytes(to: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+    let dir = to.parent().expect("a file in a directory");
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let temp = dir.join(format!(
+        ".{}.xtask-new",
+        to.file_name().unwrap().to_string_lossy()
+    ));
+    std::fs::write(&temp, bytes).with_context(|| format!("writing {}", temp.display()))?;
+    std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(mode))?;
+    std::fs::rename(&temp, to).with_context(|| format!("installing {}", to.display()))
+}
+
+/// `usr/local/sbin/genv` → the front, unless something else is there.
+fn link_sbin(root: &Path) -> Result<()> {
+    let link = root.join(SBIN_LINK);
+    if is_our_link(root)? {
+        return Ok(());
+    }
+    if link.symlink_metadata().is_ok() {
+        eprintln!(
+            "xtask: {} exists and is not genv-enforcer's front: left alone (root's and sudo's \
+             `genv` is not the front; put /{FRONT_DIR} first on their PATH)",
+            link.display()
+        );
+        return Ok(());
+    }
+    std::fs::create_dir_all(link.parent().unwrap())?;
+    symlink(format!("/{FRONT_DIR}/genv"), &link)
+        .with_context(|| format!("linking {}", link.display()))
+}
+
+fn is_our_link(root: &Path) -> Result<bool> {
+    match std::fs::read_link(root.join(SBIN_LINK)) {
+        Ok(target) => Ok(target == Path::new(&format!("/{FRONT_DIR}/genv"))),
+        Err(_) => Ok(false),
+    }
+}
+
+fn remove(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("removing {}", path.display()))
+        }
+        _ => Ok(()),
+    }
+}
