@@ -164,6 +164,28 @@ fn install_is_idempotent_and_uninstall_leaves_nothing_of_ours() {
         files
     };
     let first = listing(&root);
+    // systemd reads the unit (its binary where this install put it).
+    let unit = std::fs::read_to_string(root.join("etc/systemd/system/genv-enforcer.service"))
+        .unwrap()
+        .replace(
+            "/usr/local/bin/genv-enforcer",
+            &root
+                .join("usr/local/bin/genv-enforcer")
+                .display()
+                .to_string(),
+        );
+    let check = node.dir.join("genv-enforcer.service");
+    std::fs::write(&check, unit).unwrap();
+    let verify = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&check)
+        .output()
+        .expect("systemd-analyze (systemd) is installed");
+    assert!(
+        verify.status.success() && verify.stderr.is_empty(),
+        "systemd-analyze verify: {}",
+        String::from_utf8_lossy(&verify.stderr)
+    );
     install(&node);
     assert_eq!(
         listing(&root),
@@ -183,10 +205,88 @@ fn install_is_idempotent_and_uninstall_leaves_nothing_of_ours() {
     );
     assert!(link.symlink_metadata().is_err());
 
+    // The admin's configuration survives an install and an uninstall.
+    let config = root.join("etc/genv-enforcer/config.toml");
+    install(&node);
+    std::fs::write(&config, "interval = 3\n").unwrap();
+    install(&node);
+    assert_eq!(std::fs::read_to_string(&config).unwrap(), "interval = 3\n");
+    xtask(&["uninstall"], &root);
+    assert_eq!(std::fs::read_to_string(&config).unwrap(), "interval = 3\n");
+    std::fs::remove_file(&config).unwrap();
+
     // Someone else's /usr/local/sbin/genv is neither replaced nor removed.
     std::fs::create_dir_all(link.parent().unwrap()).unwrap();
     std::fs::write(&link, "#!/bin/sh\n").unwrap();
     install(&node);
     xtask(&["uninstall"], &root);
     assert_eq!(std::fs::read_to_string(&link).unwrap(), "#!/bin/sh\n");
+}
+
+/// The unit's daemon reads `--config`; SIGHUP reads it again and puts the new rules in
+/// force at once, with the kernel programs left attached; systemd hears READY, and
+/// RELOADING then READY around the reload (`NOTIFY_SOCKET`, as `Type=notify` gives it).
+#[test]
+fn sighup_reads_the_config_file_again_with_the_programs_attached() {
+    use std::os::unix::net::UnixDatagram;
+    let mut node = Node::new(1);
+    let config = node.dir.join("config.toml");
+    std::fs::write(&config, "non-env-processes = false\nkill-after = 5\n").unwrap();
+    let notify_path = node.dir.join("notify");
+    let notify = UnixDatagram::bind(&notify_path).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let heard = || {
+        let mut buf = [0u8; 256];
+        let n = notify.recv(&mut buf).expect("a notification within 60 s");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    node.enforcer_env
+        .push(("NOTIFY_SOCKET".into(), notify_path.display().to_string()));
+    let Some(daemon) = EventDaemon::start(&node, &["--config", config.to_str().unwrap()]) else {
+        return;
+    };
+    assert_eq!(heard(), "READY=1");
+    let programs = |status: serde_json::Value| -> Vec<u64> {
+        status["programs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["id"].as_u64().unwrap())
+            .collect()
+    };
+    let before = programs(daemon.status());
+    assert!(!before.is_empty());
+
+    // No rule for outsiders yet: one opens a GPU and is left alone.
+    let gpu = events::make_gpu_node(&node.dir.join("gpu0"));
+    let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
+    daemon.expect(&format!("[EVENT] Process {rogue} "));
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(node.alive(rogue), "terminated with --non-env-processes off");
+
+    std::fs::write(&config, "non-env-processes = true\nkill-after = 5\n").unwrap();
+    unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
+    assert_eq!(heard(), "RELOADING=1");
+    assert_eq!(heard(), "READY=1");
+    daemon.expect("[INFO] SIGHUP: settings read again and in force");
+    daemon.expect(&format!(
+        "Process {rogue} is not running in a GPU environment"
+    ));
+    assert_eq!(node.wait_exit(rogue, DEATH), Some(libc::SIGTERM));
+    assert_eq!(
+        programs(daemon.status()),
+        before,
+        "the programs were reloaded"
+    );
+
+    // A file that does not parse leaves the running settings.
+    std::fs::write(&config, "non-env-processes = maybe\n").unwrap();
+    unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
+    daemon.expect("[ERROR] SIGHUP:");
+    let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
+    daemon.expect(&format!(
+        "Process {rogue} is not running in a GPU environment"
+    ));
 }

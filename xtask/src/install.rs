@@ -7,11 +7,14 @@
 //!   `etc/profile.d/genv-enforcer.sh` putting its directory first on users' PATH, and
 //!   `usr/local/sbin/genv` linking to it for root and sudo (whose secure_path puts
 //!   `/usr/local/sbin` first), unless another file is there already;
-//! - `etc/systemd/system/genv-enforcer.service` (`deploy/systemd`), where systemd is;
+//! - `etc/systemd/system/genv-enforcer.service` (`deploy/systemd`), where systemd is, and
+//!   its `etc/genv-enforcer/config.toml` (`deploy/config.toml`), unless one is there
+//!   (the admin's is kept);
 //! - `usr/local/share/doc/genv-enforcer/README.md`.
 //!
 //! Installing again replaces what it laid down and nothing else. `uninstall` removes
-//! it all, and the pinned programs (`genv-enforcer unpin`) when `--root` is `/`.
+//! it all (the configuration only if it is still the one installed), and the pinned
+//! programs (`genv-enforcer unpin`) when `--root` is `/`.
 
 use std::os::unix::fs::{PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
@@ -25,6 +28,7 @@ const SBIN_LINK: &str = "usr/local/sbin/genv";
 const PROFILE: &str = "etc/profile.d/genv-enforcer.sh";
 const UNIT: &str = "etc/systemd/system/genv-enforcer.service";
 const DOC: &str = "usr/local/share/doc/genv-enforcer/README.md";
+const CONFIG: &str = "etc/genv-enforcer/config.toml";
 
 struct Options {
     root: PathBuf,
@@ -94,6 +98,9 @@ pub fn install(args: &[String]) -> Result<()> {
             &root.join(UNIT),
             0o644,
         )?;
+        if !root.join(CONFIG).exists() {
+            put(&repo.join("deploy/config.toml"), &root.join(CONFIG), 0o644)?;
+        }
     }
     put(&repo.join("README.md"), &root.join(DOC), 0o644)?;
     eprintln!(
@@ -116,6 +123,16 @@ pub fn uninstall(args: &[String]) -> Result<()> {
     }
     for file in [BINARY, PROFILE, UNIT, DOC] {
         remove(&root.join(file))?;
+    }
+    let config = root.join(CONFIG);
+    let shipped = std::fs::read(crate::root().join("deploy/config.toml"))?;
+    match std::fs::read(&config) {
+        Ok(text) if text == shipped => {
+            remove(&config)?;
+            let _ = std::fs::remove_dir(config.parent().unwrap());
+        }
+        Ok(_) => eprintln!("xtask: {} was changed: kept", config.display()),
+        Err(_) => {}
     }
     for dir in [
         "usr/local/lib/genv-enforcer",

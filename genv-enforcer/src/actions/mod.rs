@@ -154,6 +154,11 @@ impl Executor {
     }
 
     /// For a one-shot run: waits until every terminated process exited or was killed.
+    /// New settings (SIGHUP); processes already signalled keep their grace period.
+    pub fn reconfigure(&mut self, config: ExecutorConfig) {
+        self.config = config;
+    }
+
     pub fn finish(&mut self) {
         while let Some(deadline) = self.next_deadline() {
             let now = Instant::now();

@@ -89,7 +89,13 @@ pub enum UsageCommand {
 }
 
 #[derive(Debug, Args)]
+#[command(args_override_self = true)]
 pub struct EnforceArgs {
+    /// Read flags from this TOML file, one key per long flag (`non-env-processes =
+    /// true`, `interval = 10`); flags on the command line win. SIGHUP reads it again.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
     /// Seconds between enforcement cycles; 0 runs one cycle and exits.
     #[arg(long, default_value_t = 10.0, value_parser = non_negative_seconds, allow_hyphen_values = true)]
     pub interval: f64,

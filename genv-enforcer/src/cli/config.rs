@@ -174,6 +174,7 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
         bpf_log: events.bpf_log,
         memory_at_alloc: events.memory_at_alloc,
         cuda_libs: events.cuda_lib.clone(),
+        reload: None,
     }))
 }
 

@@ -3,6 +3,8 @@
 
 pub mod args;
 pub mod config;
+pub mod config_file;
+mod reloader;
 mod remote;
 pub mod remote_args;
 
@@ -21,11 +23,21 @@ use crate::state::StateDir;
 use args::{Cli, Command, EnforceArgs, UsageCommand};
 use config::{EnforceConfig, Mode, executor_config};
 
+/// The command line as given (before `--config`'s flags were put in), for SIGHUP.
+static ARGV: std::sync::OnceLock<Vec<std::ffi::OsString>> = std::sync::OnceLock::new();
+
 /// Parses the command line and runs it; the only place exit codes are decided.
 pub fn main() -> ExitCode {
-    match run(Cli::parse_from(remote_args::genv_spellings(
-        std::env::args_os(),
-    ))) {
+    let argv = remote_args::genv_spellings(std::env::args_os());
+    let expanded = match config_file::expand(&argv) {
+        Ok(expanded) => expanded,
+        Err(e) => {
+            eprintln!("genv-enforcer: --config {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let _ = ARGV.set(argv);
+    match run(Cli::parse_from(expanded)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("genv-enforcer: {e:#}");
@@ -88,7 +100,14 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
 }
 
 fn enforce(args: EnforceArgs) -> Result<ExitCode> {
-    let config = EnforceConfig::from_args(args)?;
+    let mut reload = match (&args.config, ARGV.get()) {
+        (Some(_), Some(argv)) => Some(reloader::reloader(argv.clone(), &args)),
+        _ => None,
+    };
+    let mut config = EnforceConfig::from_args(args)?;
+    if let Mode::EventDriven(settings) = &mut config.mode {
+        settings.reload = reload.take();
+    }
     for warning in &config.warnings {
         eprintln!("[WARNING] {warning}");
     }
@@ -112,7 +131,7 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
         }
         Mode::Polling(interval) => {
             enforcer.lock = LockPolicy::bounded(LockPolicy::DAEMON_WAIT);
-            runtime()?.block_on(daemon::polling::run(enforcer, interval))
+            runtime()?.block_on(daemon::polling::run(enforcer, interval, reload))
         }
         Mode::EventDriven(settings) => {
             enforcer.lock = LockPolicy::bounded(LockPolicy::DAEMON_WAIT);

@@ -18,9 +18,11 @@ use anyhow::Result;
 use super::StopSignals;
 
 mod cuda;
+mod reload;
 use super::instance::Instance;
 use super::kernel_inspector::KernelInspector;
 use super::kernel_side::KernelSide;
+use super::reload::{Hangup, notify};
 use super::schedule::Schedule;
 pub use super::settings::Settings;
 use super::state_watch::{StateWatch, Target};
@@ -42,6 +44,7 @@ const DRAIN_IDLE: Duration = Duration::from_secs(1);
 
 pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
     let mut stop = StopSignals::install()?;
+    let mut hangup = Hangup::install()?;
     let instance = Instance::claim(&settings.run_dir)?;
     let mut status = Status {
         pid: std::process::id(),
@@ -74,8 +77,12 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
         memory_capped: true,
     };
     let mut batch = Batch::default();
+    let mut ready = false;
     loop {
         daemon.run_due(&mut schedule, &instance);
+        if !std::mem::replace(&mut ready, true) {
+            notify("READY=1");
+        }
         let wake = schedule.next_wake([
             daemon.watchlist.next_wake(),
             daemon.enforcer.executor.next_deadline(),
@@ -84,6 +91,7 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
         tokio::select! {
             biased;
             () = stop.recv() => break,
+            () = hangup.recv() => daemon.reload(&mut schedule),
             // Before kernel events: a stream of GPU opens must not keep genv's own
             // state changes waiting (they are rare, and cheap to read).
             changed = state_changed(daemon.state_watch.as_mut()) => {

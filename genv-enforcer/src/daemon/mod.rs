@@ -11,6 +11,7 @@ mod kernel_inspector;
 mod kernel_side;
 mod memory_at_alloc;
 pub mod polling;
+pub mod reload;
 mod schedule;
 mod settings;
 mod state_watch;

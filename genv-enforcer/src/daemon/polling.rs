@@ -1,4 +1,5 @@
-//! genv's loop: a full cycle every `interval`, escalating to SIGKILL on time in between.
+//! genv's loop: a full cycle every `interval`, escalating to SIGKILL on time in between;
+//! SIGHUP reads `--config` again.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -6,16 +7,26 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 
 use super::StopSignals;
+use super::reload::{Hangup, Reloader, notify};
 use crate::cycle::Enforcer;
 
-pub async fn run(mut enforcer: Enforcer, interval: Duration) -> Result<ExitCode> {
+pub async fn run(
+    mut enforcer: Enforcer,
+    mut interval: Duration,
+    mut reload: Option<Reloader>,
+) -> Result<ExitCode> {
     let mut stop = StopSignals::install()?;
+    let mut hangup = Hangup::install()?;
     let mut next_cycle = Instant::now();
+    let mut ready = false;
     loop {
         let now = Instant::now();
         if now >= next_cycle {
             enforcer.cycle();
             next_cycle = now + interval;
+        }
+        if !std::mem::replace(&mut ready, true) {
+            notify("READY=1");
         }
         enforcer.executor.escalate(Instant::now());
         let wake = enforcer
@@ -25,6 +36,16 @@ pub async fn run(mut enforcer: Enforcer, interval: Duration) -> Result<ExitCode>
         tokio::select! {
             _ = tokio::time::sleep_until(wake.into()) => {}
             _ = stop.recv() => break,
+            _ = hangup.recv() => {
+                let Some(new) = reload.as_mut().and_then(Reloader::read) else {
+                    continue;
+                };
+                enforcer.rules = new.rules;
+                enforcer.executor.reconfigure(new.execution);
+                interval = new.interval;
+                next_cycle = Instant::now();
+                eprintln!("[INFO] SIGHUP: settings read again and in force");
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -27,6 +27,14 @@ impl Schedule {
         }
     }
 
+    /// New periods (SIGHUP), counted from `now`.
+    pub(super) fn set_periods(&mut self, now: Instant, interval: Duration, memory: Duration) {
+        self.interval = interval;
+        self.memory_interval = memory;
+        self.next_full = now;
+        self.next_memory = now + memory;
+    }
+
     pub(super) fn full_due(&self, now: Instant) -> bool {
         now >= self.next_full
     }

@@ -33,4 +33,6 @@ pub struct Settings {
     pub memory_at_alloc: MemoryAtAlloc,
     /// `--cuda-lib`: libcuda copies to probe beyond those found.
     pub cuda_libs: Vec<PathBuf>,
+    /// `--config`: read again on SIGHUP.
+    pub reload: Option<super::reload::Reloader>,
 }

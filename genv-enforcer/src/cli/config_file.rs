@@ -1,0 +1,212 @@
+//! `enforce --config FILE`: the flags in a TOML file (`/etc/genv-enforcer/config.toml`
+//! under the systemd unit), one key per long flag:
+//!
+//! ```toml
+//! event-driven = true
+//! non-env-processes = true      # false: --no-non-env-processes
+//! max-devices-per-user = 2
+//! max-devices-for-user = ["alice=4"]
+//! interval = 10
+//! ```
+//!
+//! The file's flags come first and the command line's after, so a flag given on both
+//! is the command line's. SIGHUP reads the file again (see `daemon::reload`).
+
+use std::ffi::OsString;
+use std::io::Read;
+use std::path::Path;
+
+/// The flags that have a `--no-` form: `false` in the file means it.
+const NEGATABLE: [&str; 3] = ["non-env-processes", "env-devices", "env-memory"];
+/// A configuration file is a few hundred bytes; past this it is refused.
+const LIMIT: u64 = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigFileError {
+    #[error("{path}: {message}")]
+    Read { path: String, message: String },
+    #[error("{path}: {key}: {message}")]
+    Key {
+        path: String,
+        key: String,
+        message: &'static str,
+    },
+}
+
+/// The file's flags as command-line words.
+pub fn words(path: &Path) -> Result<Vec<OsString>, ConfigFileError> {
+    let shown = path.display().to_string();
+    let read_error = |message: String| ConfigFileError::Read {
+        path: shown.clone(),
+        message,
+    };
+    let file = std::fs::File::open(path).map_err(|e| read_error(e.to_string()))?;
+    let mut text = String::new();
+    file.take(LIMIT + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| read_error(e.to_string()))?;
+    if text.len() as u64 > LIMIT {
+        return Err(read_error(format!("larger than {LIMIT} bytes")));
+    }
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| read_error(e.message().to_owned()))?;
+    let mut words = Vec::new();
+    for (key, value) in &table {
+        let bad = |message| ConfigFileError::Key {
+            path: shown.clone(),
+            key: key.clone(),
+            message,
+        };
+        if key == "config" || key.starts_with('-') || key.is_empty() {
+            return Err(bad("not a flag a file can give"));
+        }
+        let flag = format!("--{key}");
+        match value {
+            toml::Value::Boolean(true) => words.push(flag.into()),
+            toml::Value::Boolean(false) if NEGATABLE.contains(&key.as_str()) => {
+                words.push(format!("--no-{key}").into());
+            }
+            toml::Value::Boolean(false) => {}
+            toml::Value::Array(items) => {
+                for item in items {
+                    words.push(flag.clone().into());
+                    words.push(scalar(item).ok_or_else(|| bad("a list of plain values"))?);
+                }
+            }
+            other => {
+                words.push(flag.into());
+                words.push(scalar(other).ok_or_else(|| bad("not a plain value"))?);
+            }
+        }
+    }
+    Ok(words)
+}
+
+fn scalar(value: &toml::Value) -> Option<OsString> {
+    match value {
+        toml::Value::String(s) => Some(s.into()),
+        toml::Value::Integer(i) => Some(i.to_string().into()),
+        toml::Value::Float(f) => Some(f.to_string().into()),
+        _ => None,
+    }
+}
+
+/// `argv` with `enforce --config FILE`'s flags put right after `enforce` (the command
+/// line's own, after them, win). Other commands are left as they are.
+pub fn expand(argv: &[OsString]) -> Result<Vec<OsString>, ConfigFileError> {
+    if argv.get(1).is_none_or(|a| a != "enforce") {
+        return Ok(argv.to_vec());
+    }
+    let mut path = None;
+    for (i, arg) in argv.iter().enumerate().skip(2) {
+        if arg == "--config" {
+            path = argv.get(i + 1).cloned();
+        } else if let Some(p) = arg.to_str().and_then(|a| a.strip_prefix("--config=")) {
+            path = Some(p.into());
+        }
+    }
+    let Some(path) = path else {
+        return Ok(argv.to_vec());
+    };
+    let mut expanded = argv[..2].to_vec();
+    expanded.extend(words(Path::new(&path))?);
+    expanded.extend(argv[2..].iter().cloned());
+    Ok(expanded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> std::path::PathBuf {
+        let path = std::env::temp_dir().join(format!(
+            "genv-config-{}-{}.toml",
+            std::process::id(),
+            text.len()
+        ));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn keys_become_flags() {
+        let path = file(
+            "event-driven = true\nenv-memory = false\nkeep-pinned = false\ninterval = 5\n\
+             max-devices-for-user = [\"alice=2\", \"bob=0\"]\nmemory-interval = 0.5\n",
+        );
+        let words: Vec<String> = words(&path)
+            .unwrap()
+            .into_iter()
+            .map(|w| w.into_string().unwrap())
+            .collect();
+        let _ = std::fs::remove_file(&path);
+        assert!(words.contains(&"--event-driven".to_owned()));
+        assert!(words.contains(&"--no-env-memory".to_owned()));
+        assert!(!words.iter().any(|w| w.contains("keep-pinned")));
+        assert!(words.windows(2).any(|w| w == ["--interval", "5"]));
+        assert!(words.windows(2).any(|w| w == ["--memory-interval", "0.5"]));
+        assert_eq!(
+            words
+                .iter()
+                .filter(|w| *w == "--max-devices-for-user")
+                .count(),
+            2
+        );
+    }
+
+    #[test]
+    fn errors_name_the_file_and_the_key() {
+        let path = file("interval = { every = 5 }\n");
+        let err = words(&path).unwrap_err().to_string();
+        assert!(
+            err.contains(&path.display().to_string()) && err.contains("interval"),
+            "{err}"
+        );
+        std::fs::write(&path, "interval = \n").unwrap();
+        let err = words(&path).unwrap_err().to_string();
+        assert!(err.starts_with(&path.display().to_string()), "{err}");
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// The file `cargo xtask install` lays down is one the daemon starts from.
+    #[test]
+    fn the_shipped_configuration_is_a_valid_event_driven_daemon() {
+        use clap::Parser;
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config.toml");
+        let argv: Vec<OsString> = ["genv-enforcer", "enforce", "--config"]
+            .into_iter()
+            .map(OsString::from)
+            .chain([shipped.into_os_string()])
+            .collect();
+        let cli = super::super::args::Cli::try_parse_from(expand(&argv).unwrap()).unwrap();
+        let super::super::args::Command::Enforce(args) = cli.command else {
+            unreachable!()
+        };
+        let config = super::super::config::EnforceConfig::from_args(args).unwrap();
+        assert!(config.rules.non_env_processes);
+        match config.mode {
+            super::super::config::Mode::EventDriven(settings) => assert!(settings.keep_pinned),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_command_lines_flags_come_after_the_files() {
+        let path = file("interval = 5\n");
+        let argv: Vec<OsString> = ["genv-enforcer", "enforce", "--config"]
+            .into_iter()
+            .map(OsString::from)
+            .chain([
+                path.clone().into_os_string(),
+                "--interval".into(),
+                "7".into(),
+            ])
+            .collect();
+        let expanded = expand(&argv).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let at = |w: &str| expanded.iter().rposition(|a| a == w).unwrap();
+        assert!(at("5") < at("7"));
+        assert_eq!(expanded[1], "enforce");
+    }
+}

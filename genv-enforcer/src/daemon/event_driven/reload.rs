@@ -1,0 +1,34 @@
+//! SIGHUP in the event-driven daemon: the rules, intervals and execution settings read
+//! again and put in force, the kernel programs left attached (see [`super::super::reload`]).
+
+use std::time::Instant;
+
+use super::super::reload::notify;
+use super::super::schedule::Schedule;
+use super::Daemon;
+
+impl Daemon {
+    pub(super) fn reload(&mut self, schedule: &mut Schedule) {
+        let Some(reloader) = self.settings.reload.as_mut() else {
+            eprintln!("[INFO] SIGHUP: no --config file to read again; nothing changes");
+            return;
+        };
+        notify("RELOADING=1");
+        if let Some(new) = reloader.read() {
+            let memory = new.memory_interval.unwrap_or(self.settings.memory_interval);
+            self.enforcer.rules = new.rules;
+            self.enforcer.executor.reconfigure(new.execution);
+            self.settings.interval = new.interval;
+            self.settings.memory_interval = memory;
+            self.status.interval_s = new.interval.as_secs_f64();
+            self.status.memory_interval_s = memory.as_secs_f64();
+            // A full cycle at once, under the new rules.
+            schedule.set_periods(Instant::now(), new.interval, memory);
+            eprintln!(
+                "[INFO] SIGHUP: settings read again and in force ({:?}, every {:?}); the kernel programs stay attached",
+                self.enforcer.rules, new.interval
+            );
+        }
+        notify("READY=1");
+    }
+}

@@ -1,0 +1,88 @@
+//! SIGHUP: the configuration file read again, and what can change without touching the
+//! kernel programs put in force at once: the rules, the intervals, how reports are
+//! carried out. What cannot (the tier, `--deny`, pins, the state directory, NVML) is
+//! kept, and said to need a restart. The reading itself is the command line's (`cli`),
+//! handed down as a [`Reloader`].
+
+use std::time::Duration;
+
+use crate::actions::ExecutorConfig;
+use crate::rules::Rules;
+
+/// What a reload can change in a running daemon.
+#[derive(Debug)]
+pub struct Reloadable {
+    pub rules: Rules,
+    pub interval: Duration,
+    /// The event-driven mode's memory poll.
+    pub memory_interval: Option<Duration>,
+    pub execution: ExecutorConfig,
+}
+
+/// Reads the configuration again: the new settings, and warnings about changes that
+/// need a restart.
+pub type ReloadFn = dyn FnMut() -> anyhow::Result<(Reloadable, Vec<String>)> + Send;
+
+pub struct Reloader(pub Box<ReloadFn>);
+
+impl std::fmt::Debug for Reloader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Reloader")
+    }
+}
+
+impl Reloader {
+    /// Reads again; `None` (said why) when the file cannot be used, and the running
+    /// settings stay.
+    pub fn read(&mut self) -> Option<Reloadable> {
+        match (self.0)() {
+            Ok((reloadable, warnings)) => {
+                for warning in warnings {
+                    eprintln!("[WARNING] SIGHUP: {warning}");
+                }
+                Some(reloadable)
+            }
+            Err(e) => {
+                eprintln!("[ERROR] SIGHUP: {e:#}; the running settings stay");
+                None
+            }
+        }
+    }
+}
+
+/// SIGHUP, installed with the stop signals so that none is lost (its default would end
+/// the daemon).
+pub struct Hangup(tokio::signal::unix::Signal);
+
+impl Hangup {
+    pub fn install() -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let signal = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("installing the SIGHUP handler")?;
+        Ok(Self(signal))
+    }
+
+    pub async fn recv(&mut self) {
+        self.0.recv().await;
+    }
+}
+
+/// `sd_notify`: tells systemd (`Type=notify`) how the daemon stands, when it runs under
+/// it (`NOTIFY_SOCKET`); nothing otherwise.
+pub fn notify(state: &str) {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let path = path.to_string_lossy().into_owned();
+    let address = match path.strip_prefix('@') {
+        Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
+        None => SocketAddr::from_pathname(&path),
+    };
+    let sent = UnixDatagram::unbound()
+        .and_then(|socket| address.and_then(|a| socket.send_to_addr(state.as_bytes(), &a)));
+    if let Err(e) = sent {
+        eprintln!("[WARNING] Cannot tell systemd {state:?} through {path}: {e}");
+    }
+}
