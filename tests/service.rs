@@ -290,3 +290,70 @@ fn sighup_reads_the_config_file_again_with_the_programs_attached() {
         "Process {rogue} is not running in a GPU environment"
     ));
 }
+
+/// `--metrics-addr`: `curl` after a scenario shows what it caused.
+#[test]
+fn the_metrics_endpoint_counts_what_a_scenario_caused() {
+    let mut node = Node::new(1);
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes", "--metrics-addr", &addr])
+    else {
+        return;
+    };
+    let gpu = events::make_gpu_node(&node.dir.join("gpu0"));
+    for _ in 0..2 {
+        let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
+        daemon.expect(&format!(
+            "Process {rogue} is not running in a GPU environment"
+        ));
+        assert_eq!(node.wait_exit(rogue, DEATH), Some(libc::SIGTERM));
+    }
+    let scrape = || {
+        let out = Command::new("curl")
+            .args(["-sS", "--max-time", "5", &format!("http://{addr}/metrics")])
+            .output()
+            .expect("curl");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let wanted = [
+        "genv_enforcer_decisions_total{rule=\"non-env-processes\",action=\"terminate\"} 2",
+        "genv_enforcer_reaction_seconds_count 2",
+        &format!("genv_enforcer_tier{{tier=\"{}\"}} 1", daemon.tier),
+    ];
+    // The counters the status keeps are carried over as it is published (every second).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = scrape();
+        let opens = text
+            .lines()
+            .find_map(|l| l.strip_prefix("genv_enforcer_events_total{kind=\"open\"} "))
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0);
+        if wanted.iter().all(|w| text.contains(w)) && opens >= 2 {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "metrics lack {wanted:?} or 2 opens:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(text.contains("genv_enforcer_cycle_seconds_count"), "{text}");
+    assert!(text.contains("genv_enforcer_lost_events_total 0"), "{text}");
+    let other = Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            &format!("http://{addr}/"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&other.stdout), "404");
+}

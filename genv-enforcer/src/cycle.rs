@@ -80,6 +80,8 @@ pub struct CycleSummary {
     /// The snapshot's processes, when NVML gave their memory (`--memory-at-alloc`'s
     /// baselines).
     pub measured: Option<Vec<GpuProcess>>,
+    /// (rule, action) of each action the findings asked for (metrics).
+    pub decisions: Vec<(&'static str, &'static str)>,
 }
 
 impl Enforcer {
@@ -134,6 +136,10 @@ impl Enforcer {
             orphans: Vec::new(),
             dropped_envs: Vec::new(),
             measured: None,
+            decisions: findings
+                .iter()
+                .flat_map(|f| f.actions.iter().map(|a| (f.kind.rule(), a.name())))
+                .collect(),
         };
         if !report.is_empty() {
             self.execute(&report);

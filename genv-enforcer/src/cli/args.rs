@@ -247,6 +247,11 @@ pub struct EventArgs {
     #[arg(long, value_name = "PATH", action = clap::ArgAction::Append)]
     pub cuda_lib: Vec<PathBuf>,
 
+    /// Serve Prometheus metrics at this address (`GET /metrics`), e.g. 127.0.0.1:9469
+    /// [default: off].
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+
     /// Ring buffer size in bytes (a power of two, at least 4096).
     #[arg(long, value_name = "BYTES", value_parser = ring_bytes, hide = true)]
     pub ring_buffer_bytes: Option<u32>,

@@ -175,6 +175,7 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
         memory_at_alloc: events.memory_at_alloc,
         cuda_libs: events.cuda_lib.clone(),
         reload: None,
+        metrics_addr: events.metrics_addr,
     }))
 }
 
@@ -193,6 +194,7 @@ fn event_only_flag(args: &EnforceArgs) -> Option<&'static str> {
         (e.bpf_log, "--bpf-log"),
         (e.memory_at_alloc != MemoryAtAlloc::Off, "--memory-at-alloc"),
         (!e.cuda_lib.is_empty(), "--cuda-lib"),
+        (e.metrics_addr.is_some(), "--metrics-addr"),
     ]
     .into_iter()
     .find_map(|(given, flag)| given.then_some(flag))

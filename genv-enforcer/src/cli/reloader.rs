@@ -32,7 +32,12 @@ fn fixed(args: &EnforceArgs) -> String {
                 e.bpf_log,
                 e.memory_at_alloc
             ),
-            (&e.cuda_lib, e.ring_buffer_bytes, &args.sources.nvml_lib),
+            (
+                &e.cuda_lib,
+                e.ring_buffer_bytes,
+                &args.sources.nvml_lib,
+                e.metrics_addr
+            ),
             (
                 &args.sources.genv_tmpdir,
                 args.allow_unknown_env,

@@ -11,24 +11,27 @@
 
 use std::collections::{HashMap, HashSet};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Result;
 
 use super::StopSignals;
 
+mod checks;
 mod cuda;
 mod reload;
 use super::instance::Instance;
 use super::kernel_inspector::KernelInspector;
 use super::kernel_side::KernelSide;
+use super::metrics::{self, Metrics};
 use super::reload::{Hangup, notify};
 use super::schedule::Schedule;
 pub use super::settings::Settings;
 use super::state_watch::{StateWatch, Target};
 use super::status::Status;
 use super::watchlist::Watchlist;
-use crate::cycle::{CycleSummary, Enforcer, Scope};
+use crate::cycle::Enforcer;
 use crate::intake::{BadRecord, EventIntake, KernelEvent, Verdict};
 use crate::prevention;
 
@@ -53,6 +56,7 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
         memory_interval_s: settings.memory_interval.as_secs_f64(),
         ..Status::default()
     };
+    let metrics = settings.metrics_addr.map(metrics::serve).transpose()?;
     let (kernel, mut intake) = KernelSide::start(&settings, &mut status)?.unzip();
     if let Some(kernel) = &kernel {
         read_identities_from(kernel, &mut enforcer);
@@ -75,6 +79,7 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
         decision_lines: Default::default(),
         drain_every: DRAIN_EVERY,
         memory_capped: true,
+        metrics,
     };
     let mut batch = Batch::default();
     let mut ready = false;
@@ -171,6 +176,8 @@ struct Daemon {
     /// Whether an environment had a memory cap at the last full cycle (or the state was
     /// unreadable).
     memory_capped: bool,
+    /// `--metrics-addr`.
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl Daemon {
@@ -202,6 +209,10 @@ impl Daemon {
                 }
             }
             instance.publish(&self.status);
+            if let Some(metrics) = &self.metrics {
+                let tier = self.status.tier.as_deref();
+                metrics.follow(&self.status.counts, tier, self.enforcer.builder.nvml_errors);
+            }
             schedule.status_done(Instant::now());
         }
     }
@@ -231,6 +242,9 @@ impl Daemon {
         let lost = intake.newly_lost();
         if lost > 0 {
             self.status.counts.lost_events += lost;
+            if let Some(metrics) = &self.metrics {
+                metrics.resynced();
+            }
             eprintln!(
                 "[WARNING] The kernel lost {lost} events (its ring buffer was full); running a full cycle to resynchronise"
             );
@@ -347,90 +361,6 @@ impl Daemon {
             println!("{}", killed.line());
             self.status.counts.killed_holders += 1;
         }
-    }
-
-    fn full_cycle(&mut self) {
-        let mut summary = self.enforcer.cycle();
-        self.status.counts.full_cycles += 1;
-        // Unknown (a state file unreadable) counts as capped: the poll then runs.
-        self.memory_capped = summary
-            .state
-            .as_ref()
-            .is_none_or(|(envs, _)| envs.iter().any(|env| env.config.gpu_memory.is_some()));
-        self.count(&summary);
-        if let Some(kernel) = self.kernel.as_mut() {
-            kernel.follow_cycle(
-                &self.settings,
-                &mut self.status,
-                self.enforcer.builder.device_map(),
-                &mut summary,
-            );
-        }
-        self.status.orphans = std::mem::take(&mut summary.orphans);
-    }
-
-    fn opened_check(&mut self, pids: &HashSet<u32>) {
-        let settled = self.settled(Instant::now());
-        let summary = self.enforcer.check(Scope::Opened(pids), &settled);
-        self.status.counts.open_checks += 1;
-        for pid in &summary.gpu_pids {
-            self.watchlist.computing(*pid);
-        }
-        self.count(&summary);
-        let now_ns = monotonic_ns();
-        for pid in &summary.terminated {
-            if let Some(open) = self.watchlist.first_open(*pid) {
-                let ms = now_ns.saturating_sub(open.at_ns) as f64 / 1e6;
-                eprintln!(
-                    "[INFO] Acted on process {pid} {ms:.2} ms after its open of GPU {} [{}]",
-                    open.index, open.tier
-                );
-            }
-            self.settled.insert(*pid, Instant::now());
-        }
-    }
-
-    /// The memory rule between full cycles. Skipped while no environment has a memory
-    /// cap and the state directory is watched (a new cap is a state change, which runs a
-    /// full cycle at once): on a node without caps the poll would read NVML every second
-    /// for nothing.
-    fn memory_check(&mut self) {
-        if !self.enforcer.rules.env_memory {
-            return;
-        }
-        let watched = self.state_watch.as_ref().is_some_and(|w| !w.is_lost());
-        if !self.memory_capped && watched {
-            return;
-        }
-        let settled = self.settled(Instant::now());
-        // Read before NVML is asked: an allocation meanwhile is then counted twice
-        // until the next poll, never missed.
-        let before = self.kernel.as_mut().and_then(KernelSide::alloc_deltas);
-        let summary = self.enforcer.check(Scope::Memory, &settled);
-        if let (Some(kernel), Some(before), Some(processes)) =
-            (self.kernel.as_mut(), &before, &summary.measured)
-        {
-            let usage = prevention::alloc::measured(processes);
-            let listed = summary.gpu_pids.iter().copied().collect();
-            kernel.rebase(before, &usage, &listed);
-        }
-        self.status.counts.memory_checks += 1;
-        self.count(&summary);
-        let now = Instant::now();
-        for pid in summary.terminated {
-            self.settled.insert(pid, now);
-        }
-    }
-
-    fn settled(&mut self, now: Instant) -> HashSet<u32> {
-        self.settled
-            .retain(|_, at| now.duration_since(*at) < SETTLE);
-        self.settled.keys().copied().collect()
-    }
-
-    fn count(&mut self, summary: &CycleSummary) {
-        self.status.counts.terminated += summary.terminated.len() as u64;
-        self.status.counts.detached += summary.detached as u64;
     }
 }
 

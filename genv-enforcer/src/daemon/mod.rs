@@ -10,6 +10,7 @@ mod instance;
 mod kernel_inspector;
 mod kernel_side;
 mod memory_at_alloc;
+pub mod metrics;
 pub mod polling;
 pub mod reload;
 mod schedule;

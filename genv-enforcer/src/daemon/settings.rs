@@ -35,4 +35,6 @@ pub struct Settings {
     pub cuda_libs: Vec<PathBuf>,
     /// `--config`: read again on SIGHUP.
     pub reload: Option<super::reload::Reloader>,
+    /// `--metrics-addr`.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }

@@ -56,7 +56,27 @@ pub enum Action {
     },
 }
 
+impl FindingKind {
+    /// The rule that found it, as its flag names it.
+    pub fn rule(&self) -> &'static str {
+        match self {
+            FindingKind::NonEnvProcess { .. } => "non-env-processes",
+            FindingKind::NonAttachedDevices { .. } => "env-devices",
+            FindingKind::EnvOverMemory { .. } => "env-memory",
+            FindingKind::UserOverDevices { .. } => "max-devices-per-user",
+        }
+    }
+}
+
 impl Action {
+    /// What it does, in a word.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Action::Terminate { .. } => "terminate",
+            Action::Detach { .. } => "detach",
+        }
+    }
+
     /// The survey (host) it acts on.
     pub fn host(&self) -> usize {
         match self {

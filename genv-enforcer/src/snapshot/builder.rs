@@ -24,6 +24,9 @@ enum Gpus {
 }
 
 pub struct SnapshotBuilder {
+    /// NVML calls that failed (a library that would not load, a query that failed),
+    /// for the metrics.
+    pub nvml_errors: u64,
     state: StateDir,
     nvml_library: OsString,
     gpus: Gpus,
@@ -48,6 +51,7 @@ pub struct SnapshotBuilder {
 impl SnapshotBuilder {
     pub fn new(state: StateDir, nvml_library: OsString, policy: EnvPolicy) -> Self {
         Self {
+            nvml_errors: 0,
             state,
             nvml_library,
             gpus: Gpus::Unloaded,
@@ -129,13 +133,14 @@ impl SnapshotBuilder {
                 self.gpus = Gpus::Nvml(Box::new(nvml));
             }
             Err(e) if !self.said_nvml_missing => {
+                self.nvml_errors += 1;
                 self.said_nvml_missing = true;
                 warnings.push(warning!(
                     "cannot load NVML from {} ({e}); enforcing the device rules from GPU device nodes held open in /proc, and skipping the memory rule until it loads",
                     self.nvml_library.to_string_lossy()
                 ));
             }
-            Err(_) => {}
+            Err(_) => self.nvml_errors += 1,
         }
     }
 
@@ -152,9 +157,12 @@ impl SnapshotBuilder {
                     }
                     return (view.contexts, true);
                 }
-                Err(e) => warnings.push(warning!(
-                    "{e}; this cycle enforces the device rules from /proc and skips the memory rule"
-                )),
+                Err(e) => {
+                    self.nvml_errors += 1;
+                    warnings.push(warning!(
+                        "{e}; this cycle enforces the device rules from /proc and skips the memory rule"
+                    ))
+                }
             }
         }
         (self.scan_proc(warnings), false)
