@@ -357,3 +357,51 @@ fn the_metrics_endpoint_counts_what_a_scenario_caused() {
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&other.stdout), "404");
 }
+
+/// The DaemonSet (and its namespace and ConfigMap) against Kubernetes' own schema, strict:
+/// `kubernetes-validate` (PyPI, with the schemas of each release) in a venv of its own.
+#[test]
+fn the_kubernetes_manifest_is_valid_against_the_schema() {
+    let venv = genv_enforcer_tests::target_dir().join("k8s-venv");
+    let validate = venv.join("bin/kubernetes-validate");
+    let lock =
+        std::fs::File::create(genv_enforcer_tests::target_dir().join("k8s-venv.lock")).unwrap();
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    if !validate.exists() {
+        let ok = |c: &mut Command| assert!(c.status().unwrap().success(), "{c:?} failed");
+        ok(Command::new("python3").args(["-m", "venv"]).arg(&venv));
+        ok(Command::new(venv.join("bin/pip")).args([
+            "install",
+            "-q",
+            "kubernetes-validate==1.37.0",
+        ]));
+    }
+    let manifest = genv_enforcer_tests::workspace_root().join("deploy/kubernetes/daemonset.yaml");
+    let out = Command::new(&validate)
+        .args(["--strict", "--no-warn"])
+        .arg(&manifest)
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    for kind in ["namespace", "configmap", "daemonset"] {
+        assert!(
+            said.contains(&format!("passed for resource {kind}/genv-enforcer")),
+            "{said}"
+        );
+    }
+    // And a manifest that is not one fails: the check can fail.
+    let broken = std::fs::read_to_string(&manifest)
+        .unwrap()
+        .replace("hostPID: true", "hostPID: yes-please");
+    let bad = std::env::temp_dir().join(format!("genv-k8s-{}.yaml", std::process::id()));
+    std::fs::write(&bad, broken).unwrap();
+    let out = Command::new(&validate)
+        .args(["--strict", "--no-warn"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&bad);
+    assert!(!out.status.success(), "a broken manifest passed");
+}

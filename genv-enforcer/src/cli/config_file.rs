@@ -169,11 +169,43 @@ mod tests {
         let _ = std::fs::remove_file(&path);
     }
 
+    /// The ConfigMap's `config.toml` in the DaemonSet manifest, as a file.
+    fn configmap_file() -> std::path::PathBuf {
+        let manifest =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/daemonset.yaml");
+        let text = std::fs::read_to_string(manifest).unwrap();
+        let block = text
+            .split("config.toml: |\n")
+            .nth(1)
+            .unwrap()
+            .split("\n---")
+            .next()
+            .unwrap();
+        let toml: String = block
+            .lines()
+            .map(|l| l.strip_prefix("    ").unwrap_or(l).to_owned() + "\n")
+            .collect();
+        file(&toml)
+    }
+
+    #[test]
+    fn the_configmaps_configuration_is_a_valid_event_driven_daemon() {
+        let path = configmap_file();
+        starts_an_event_driven_daemon(&path);
+        let _ = std::fs::remove_file(path);
+    }
+
     /// The file `cargo xtask install` lays down is one the daemon starts from.
     #[test]
     fn the_shipped_configuration_is_a_valid_event_driven_daemon() {
+        starts_an_event_driven_daemon(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config.toml"),
+        );
+    }
+
+    fn starts_an_event_driven_daemon(shipped: &Path) {
         use clap::Parser;
-        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config.toml");
+        let shipped = shipped.to_owned();
         let argv: Vec<OsString> = ["genv-enforcer", "enforce", "--config"]
             .into_iter()
             .map(OsString::from)
