@@ -344,6 +344,28 @@ fn the_metrics_endpoint_counts_what_a_scenario_caused() {
     };
     assert!(text.contains("genv_enforcer_cycle_seconds_count"), "{text}");
     assert!(text.contains("genv_enforcer_lost_events_total 0"), "{text}");
+    // `genv-enforcer status`: the tier, the programs, what is watched, NVML as found,
+    // the last cycle.
+    let out = Command::new(artefact("genv-enforcer"))
+        .arg("status")
+        .arg("--run-dir")
+        .arg(&daemon.run_dir)
+        .output()
+        .unwrap();
+    let status = String::from_utf8_lossy(&out.stdout).into_owned();
+    for line in [
+        format!("tier: {}", daemon.tier),
+        "program ".to_owned(),
+        format!(
+            "watching: {} (envs.json, devices.json)",
+            node.state.display()
+        ),
+        format!("nvml: {}", artefact("libnvidia_ml_fake.so").display()),
+        "last full cycle: ".to_owned(),
+        "allowed outside environments: ".to_owned(),
+    ] {
+        assert!(status.contains(&line), "{line:?} not in:\n{status}");
+    }
     let other = Command::new("curl")
         .args([
             "-s",
@@ -404,4 +426,39 @@ fn the_kubernetes_manifest_is_valid_against_the_schema() {
         .unwrap();
     let _ = std::fs::remove_file(&bad);
     assert!(!out.status.success(), "a broken manifest passed");
+}
+
+/// Where the node keeps NVML outside the loader's path (`/usr/local/nvidia/lib64` on the
+/// H100 node checked), the default name still finds it: here, in a mount namespace of
+/// its own, the fake NVML is put there and nothing else names it.
+#[test]
+fn nvml_is_found_where_the_container_toolkit_puts_it() {
+    let mut node = Node::new(2);
+    let process = node.spawn(None, &[(1, 100)]);
+    let fake = artefact("libnvidia_ml_fake.so");
+    let script = format!(
+        "mount -t tmpfs -o mode=755 tmpfs /usr/local && mkdir -p /usr/local/nvidia/lib64 && \
+         cp {} /usr/local/nvidia/lib64/libnvidia-ml.so.1 && exec {} usage snapshot",
+        fake.display(),
+        artefact("genv-enforcer").display()
+    );
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .env("GENV_TMPDIR", &node.state)
+        .env("GENV_FAKE_NVML_CONFIG", node.config_path())
+        .env_remove("GENV_ENFORCER_NVML_LIB")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("cannot load NVML"), "{stderr}");
+    let snapshot: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // The process and its memory are NVML's figures (the fake's, loaded from there).
+    let processes = &snapshot["processes"]["processes"];
+    assert_eq!(processes[0]["pid"], process, "{snapshot}");
+    assert_eq!(processes[0]["used_gpu_memory"][0]["index"], 1, "{snapshot}");
+    assert_eq!(
+        processes[0]["used_gpu_memory"][0]["gpu_memory"], "100mi",
+        "{snapshot}"
+    );
 }

@@ -75,11 +75,51 @@ pub enum LoadError {
     Init(#[from] GpuQueryError),
 }
 
+/// Where NVML is when the default name does not load: the driver's soname (without a
+/// development package there is no `libnvidia-ml.so`), the NVIDIA container toolkit's
+/// `/usr/local/nvidia/lib64` (the H100 node checked), and distributions' directories.
+pub const FALLBACKS: [&str; 5] = [
+    "libnvidia-ml.so.1",
+    "/usr/local/nvidia/lib64/libnvidia-ml.so.1",
+    "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+    "/usr/lib64/libnvidia-ml.so.1",
+    "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1",
+];
+
 impl NvmlBackend {
-    /// Loads the library: a path is checked before it is loaded (its constructors run
+    /// Loads the library; the default name, where the loader does not find it, is
+    /// looked for in [`FALLBACKS`] (a library given by name or path is loaded alone).
+    pub fn load(library: &OsString) -> Result<Self, LoadError> {
+        let first = Self::load_one(library);
+        let not_found = |r: &Result<Self, LoadError>| {
+            matches!(
+                r,
+                Err(LoadError::Init(GpuQueryError {
+                    source: NvmlError::LibloadingError(_),
+                    ..
+                }))
+            )
+        };
+        if library != DEFAULT_LIBRARY || !not_found(&first) {
+            return first;
+        }
+        for place in FALLBACKS {
+            let absent = place.starts_with('/') && !Path::new(place).exists();
+            if absent {
+                continue;
+            }
+            let loaded = Self::load_one(&OsString::from(place));
+            if !not_found(&loaded) {
+                return loaded;
+            }
+        }
+        first
+    }
+
+    /// Loads one library: a path is checked before it is loaded (its constructors run
     /// at load); a bare name is found by the dynamic loader in the system's directories,
     /// and the file it mapped is checked after.
-    pub fn load(library: &OsString) -> Result<Self, LoadError> {
+    fn load_one(library: &OsString) -> Result<Self, LoadError> {
         let path = Path::new(library);
         // A path is loaded as the file the check resolved it to, not looked up again.
         let checked = match path.components().count() > 1 {

@@ -208,6 +208,13 @@ impl Daemon {
                     schedule.full_now(Instant::now());
                 }
             }
+            self.status.nvml =
+                crate::backends::nvml::loaded_library().map(|p| p.display().to_string());
+            self.status.watching = self
+                .state_watch
+                .as_ref()
+                .and_then(StateWatch::target)
+                .map(|t| t.describe(self.enforcer.builder.state().root()));
             instance.publish(&self.status);
             if let Some(metrics) = &self.metrics {
                 let tier = self.status.tier.as_deref();

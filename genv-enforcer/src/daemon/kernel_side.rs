@@ -137,7 +137,7 @@ impl KernelSide {
             side.alloc = Some(AllocSide::start(&mut side.programs, settings));
         }
         side.exempt_self(settings)?;
-        side.install_allow_list(settings, None)?;
+        status.allowed = side.install_allow_list(settings, None)?;
         let seeded = prevention::seed_identities(side.programs.policy_mut());
         eprintln!(
             "[INFO] Environment identities of {seeded} running processes recorded in the kernel"
@@ -167,7 +167,11 @@ impl KernelSide {
 
     /// The tools allowed outside environments, looked for in `PATH`, beside the NVML
     /// library (once known) and in the usual places, and those given.
-    fn install_allow_list(&mut self, settings: &Settings, nvml_dir: Option<&Path>) -> Result<()> {
+    fn install_allow_list(
+        &mut self,
+        settings: &Settings,
+        nvml_dir: Option<&Path>,
+    ) -> Result<String> {
         let dirs = prevention::allowlist::tool_dirs(std::env::var_os("PATH"), nvml_dir);
         let allowed = prevention::allowlist::install(
             self.programs.policy_mut(),
@@ -175,7 +179,7 @@ impl KernelSide {
             &settings.allow_exes,
         )?;
         eprintln!("[INFO] Allowed to open GPU nodes outside environments: {allowed}");
-        Ok(())
+        Ok(allowed.to_string())
     }
 
     /// After a full cycle: the watched nodes follow the snapshot's device map, and the kernel's
@@ -198,12 +202,12 @@ impl KernelSide {
         }
         self.mirror_state(settings, status, state, &summary.dropped_envs);
         self.resync_identities(settings, status);
-        self.follow_nvml(settings);
+        self.follow_nvml(settings, status);
     }
 
     /// Once NVML is loaded, its tools may sit beside it (`/usr/local/nvidia/lib64` and
     /// `bin`): the allow-list is looked for again there.
-    fn follow_nvml(&mut self, settings: &Settings) {
+    fn follow_nvml(&mut self, settings: &Settings, status: &mut Status) {
         let dir = nvml::loaded_library().and_then(|lib| lib.parent().map(Path::to_path_buf));
         if dir.is_none() || dir == self.tools_beside {
             return;
@@ -211,8 +215,9 @@ impl KernelSide {
         if let Some(alloc) = &mut self.alloc {
             alloc.attach_found(&mut self.programs, &settings.cuda_libs, dir.as_deref());
         }
-        if let Err(e) = self.install_allow_list(settings, dir.as_deref()) {
-            eprintln!("[WARNING] Cannot update the allow-list: {e}");
+        match self.install_allow_list(settings, dir.as_deref()) {
+            Ok(allowed) => status.allowed = allowed,
+            Err(e) => eprintln!("[WARNING] Cannot update the allow-list: {e}"),
         }
         self.tools_beside = dir;
     }

@@ -45,6 +45,21 @@ pub enum Target {
     Ancestor { dir: PathBuf, next: OsString },
 }
 
+impl Target {
+    /// In words, for the status.
+    pub fn describe(&self, state: &Path) -> String {
+        match self {
+            Target::State => format!("{} (envs.json, devices.json)", state.display()),
+            Target::Ancestor { dir, next } => format!(
+                "{} for {} to appear (no {} yet)",
+                dir.display(),
+                next.to_string_lossy(),
+                state.display()
+            ),
+        }
+    }
+}
+
 impl StateWatch {
     /// Watches the state directory, or, while it does not exist, its nearest existing
     /// ancestor.

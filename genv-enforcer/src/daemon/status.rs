@@ -38,6 +38,30 @@ pub struct Status {
     /// the last full cycle saw them.
     #[serde(default)]
     pub orphans: Vec<Orphan>,
+    /// The NVML library loaded (where the node keeps it: `/usr/local/nvidia/lib64` on
+    /// some), if any.
+    #[serde(default)]
+    pub nvml: Option<String>,
+    /// The tools allowed to open GPU nodes outside environments, as found.
+    #[serde(default)]
+    pub allowed: String,
+    /// What inotify watches for genv's state files.
+    #[serde(default)]
+    pub watching: Option<String>,
+    /// The last full cycle's figures.
+    #[serde(default)]
+    pub last_cycle: Option<LastCycle>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct LastCycle {
+    /// Seconds since the epoch.
+    pub at: u64,
+    pub took_ms: f64,
+    pub gpu_processes: usize,
+    pub findings: usize,
+    pub terminated: usize,
+    pub detached: usize,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -107,7 +131,11 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
         );
         return Ok(ExitCode::from(3));
     }
-    let c = &status.counts;
+    print(&status);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print(status: &Status) {
     println!("genv-enforcer pid {} (event-driven)", status.pid);
     match &status.tier {
         Some(tier) => println!("tier: {tier}: sees {}", status.sees),
@@ -129,6 +157,32 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
         println!("program {} (id {}{verified}){cost}", p.name, p.id);
     }
     println!("gpu nodes: {}", status.gpu_nodes);
+    print_sources(status);
+    print_rest(status);
+}
+
+/// NVML, the tools allowed, what is watched, the last cycle.
+fn print_sources(status: &Status) {
+    println!("nvml: {}", status.nvml.as_deref().unwrap_or("not loaded"));
+    println!("allowed outside environments: {}", status.allowed);
+    println!(
+        "watching: {}",
+        status
+            .watching
+            .as_deref()
+            .unwrap_or("nothing (genv's state directory is polled by the full cycle)")
+    );
+    if let Some(last) = &status.last_cycle {
+        println!(
+            "last full cycle: {:.2} ms, {} GPU processes, {} findings, {} terminated, {} detached",
+            last.took_ms, last.gpu_processes, last.findings, last.terminated, last.detached
+        );
+    }
+}
+
+/// Intervals, counts, orphans.
+fn print_rest(status: &Status) {
+    let c = &status.counts;
     println!("outside any environment: {}", status.guarantee);
     println!(
         "interval: {}s full cycle, {}s memory poll",
@@ -156,5 +210,4 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
         "in the kernel: {} refused, {} killed ({} and {} reported as events)",
         c.refused_in_kernel, c.killed_in_kernel, c.refused, c.killed
     );
-    Ok(ExitCode::SUCCESS)
 }

@@ -13,9 +13,18 @@ impl Daemon {
     pub(super) fn full_cycle(&mut self) {
         let started = Instant::now();
         let mut summary = self.enforcer.cycle();
+        let took = started.elapsed();
         if let Some(metrics) = &self.metrics {
-            metrics.cycled(started.elapsed());
+            metrics.cycled(took);
         }
+        self.status.last_cycle = Some(crate::daemon::status::LastCycle {
+            at: super::unix_now(),
+            took_ms: took.as_secs_f64() * 1e3,
+            gpu_processes: summary.processes,
+            findings: summary.findings,
+            terminated: summary.terminated.len(),
+            detached: summary.detached,
+        });
         self.status.counts.full_cycles += 1;
         // Unknown (a state file unreadable) counts as capped: the poll then runs.
         self.memory_capped = summary
