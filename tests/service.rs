@@ -462,3 +462,51 @@ fn nvml_is_found_where_the_container_toolkit_puts_it() {
         "{snapshot}"
     );
 }
+
+/// `--log-format json`: diagnostics become one JSON object a line on stderr, for log
+/// shippers; genv's lines on stdout are as ever.
+#[test]
+fn diagnostics_are_json_lines_with_log_format_json() {
+    let mut node = Node::new(1);
+    node.write_state(serde_json::json!([]), serde_json::json!([]));
+    let rogue = node.spawn(None, &[(0, 100)]);
+    let out = node
+        .enforcer()
+        .args([
+            "--log-format",
+            "json",
+            "enforce",
+            "--interval",
+            "0",
+            "--non-env-processes",
+        ])
+        .args(["--max-devices-for-user", "alice=2"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        [
+            format!("Process {rogue} is not running in a GPU environment"),
+            format!("Terminating process {rogue} from environment N/A that is running on GPU(s) 0"),
+        ]
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let events: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?} is not JSON: {e}")))
+        .collect();
+    assert!(
+        events.iter().any(|e| e["level"] == "WARN"
+            && e["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("--max-devices-for-user has no effect"))),
+        "{stderr}"
+    );
+    assert_eq!(node.wait_exit(rogue, DEATH), Some(libc::SIGTERM));
+}

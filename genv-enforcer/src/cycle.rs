@@ -92,7 +92,7 @@ impl Enforcer {
         let (snapshot, warnings) = self.builder.take();
         drop(lock);
         for warning in warnings {
-            eprintln!("{warning}");
+            tracing::warn!("{}", warning.0);
         }
         Ok(snapshot)
     }
@@ -110,8 +110,8 @@ impl Enforcer {
         let snapshot = match self.snapshot() {
             Ok(snapshot) => snapshot,
             Err(e) => {
-                eprintln!(
-                    "[ERROR] Cannot take genv's lock in {}: {e}; skipping this cycle",
+                tracing::error!(
+                    "Cannot take genv's lock in {}: {e}; skipping this cycle",
                     self.builder.state().root().display()
                 );
                 return CycleSummary::default();
@@ -214,8 +214,8 @@ impl Enforcer {
             Ok(Some(_lock)) => self.executor.execute(report, &state),
             Ok(None) => {
                 if !report.detach.is_empty() {
-                    eprintln!(
-                        "[WARNING] Not detaching without genv's lock: a later check that gets it will"
+                    tracing::warn!(
+                        "Not detaching without genv's lock: a later check that gets it will"
                     );
                 }
                 let terminations = Report {
@@ -224,8 +224,8 @@ impl Enforcer {
                 };
                 self.executor.execute(&terminations, &state);
             }
-            Err(e) => eprintln!(
-                "[ERROR] Cannot take genv's lock in {}: {e}; nothing was executed",
+            Err(e) => tracing::error!(
+                "Cannot take genv's lock in {}: {e}; nothing was executed",
                 state.root().display()
             ),
         }
@@ -245,7 +245,7 @@ impl Enforcer {
         match state.lock_within(wait) {
             Ok(lock) => {
                 if self.lock.contended {
-                    eprintln!("[INFO] genv's lock is free again");
+                    tracing::info!("genv's lock is free again");
                     self.lock.contended = false;
                 }
                 Ok(Some(lock))
@@ -256,8 +256,8 @@ impl Enforcer {
             // refusal instead.
             Err(e) if matches!(e.kind, LockErrorKind::Held { .. }) => {
                 if !self.lock.contended {
-                    eprintln!(
-                        "[WARNING] {e}: enforcing from the state files read without it until it is free"
+                    tracing::warn!(
+                        "{e}: enforcing from the state files read without it until it is free"
                     );
                     self.lock.contended = true;
                 }
@@ -265,8 +265,8 @@ impl Enforcer {
             }
             Err(e) if matches!(e.kind, LockErrorKind::Refused(_)) => {
                 if !self.lock.contended {
-                    eprintln!(
-                        "[WARNING] Cannot take genv's lock: {e}; enforcing from the state files read without it, and detaching nothing, until it can be taken"
+                    tracing::warn!(
+                        "Cannot take genv's lock: {e}; enforcing from the state files read without it, and detaching nothing, until it can be taken"
                     );
                     self.lock.contended = true;
                 }

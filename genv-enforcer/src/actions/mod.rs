@@ -80,9 +80,10 @@ impl Executor {
                     continue;
                 }
                 if let Err(e) = state.detach(&env.eid, detach.index) {
-                    eprintln!(
-                        "[ERROR] Cannot detach environment {} from device {}: {e}",
-                        env.eid, detach.index
+                    tracing::error!(
+                        "Cannot detach environment {} from device {}: {e}",
+                        env.eid,
+                        detach.index
                     );
                 }
             }
@@ -91,7 +92,7 @@ impl Executor {
 
     fn terminate(&mut self, pid: u32, start_time: Option<u64>, eid: Option<&str>, indices: &str) {
         if let Some(reason) = self.protected.reason(pid) {
-            eprintln!("[WARNING] Not terminating process {pid}: {reason}");
+            tracing::warn!("Not terminating process {pid}: {reason}");
             return;
         }
         println!(
@@ -117,12 +118,12 @@ impl Executor {
                 }
             }
             Err(Outcome::Refused(reason)) => {
-                eprintln!("[WARNING] Not terminating process {pid}: {reason}")
+                tracing::warn!("Not terminating process {pid}: {reason}")
             }
             Err(Outcome::PermissionDenied) => {
-                eprintln!("[ERROR] Not enough permissions to terminate process {pid}")
+                tracing::error!("Not enough permissions to terminate process {pid}")
             }
-            Err(_) => eprintln!("[DEBUG] Process {pid} already terminated"),
+            Err(_) => tracing::debug!("Process {pid} already terminated"),
         }
     }
 
@@ -142,7 +143,7 @@ impl Executor {
                 p.eid.as_deref().unwrap_or("N/A")
             );
             if let Err(Outcome::PermissionDenied) = kill::send(&p.pidfd, Signal::KILL) {
-                eprintln!("[ERROR] Not enough permissions to kill process {}", p.pid);
+                tracing::error!("Not enough permissions to kill process {}", p.pid);
             }
             false
         });

@@ -418,7 +418,7 @@ impl AllocMaps {
             let mut base = self.base.get(&env_gpu, 0).unwrap_or_default();
             base.delta_at = base.delta_at.saturating_add(charge.bytes);
             if let Err(e) = self.base.insert(env_gpu, base, 0) {
-                eprintln!("[WARNING] Cannot take process {pid}'s memory off its environment: {e}");
+                tracing::warn!("Cannot take process {pid}'s memory off its environment: {e}");
             }
         }
     }

@@ -33,8 +33,8 @@ pub(super) fn attach(ebpf: &mut Ebpf, ids: &mut Vec<Attached>) -> Result<EnvScan
     let env_scan = match whole {
         Ok(()) => EnvScan::Whole,
         Err(why) => {
-            eprintln!(
-                "[WARNING] The exec hook reads environment blocks up to 4 KiB only ({why}); the daemon reads larger ones from /proc"
+            tracing::warn!(
+                "The exec hook reads environment blocks up to 4 KiB only ({why}); the daemon reads larger ones from /proc"
             );
             attach_tracepoint(ebpf, ids, "proc_exec_4k", "sched", "sched_process_exec")?;
             EnvScan::First4K

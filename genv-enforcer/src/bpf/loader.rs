@@ -307,10 +307,10 @@ fn attach_compat_opens(ebpf: &mut Ebpf, ids: &mut Vec<Attached>) {
     match attach(ebpf) {
         Ok(attached) => {
             ids.push(attached);
-            eprintln!("[INFO] 32-bit opens are watched too (raw_syscalls:sys_exit, for --deny)");
+            tracing::info!("32-bit opens are watched too (raw_syscalls:sys_exit, for --deny)");
         }
-        Err(e) => eprintln!(
-            "[WARNING] 32-bit opens are not seen at the open ({e}): the full cycle finds their GPU contexts"
+        Err(e) => tracing::warn!(
+            "32-bit opens are not seen at the open ({e}): the full cycle finds their GPU contexts"
         ),
     }
 }
@@ -330,7 +330,7 @@ fn active_lsms() -> Option<String> {
             None,
         );
         if let Err(e) = mounted {
-            eprintln!("[WARNING] Cannot mount securityfs on {SECURITYFS}: {e}");
+            tracing::warn!("Cannot mount securityfs on {SECURITYFS}: {e}");
         }
     }
     std::fs::read_to_string(list).ok()

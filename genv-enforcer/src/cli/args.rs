@@ -20,6 +20,10 @@ use crate::snapshot::{OrphanPolicy, SnapshotJson};
     about = "Enforces genv's GPU-usage policy; a drop-in for `genv enforce`"
 )]
 pub struct Cli {
+    /// How diagnostics are written to stderr: text, or one JSON object a line.
+    #[arg(long, global = true, value_enum, default_value_t = super::logging::LogFormat::Text)]
+    pub log_format: super::logging::LogFormat,
+
     #[command(subcommand)]
     pub command: Command,
 }

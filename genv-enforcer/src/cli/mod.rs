@@ -4,6 +4,7 @@
 pub mod args;
 pub mod config;
 pub mod config_file;
+pub mod logging;
 mod reloader;
 mod remote;
 pub mod remote_args;
@@ -47,6 +48,7 @@ pub fn main() -> ExitCode {
 }
 
 pub fn run(cli: Cli) -> Result<ExitCode> {
+    logging::init(cli.log_format);
     match cli.command {
         Command::Enforce(args) => enforce(args),
         Command::Status { run_dir } => daemon::status::show(&run_dir),
@@ -71,7 +73,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             let (snapshot, warnings) = builder.take();
             drop(lock);
             for warning in warnings {
-                eprintln!("{warning}");
+                tracing::warn!("{}", warning.0);
             }
             println!(
                 "{}",
@@ -109,7 +111,7 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
         settings.reload = reload.take();
     }
     for warning in &config.warnings {
-        eprintln!("[WARNING] {warning}");
+        tracing::warn!("{warning}");
     }
     raise_open_file_limit();
     let mut enforcer = Enforcer {

@@ -22,7 +22,7 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
         (false, every) => RemoteMode::Polling(Duration::from_secs_f64(every)),
     };
     if let Some(warning) = enforce.rules.warning() {
-        eprintln!("[WARNING] {warning}");
+        tracing::warn!("{warning}");
     }
     let remote: Vec<String> = args
         .remote_command
@@ -56,7 +56,7 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
         verbose: args.verbose,
     };
     if let (true, Some(dir)) = (fleet.verbose, fleet.ssh.control_dir()) {
-        eprintln!("[INFO] SSH control sockets in {}", dir.display());
+        tracing::info!("SSH control sockets in {}", dir.display());
     }
     super::runtime()?.block_on(crate::remote::run(fleet, mode))
 }

@@ -104,7 +104,7 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
             }
             read = next_batch(intake.as_mut(), &mut batch) => {
                 if let Err(e) = read {
-                    eprintln!("[WARNING] Cannot read kernel events: {e}; running a full cycle");
+                    tracing::warn!("Cannot read kernel events: {e}; running a full cycle");
                     schedule.full_now(Instant::now());
                 }
             }
@@ -132,8 +132,8 @@ fn read_identities_from(kernel: &KernelSide, enforcer: &mut Enforcer) {
         Ok(reader) => enforcer
             .builder
             .set_inspector(Box::new(KernelInspector::new(reader))),
-        Err(e) => eprintln!(
-            "[WARNING] Cannot read the kernel's identities ({e}); environments are read from /proc, which setproctitle can overwrite"
+        Err(e) => tracing::warn!(
+            "Cannot read the kernel's identities ({e}); environments are read from /proc, which setproctitle can overwrite"
         ),
     }
 }
@@ -240,7 +240,7 @@ impl Daemon {
         self.sweep_holders();
         if let Some(first) = batch.unknown.first() {
             if !self.said_unknown {
-                eprintln!("[WARNING] {first}; treating it as a lost event");
+                tracing::warn!("{first}; treating it as a lost event");
                 self.said_unknown = true;
             }
             batch.unknown.clear();
@@ -252,8 +252,8 @@ impl Daemon {
             if let Some(metrics) = &self.metrics {
                 metrics.resynced();
             }
-            eprintln!(
-                "[WARNING] The kernel lost {lost} events (its ring buffer was full); running a full cycle to resynchronise"
+            tracing::warn!(
+                "The kernel lost {lost} events (its ring buffer was full); running a full cycle to resynchronise"
             );
             schedule.full_now(now);
         }
@@ -267,8 +267,8 @@ impl Daemon {
             }
             Ok(false) => {}
             Err(e) => {
-                eprintln!(
-                    "[WARNING] Watching genv's state directory failed ({e}); state changes wait for the full cycle"
+                tracing::warn!(
+                    "Watching genv's state directory failed ({e}); state changes wait for the full cycle"
                 );
                 self.said_watch = Some(e.to_string());
                 self.state_watch = None;
@@ -317,8 +317,8 @@ impl Daemon {
                 }
                 let counts = &mut self.status.counts;
                 if self.settings.verbose {
-                    eprintln!(
-                        "[EVENT] Process {} (thread {}) {} GPU {} (node {}:{}) [{}; {}]",
+                    tracing::info!(
+                        target: "event", "Process {} (thread {}) {} GPU {} (node {}:{}) [{}; {}]",
                         open.pid,
                         open.tid,
                         open.tier.open_verb(),
@@ -340,9 +340,10 @@ impl Daemon {
                     }
                     Verdict::KillFailed => {
                         self.to_sweep.insert(open.index);
-                        eprintln!(
-                            "[ERROR] The kernel could not kill process {} when it opened GPU {}: the open returned; the daemon kills the holders now",
-                            open.pid, open.index
+                        tracing::error!(
+                            "The kernel could not kill process {} when it opened GPU {}: the open returned; the daemon kills the holders now",
+                            open.pid,
+                            open.index
                         );
                         self.watchlist.add(open, now);
                     }
@@ -378,8 +379,8 @@ fn watch_state(enforcer: &Enforcer, said: &mut Option<String>) -> Option<StateWa
     match StateWatch::new(state) {
         Ok(watch) => {
             if let Some(Target::Ancestor { dir, .. }) = watch.target() {
-                eprintln!(
-                    "[INFO] genv's state directory {} does not exist yet; watching {} for it",
+                tracing::info!(
+                    "genv's state directory {} does not exist yet; watching {} for it",
                     state.root().display(),
                     dir.display()
                 );
@@ -390,8 +391,8 @@ fn watch_state(enforcer: &Enforcer, said: &mut Option<String>) -> Option<StateWa
         Err(e) => {
             let why = e.to_string();
             if said.as_ref() != Some(&why) {
-                eprintln!(
-                    "[WARNING] Cannot watch {} ({why}); state changes wait for the full cycle",
+                tracing::warn!(
+                    "Cannot watch {} ({why}); state changes wait for the full cycle",
                     state.root().display()
                 );
                 *said = Some(why);

@@ -81,7 +81,7 @@ impl Instance {
         });
         match written {
             Ok(()) => *self.written.borrow_mut() = Some((content, now)),
-            Err(e) => eprintln!("[WARNING] Cannot write {}: {e}", path.display()),
+            Err(e) => tracing::warn!("Cannot write {}: {e}", path.display()),
         }
     }
 }

@@ -64,7 +64,7 @@ fn start_decision_log(programs: &mut KernelPrograms) -> Result<EnvNames> {
     };
     let logger = programs.decision_logger(printer).context("--bpf-log")?;
     decision_log::spawn(logger).context("--bpf-log: starting its reader")?;
-    eprintln!("[INFO] --bpf-log: the kernel's decisions on GPU opens follow as [BPF] lines");
+    tracing::info!("--bpf-log: the kernel's decisions on GPU opens follow as [BPF] lines");
     Ok(names)
 }
 
@@ -80,8 +80,8 @@ impl KernelSide {
         if settings.tier == TierChoice::None {
             status.sees = format!("no BPF (--bpf-tier none): the full cycle alone, every {every}s");
             status.guarantee = prevention::guarantee(None, DenyPolicy::default());
-            eprintln!(
-                "[INFO] --bpf-tier none: no kernel programs; enforcing with the full cycle alone every {every}s"
+            tracing::info!(
+                "--bpf-tier none: no kernel programs; enforcing with the full cycle alone every {every}s"
             );
             return Ok(None);
         }
@@ -113,8 +113,8 @@ impl KernelSide {
         };
         describe_tier(&programs, status);
         if programs.env_scan() == EnvScan::Whole {
-            eprintln!(
-                "[INFO] The exec hook reads whole environment blocks (bpf_loop); identity map for {} processes",
+            tracing::info!(
+                "The exec hook reads whole environment blocks (bpf_loop); identity map for {} processes",
                 programs.process_capacity()
             );
         }
@@ -139,8 +139,8 @@ impl KernelSide {
         side.exempt_self(settings)?;
         status.allowed = side.install_allow_list(settings, None)?;
         let seeded = prevention::seed_identities(side.programs.policy_mut());
-        eprintln!(
-            "[INFO] Environment identities of {seeded} running processes recorded in the kernel"
+        tracing::info!(
+            "Environment identities of {seeded} running processes recorded in the kernel"
         );
         Ok(Some((side, intake)))
     }
@@ -156,8 +156,8 @@ impl KernelSide {
         let exe = prevention::allowlist::exe_key(Path::new("/proc/self/exe"))?;
         for old in pins::other_generations(&settings.pin_dir, own) {
             if let Err(e) = pins::exempt_in_generation(&old, pid, start_time, exe) {
-                eprintln!(
-                    "[WARNING] Cannot exempt this daemon in the pinned programs under {}: {e}; their --deny may stop its NVML calls until it takes over",
+                tracing::warn!(
+                    "Cannot exempt this daemon in the pinned programs under {}: {e}; their --deny may stop its NVML calls until it takes over",
                     old.display()
                 );
             }
@@ -178,7 +178,7 @@ impl KernelSide {
             &dirs,
             &settings.allow_exes,
         )?;
-        eprintln!("[INFO] Allowed to open GPU nodes outside environments: {allowed}");
+        tracing::info!("Allowed to open GPU nodes outside environments: {allowed}");
         Ok(allowed.to_string())
     }
 
@@ -217,7 +217,7 @@ impl KernelSide {
         }
         match self.install_allow_list(settings, dir.as_deref()) {
             Ok(allowed) => status.allowed = allowed,
-            Err(e) => eprintln!("[WARNING] Cannot update the allow-list: {e}"),
+            Err(e) => tracing::warn!("Cannot update the allow-list: {e}"),
         }
         self.tools_beside = dir;
     }
@@ -239,8 +239,8 @@ impl KernelSide {
         let lost = self.programs.policy().decisions().identity_lost;
         let prune = lost > status.counts.identity_lost_in_kernel;
         if prune {
-            eprintln!(
-                "[WARNING] The kernel could not record {} process identities (its map of {} is full); dropping those of processes gone and recording them again",
+            tracing::warn!(
+                "The kernel could not record {} process identities (its map of {} is full); dropping those of processes gone and recording them again",
                 lost - status.counts.identity_lost_in_kernel,
                 self.programs.process_capacity()
             );
@@ -251,9 +251,11 @@ impl KernelSide {
         status.counts.identities_resolved += done.resolved as u64;
         status.counts.identities_seeded += done.seeded as u64;
         if done != Default::default() && settings.verbose {
-            eprintln!(
-                "[INFO] Identities resynchronised: {} read from /proc, {} recorded anew, {} of processes gone dropped",
-                done.resolved, done.seeded, done.pruned
+            tracing::info!(
+                "Identities resynchronised: {} read from /proc, {} recorded anew, {} of processes gone dropped",
+                done.resolved,
+                done.seeded,
+                done.pruned
             );
         }
     }
@@ -310,7 +312,7 @@ impl KernelSide {
     /// outright leaves it until the next daemon takes over and removes its pins.)
     pub(super) fn release(mut self) {
         if let Err(e) = self.programs.policy_mut().unexempt(std::process::id()) {
-            eprintln!("[WARNING] Cannot remove this daemon's exemption from the kernel: {e}");
+            tracing::warn!("Cannot remove this daemon's exemption from the kernel: {e}");
         }
     }
 
@@ -345,11 +347,11 @@ impl KernelSide {
         }
         match self.programs.watch_nodes(map) {
             Ok(()) => {
-                eprintln!("[INFO] Watching GPU nodes: {map}");
+                tracing::info!("Watching GPU nodes: {map}");
                 status.gpu_nodes = map.to_string();
                 self.device_map = Some(map.clone());
             }
-            Err(e) => eprintln!("[ERROR] Cannot update the watched GPU nodes: {e}"),
+            Err(e) => tracing::error!("Cannot update the watched GPU nodes: {e}"),
         }
     }
 
@@ -381,21 +383,21 @@ impl KernelSide {
         let memory = settings.memory_at_alloc.policy_flags();
         if deny.deny || memory != 0 {
             if let Err(e) = self.programs.policy_mut().set_policy(deny, memory) {
-                eprintln!("[ERROR] Cannot turn on --deny or --memory-at-alloc in the kernel: {e}");
+                tracing::error!("Cannot turn on --deny or --memory-at-alloc in the kernel: {e}");
                 return;
             }
         }
         match settings.memory_at_alloc {
             MemoryAtAlloc::Off => {}
-            MemoryAtAlloc::Report => eprintln!(
-                "[INFO] Allocations past an environment's gpu_memory are reported at the call (--memory-at-alloc report)"
+            MemoryAtAlloc::Report => tracing::info!(
+                "Allocations past an environment's gpu_memory are reported at the call (--memory-at-alloc report)"
             ),
-            MemoryAtAlloc::Kill => eprintln!(
-                "[INFO] Allocations past an environment's gpu_memory kill their process in the call (--memory-at-alloc kill)"
+            MemoryAtAlloc::Kill => tracing::info!(
+                "Allocations past an environment's gpu_memory kill their process in the call (--memory-at-alloc kill)"
             ),
         }
         let guarantee = prevention::guarantee(Some(self.programs.tier()), deny);
-        eprintln!("[INFO] GPU opens outside any environment are {guarantee}");
+        tracing::info!("GPU opens outside any environment are {guarantee}");
         status.guarantee = guarantee;
         self.armed = true;
         self.take_over_pins(settings);
@@ -407,18 +409,18 @@ impl KernelSide {
         let own = self.pin_generation.as_deref();
         for old in pins::other_generations(&settings.pin_dir, own) {
             match pins::remove_generation(&old) {
-                Ok(removed) => eprintln!(
-                    "[INFO] Took over from an earlier run's pinned programs: removed {} links and {} maps under {}",
+                Ok(removed) => tracing::info!(
+                    "Took over from an earlier run's pinned programs: removed {} links and {} maps under {}",
                     removed.links,
                     removed.maps,
                     old.display()
                 ),
-                Err(e) => eprintln!("[WARNING] Cannot remove {}: {e}", old.display()),
+                Err(e) => tracing::warn!("Cannot remove {}: {e}", old.display()),
             }
         }
         if let Some(own) = own {
-            eprintln!(
-                "[INFO] Programs and maps pinned under {}: they keep deciding after this daemon exits (genv-enforcer unpin removes them)",
+            tracing::info!(
+                "Programs and maps pinned under {}: they keep deciding after this daemon exits (genv-enforcer unpin removes them)",
                 own.display()
             );
         }
@@ -428,8 +430,8 @@ impl KernelSide {
 /// Under `--bpf-tier auto`, no tier loaded: the full cycle alone, said loudly.
 fn no_programs(settings: &Settings, status: &mut Status, e: &LoadError) -> Started {
     let every = settings.interval.as_secs_f64();
-    eprintln!(
-        "[WARNING] No BPF tier could be loaded ({e}); enforcing with the full cycle alone every {every}s, as genv does"
+    tracing::warn!(
+        "No BPF tier could be loaded ({e}); enforcing with the full cycle alone every {every}s, as genv does"
     );
     status.sees = format!("no BPF ({e}): the full cycle alone, every {every}s");
     let deny = DenyPolicy {
@@ -438,14 +440,14 @@ fn no_programs(settings: &Settings, status: &mut Status, e: &LoadError) -> Start
     };
     status.guarantee = prevention::guarantee(None, deny);
     if settings.deny {
-        eprintln!(
-            "[WARNING] --deny cannot be kept without kernel programs: GPU opens outside any environment are {}",
+        tracing::warn!(
+            "--deny cannot be kept without kernel programs: GPU opens outside any environment are {}",
             status.guarantee
         );
     }
     if settings.memory_at_alloc != MemoryAtAlloc::Off {
-        eprintln!(
-            "[WARNING] --memory-at-alloc cannot be kept without kernel programs: the memory rule acts at each memory poll"
+        tracing::warn!(
+            "--memory-at-alloc cannot be kept without kernel programs: the memory rule acts at each memory poll"
         );
     }
     None
@@ -454,14 +456,11 @@ fn no_programs(settings: &Settings, status: &mut Status, e: &LoadError) -> Start
 /// Says which tier runs, and why better ones did not.
 fn describe_tier(programs: &KernelPrograms, status: &mut Status) {
     for (tier, why) in programs.refused() {
-        eprintln!("[INFO] The kernel refused the {tier} tier: {why}");
+        tracing::info!("The kernel refused the {tier} tier: {why}");
         status.refused.push(format!("{tier}: {why}"));
     }
     let tier = programs.tier();
-    eprintln!(
-        "[INFO] Event-driven on the {tier} tier: it sees {}",
-        tier.sees()
-    );
+    tracing::info!("Event-driven on the {tier} tier: it sees {}", tier.sees());
     status.tier = Some(tier.to_string());
     status.sees = tier.sees().to_owned();
     status.programs = programs.stats();

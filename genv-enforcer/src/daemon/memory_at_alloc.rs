@@ -64,8 +64,8 @@ impl AllocSide {
         // path first: on a FUSE mount even a `stat` could wait for ever).
         side.attach_found(programs, &settings.cuda_libs, None);
         if !side.attached_any {
-            eprintln!(
-                "[WARNING] --memory-at-alloc: no libcuda found (ldconfig -p lists no libcuda.so.1; give one with --cuda-lib); looking beside NVML once it loads"
+            tracing::warn!(
+                "--memory-at-alloc: no libcuda found (ldconfig -p lists no libcuda.so.1; give one with --cuda-lib); looking beside NVML once it loads"
             );
         }
         side
@@ -82,7 +82,7 @@ impl AllocSide {
             let name = path.display().to_string();
             match Library::open(&path, name.clone(), "/proc/thread-self/mountinfo") {
                 Ok(library) => self.attach(programs, &library, None),
-                Err(e) => eprintln!("[WARNING] --memory-at-alloc: not probing {e}"),
+                Err(e) => tracing::warn!("--memory-at-alloc: not probing {e}"),
             }
         }
     }
@@ -102,16 +102,16 @@ impl AllocSide {
                     true => String::new(),
                     false => format!(" (it has no {})", attachment.missing.join(", ")),
                 };
-                eprintln!(
-                    "[INFO] --memory-at-alloc: allocations through {} are held to their environment's gpu_memory{missing}",
+                tracing::info!(
+                    "--memory-at-alloc: allocations through {} are held to their environment's gpu_memory{missing}",
                     library.name
                 );
                 self.attached_any = true;
             }
-            (Ok(_), Some(pid)) => eprintln!(
-                "[INFO] --memory-at-alloc: process {pid} maps a libcuda not probed yet (device {dev}, inode {ino}); allocations through it are held to their environment's gpu_memory"
+            (Ok(_), Some(pid)) => tracing::info!(
+                "--memory-at-alloc: process {pid} maps a libcuda not probed yet (device {dev}, inode {ino}); allocations through it are held to their environment's gpu_memory"
             ),
-            (Err(e), _) => eprintln!("[WARNING] --memory-at-alloc: not probing {e}"),
+            (Err(e), _) => tracing::warn!("--memory-at-alloc: not probing {e}"),
         }
     }
 
@@ -131,14 +131,14 @@ impl AllocSide {
             return;
         };
         if let Err(e) = maps.set_gpus(gpus) {
-            eprintln!("[ERROR] Cannot tell the kernel the node's GPU count: {e}");
+            tracing::error!("Cannot tell the kernel the node's GPU count: {e}");
         }
         if let Err(e) = maps.sync_caps(caps.kernel_entries()) {
-            eprintln!("[ERROR] Cannot update the environments' memory caps in the kernel: {e}");
+            tracing::error!("Cannot update the environments' memory caps in the kernel: {e}");
             return;
         }
         if caps.kernel_entries() != self.caps.kernel_entries() {
-            eprintln!("[INFO] --memory-at-alloc: caps held at the allocation: {caps}");
+            tracing::info!("--memory-at-alloc: caps held at the allocation: {caps}");
         }
         self.caps = caps;
     }
@@ -157,7 +157,7 @@ impl AllocSide {
     ) {
         if let Some(maps) = programs.alloc_mut() {
             if let Err(e) = maps.set_baselines(before, measured, listed) {
-                eprintln!("[ERROR] Cannot update the memory baselines in the kernel: {e}");
+                tracing::error!("Cannot update the memory baselines in the kernel: {e}");
             }
         }
     }
@@ -178,8 +178,8 @@ impl AllocSide {
             Ok(visible) => visible,
             Err(e) => {
                 if self.verbose {
-                    eprintln!(
-                        "[EVENT] Process {pid} started CUDA; its devices are CUDA's own ({e})"
+                    tracing::info!(
+                        target: "event", "Process {pid} started CUDA; its devices are CUDA's own ({e})"
                     );
                 }
                 return;
@@ -187,10 +187,10 @@ impl AllocSide {
         };
         let map = ordinals(visible.as_deref());
         if let Err(e) = maps.set_ordinals(pid, map) {
-            eprintln!("[WARNING] Cannot record process {pid}'s CUDA devices in the kernel: {e}");
+            tracing::warn!("Cannot record process {pid}'s CUDA devices in the kernel: {e}");
         } else if self.verbose {
-            eprintln!(
-                "[EVENT] Process {pid} started CUDA with CUDA_VISIBLE_DEVICES={}",
+            tracing::info!(
+                target: "event", "Process {pid} started CUDA with CUDA_VISIBLE_DEVICES={}",
                 visible.as_deref().unwrap_or("(unset)")
             );
         }
@@ -222,7 +222,7 @@ impl AllocSide {
             let library = match Library::open(&link, name, &mountinfo) {
                 Ok(library) => library,
                 Err(e) => {
-                    eprintln!("[WARNING] --memory-at-alloc: not probing {e}");
+                    tracing::warn!("--memory-at-alloc: not probing {e}");
                     continue;
                 }
             };
@@ -234,8 +234,8 @@ impl AllocSide {
             }
             let read_by_uid = self.read_by.entry(uid).or_insert(0);
             if self.read >= MAX_READ || (uid != 0 && *read_by_uid >= MAX_READ_PER_UID) {
-                eprintln!(
-                    "[WARNING] --memory-at-alloc: not reading the libcuda process {pid} (uid {uid}) maps: too many copies read already; give it with --cuda-lib"
+                tracing::warn!(
+                    "--memory-at-alloc: not reading the libcuda process {pid} (uid {uid}) maps: too many copies read already; give it with --cuda-lib"
                 );
                 return;
             }

@@ -215,7 +215,7 @@ fn start(addr: std::net::SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<()
         .with_context(|| format!("--metrics-addr {addr}: cannot listen there"))?;
     listener.set_nonblocking(true)?;
     let listener = tokio::net::TcpListener::from_std(listener)?;
-    eprintln!("[INFO] Metrics at http://{addr}/metrics");
+    tracing::info!("Metrics at http://{addr}/metrics");
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {

@@ -44,7 +44,7 @@ pub async fn run(
                 enforcer.executor.reconfigure(new.execution);
                 interval = new.interval;
                 next_cycle = Instant::now();
-                eprintln!("[INFO] SIGHUP: settings read again and in force");
+                tracing::info!("SIGHUP: settings read again and in force");
             }
         }
     }

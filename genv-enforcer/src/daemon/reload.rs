@@ -38,12 +38,12 @@ impl Reloader {
         match (self.0)() {
             Ok((reloadable, warnings)) => {
                 for warning in warnings {
-                    eprintln!("[WARNING] SIGHUP: {warning}");
+                    tracing::warn!("SIGHUP: {warning}");
                 }
                 Some(reloadable)
             }
             Err(e) => {
-                eprintln!("[ERROR] SIGHUP: {e:#}; the running settings stay");
+                tracing::error!("SIGHUP: {e:#}; the running settings stay");
                 None
             }
         }
@@ -83,6 +83,6 @@ pub fn notify(state: &str) {
     let sent = UnixDatagram::unbound()
         .and_then(|socket| address.and_then(|a| socket.send_to_addr(state.as_bytes(), &a)));
     if let Err(e) = sent {
-        eprintln!("[WARNING] Cannot tell systemd {state:?} through {path}: {e}");
+        tracing::warn!("Cannot tell systemd {state:?} through {path}: {e}");
     }
 }

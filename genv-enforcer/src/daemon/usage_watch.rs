@@ -87,7 +87,7 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
     let mut state_watch = match StateWatch::new(builder.state()) {
         Ok(watch) => Some(watch),
         Err(e) => {
-            eprintln!("[WARNING] Cannot watch genv's state directory ({e}); polling it");
+            tracing::warn!("Cannot watch genv's state directory ({e}); polling it");
             None
         }
     };
@@ -164,12 +164,12 @@ impl Watcher {
         drop(lock);
         let warnings: HashSet<String> = warnings.iter().map(ToString::to_string).collect();
         for warning in warnings.difference(&self.warned) {
-            eprintln!("{warning}");
+            tracing::warn!("{}", warning.trim_start_matches("[WARNING] "));
         }
         self.warned = warnings;
         if let Some(programs) = programs {
             if let Err(e) = programs.watch_nodes(builder.device_map()) {
-                eprintln!("[WARNING] Cannot update the watched GPU nodes: {e}");
+                tracing::warn!("Cannot update the watched GPU nodes: {e}");
             }
         }
         // State files unreadable this time (mid-write without the lock, or broken):
@@ -226,8 +226,8 @@ fn load_programs(tier: TierChoice) -> Option<(KernelPrograms, EventIntake)> {
         return None;
     }
     if let Some(namespace) = procfs::nested_pid_namespace() {
-        eprintln!(
-            "[INFO] usage watch: in a pid namespace of its own ({namespace}), the kernel's pids are not this one's; polling"
+        tracing::info!(
+            "usage watch: in a pid namespace of its own ({namespace}), the kernel's pids are not this one's; polling"
         );
         return None;
     }
@@ -248,14 +248,14 @@ fn load_programs(tier: TierChoice) -> Option<(KernelPrograms, EventIntake)> {
         });
     match loaded {
         Ok(loaded) => {
-            eprintln!(
-                "[INFO] usage watch: kernel programs on the {} tier report GPU opens and exits",
+            tracing::info!(
+                "usage watch: kernel programs on the {} tier report GPU opens and exits",
                 loaded.0.tier().name()
             );
             Some(loaded)
         }
         Err(e) => {
-            eprintln!("[INFO] usage watch: no kernel programs ({e}); polling");
+            tracing::info!("usage watch: no kernel programs ({e}); polling");
             None
         }
     }
@@ -266,7 +266,7 @@ async fn watch_changed(watch: &mut Option<StateWatch>) -> bool {
         Some(w) => match w.changed().await {
             Ok(changed) => changed,
             Err(e) => {
-                eprintln!("[WARNING] Lost the watch on genv's state directory ({e}); polling it");
+                tracing::warn!("Lost the watch on genv's state directory ({e}); polling it");
                 *watch = None;
                 false
             }
@@ -284,7 +284,7 @@ async fn next_events(
             let mut unknown = Vec::new();
             let waited = tokio::time::timeout(DRAIN_EVERY, intake.next_batch(events, &mut unknown));
             if let Ok(Err(e)) = waited.await {
-                eprintln!("[WARNING] Reading the kernel's events: {e}; polling");
+                tracing::warn!("Reading the kernel's events: {e}; polling");
                 *kernel = None;
             }
         }

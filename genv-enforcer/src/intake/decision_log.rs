@@ -29,7 +29,9 @@ pub fn spawn(mut logger: EbpfLogger<Printer>) -> io::Result<()> {
                     Ok(_) => logger.flush(),
                     Err(rustix::io::Errno::INTR) => {}
                     Err(e) => {
-                        eprintln!("[WARNING] --bpf-log: reading the decision log failed ({e}); no more [BPF] lines");
+                        tracing::warn!(
+                            "--bpf-log: reading the decision log failed ({e}); no more [BPF] lines"
+                        );
                         return;
                     }
                 }
@@ -52,7 +54,7 @@ impl log::Log for Printer {
     fn log(&self, record: &log::Record<'_>) {
         let line = record.args().to_string();
         let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
-        eprintln!("[BPF] {}", with_env_name(&line, &names));
+        tracing::info!(target: "bpf", "{}", with_env_name(&line, &names));
     }
 
     fn flush(&self) {}

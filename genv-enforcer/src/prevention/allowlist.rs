@@ -100,7 +100,7 @@ pub fn install(
 ) -> anyhow::Result<String> {
     let list = build(search, given).map_err(anyhow::Error::msg)?;
     for warning in &list.warnings {
-        eprintln!("[WARNING] {warning}");
+        tracing::warn!("{warning}");
     }
     maps.allow_exes(&list.keys)?;
     Ok(match list.described.is_empty() {

@@ -51,14 +51,14 @@ pub fn resolve_identity(maps: &mut PolicyMaps, pid: u32, verbose: bool) -> bool 
     match maps.set_identity(pid, identity_of(id.as_deref())) {
         Ok(()) => {
             if verbose {
-                eprintln!(
-                    "[EVENT] Process {pid}'s environment block could not be read in the kernel; its environment was read from /proc"
+                tracing::info!(
+                    target: "event", "Process {pid}'s environment block could not be read in the kernel; its environment was read from /proc"
                 );
             }
             true
         }
         Err(e) => {
-            eprintln!("[WARNING] Cannot record process {pid}'s environment in the kernel: {e}");
+            tracing::warn!("Cannot record process {pid}'s environment in the kernel: {e}");
             false
         }
     }

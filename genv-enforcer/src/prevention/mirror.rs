@@ -85,19 +85,19 @@ pub fn sync_environments(
     dropped: &[DroppedEnv],
 ) -> bool {
     let Some((envs, devices)) = state else {
-        eprintln!("[WARNING] The kernel keeps its previous list of environments");
+        tracing::warn!("The kernel keeps its previous list of environments");
         return false;
     };
     let mirror = env_entries(&envs, &devices, dropped);
     for eid in &mirror.too_long {
-        eprintln!(
-            "[WARNING] Environment id {eid:?} is longer than {MAX_ENV_ID} bytes: the kernel \
+        tracing::warn!(
+            "Environment id {eid:?} is longer than {MAX_ENV_ID} bytes: the kernel \
              cannot match it, and its processes count as outside any environment"
         );
     }
     if let Some(first) = mirror.over_capacity.first() {
-        eprintln!(
-            "[WARNING] envs.json holds more than {MAX_ENVS} active environments: {} of them \
+        tracing::warn!(
+            "envs.json holds more than {MAX_ENVS} active environments: {} of them \
              (first {first:?}; environments whose owner is not confirmed go first) are not \
              known to the kernel, and their processes count as outside any environment",
             mirror.over_capacity.len()
@@ -106,7 +106,7 @@ pub fn sync_environments(
     match maps.sync_envs(&mirror.entries) {
         Ok(()) => true,
         Err(e) => {
-            eprintln!("[ERROR] Cannot update the kernel's environments: {e}");
+            tracing::error!("Cannot update the kernel's environments: {e}");
             false
         }
     }

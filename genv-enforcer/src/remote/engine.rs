@@ -170,8 +170,8 @@ impl Engine {
             }
             Update::CannotStream(host, why) => {
                 let name = &self.fleet.hosts[host].name;
-                eprintln!(
-                    "[INFO] [{name}] Cannot stream snapshots ({why}); polling it every --interval, as genv does"
+                tracing::info!(
+                    "[{name}] Cannot stream snapshots ({why}); polling it every --interval, as genv does"
                 );
                 self.views[host].polled = true;
                 self.ask(host);
@@ -249,8 +249,8 @@ impl Engine {
         for host in 0..self.views.len() {
             if self.views[host].deadline.is_some_and(|at| at <= now) {
                 let name = &self.fleet.hosts[host].name;
-                eprintln!(
-                    "[WARNING] [{name}] No snapshot after acting on it within {:?}; judging the other hosts without it",
+                tracing::warn!(
+                    "[{name}] No snapshot after acting on it within {:?}; judging the other hosts without it",
                     self.wait_limit()
                 );
                 self.settle(host);

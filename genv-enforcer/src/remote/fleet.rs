@@ -146,8 +146,8 @@ impl Fleet {
                 ErrorPolicy::Report => eprintln!("{line}"),
             }
         } else {
-            eprintln!(
-                "[ERROR] [{name}] Refusing its answer ({failure}); nothing is decided or done on {name} until it answers well"
+            tracing::error!(
+                "[{name}] Refusing its answer ({failure}); nothing is decided or done on {name} until it answers well"
             );
         }
         Ok(())
@@ -262,8 +262,8 @@ impl Fleet {
             self.execute(reports).await?;
         }
         if self.verbose {
-            eprintln!(
-                "[INFO] Cycle over {} hosts: {} answered, {acted} acted on, in {:.1} ms",
+            tracing::info!(
+                "Cycle over {} hosts: {} answered, {acted} acted on, in {:.1} ms",
                 self.hosts.len(),
                 taken.len(),
                 started.elapsed().as_secs_f64() * 1e3

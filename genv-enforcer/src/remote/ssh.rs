@@ -67,8 +67,8 @@ impl Ssh {
         let control_dir = match options.multiplex {
             true => ControlDir::create()
                 .inspect_err(|e| {
-                    eprintln!(
-                        "[WARNING] No directory for SSH control sockets ({e}); one connection per command"
+                    tracing::warn!(
+                        "No directory for SSH control sockets ({e}); one connection per command"
                     )
                 })
                 .ok(),

@@ -59,9 +59,10 @@ impl Daemon {
                     metrics.reacted(std::time::Duration::from_nanos(after));
                 }
                 let ms = after as f64 / 1e6;
-                eprintln!(
-                    "[INFO] Acted on process {pid} {ms:.2} ms after its open of GPU {} [{}]",
-                    open.index, open.tier
+                tracing::info!(
+                    "Acted on process {pid} {ms:.2} ms after its open of GPU {} [{}]",
+                    open.index,
+                    open.tier
                 );
             }
             self.settled.insert(*pid, Instant::now());

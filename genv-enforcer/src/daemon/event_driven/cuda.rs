@@ -53,8 +53,8 @@ impl Daemon {
         self.count(&summary);
         if summary.terminated.contains(&start.pid) {
             let ms = monotonic_ns().saturating_sub(start.at_ns) as f64 / 1e6;
-            eprintln!(
-                "[INFO] Acted on process {} {ms:.2} ms after it started CUDA [uprobe]",
+            tracing::info!(
+                "Acted on process {} {ms:.2} ms after it started CUDA [uprobe]",
                 start.pid
             );
             self.settled.insert(start.pid, Instant::now());

@@ -10,7 +10,7 @@ use super::Daemon;
 impl Daemon {
     pub(super) fn reload(&mut self, schedule: &mut Schedule) {
         let Some(reloader) = self.settings.reload.as_mut() else {
-            eprintln!("[INFO] SIGHUP: no --config file to read again; nothing changes");
+            tracing::info!("SIGHUP: no --config file to read again; nothing changes");
             return;
         };
         notify("RELOADING=1");
@@ -24,9 +24,10 @@ impl Daemon {
             self.status.memory_interval_s = memory.as_secs_f64();
             // A full cycle at once, under the new rules.
             schedule.set_periods(Instant::now(), new.interval, memory);
-            eprintln!(
-                "[INFO] SIGHUP: settings read again and in force ({:?}, every {:?}); the kernel programs stay attached",
-                self.enforcer.rules, new.interval
+            tracing::info!(
+                "SIGHUP: settings read again and in force ({:?}, every {:?}); the kernel programs stay attached",
+                self.enforcer.rules,
+                new.interval
             );
         }
         notify("READY=1");

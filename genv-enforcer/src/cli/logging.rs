@@ -1,0 +1,61 @@
+//! Diagnostics go through `tracing` to stderr; genv's lines stay on stdout, untouched.
+//!
+//! `--log-format text` (the default) prints each event as the enforcer always has:
+//! `[INFO] …`, `[WARNING] …`, `[ERROR] …`, `[DEBUG] …`, and `[EVENT] …` / `[BPF] …` for
+//! what `--verbose` and `--bpf-log` report. `--log-format json` prints one JSON object a
+//! line (timestamp, level, target, fields.message) for log shippers.
+
+use std::fmt;
+
+use tracing::{Event, Level, Subscriber};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Installs the subscriber for the whole process (once).
+pub fn init(format: LogFormat) {
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(Level::DEBUG);
+    let _ = match format {
+        LogFormat::Text => builder.event_format(Text).try_init(),
+        LogFormat::Json => builder.json().with_current_span(false).try_init(),
+    };
+}
+
+/// The enforcer's own line format.
+struct Text;
+
+impl<S, N> FormatEvent<S, N> for Text
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        let metadata = event.metadata();
+        let tag = match (metadata.target(), *metadata.level()) {
+            ("event", _) => "EVENT",
+            ("bpf", _) => "BPF",
+            (_, Level::ERROR) => "ERROR",
+            (_, Level::WARN) => "WARNING",
+            (_, Level::INFO) => "INFO",
+            (_, Level::DEBUG) => "DEBUG",
+            (_, Level::TRACE) => "TRACE",
+        };
+        write!(writer, "[{tag}] ")?;
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
+}
