@@ -118,6 +118,31 @@ fn genv_enforce_event_driven_runs_through_the_front_beside_genvs_own_commands() 
         .unwrap_or_default();
     assert!(attached.contains("e1"), "genv devices: {stdout}");
 
+    // `genv usage` goes to genv-enforcer only when asked (GENV_FRONT_USAGE=1).
+    let probe = node.dir.join("enforcer-probe");
+    std::fs::write(&probe, "#!/bin/sh\necho \"genv-enforcer $*\"\n").unwrap();
+    Command::new("chmod")
+        .arg("755")
+        .arg(&probe)
+        .status()
+        .unwrap();
+    let usage = |asked: &str| {
+        let script = format!(
+            "GENV_ENFORCER={} GENV_FRONT_USAGE={asked} genv usage snapshot --type devices",
+            probe.display()
+        );
+        bash(&node, &path, &script)
+    };
+    let (ok, stdout, stderr) = usage("1");
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout.trim(), "genv-enforcer usage snapshot --type devices");
+    let (ok, stdout, stderr) = usage("0");
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("\"devices\""),
+        "genv's own answer: {stdout}"
+    );
+
     // An outside process opening a GPU: the daemon, started as `genv enforce`, acts.
     let gpu = events::make_gpu_node(&node.dir.join("gpu0"));
     let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
