@@ -156,12 +156,12 @@ fn assert_alice_enforced(fleet: &mut SshFleet, pids: [u32; 3]) {
     assert!(fleet.hosts[1].node.alive(pids[1]) && fleet.hosts[1].node.alive(pids[2]));
 }
 
-#[test]
-fn a_cross_host_device_limit_detaches_on_the_right_host() {
-    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
+/// alice's cross-host scenario on two hosts running `kind`, enforced by `command`:
+/// genv's lines, and the first host's device detached and its process terminated.
+fn alice_enforced_by(kind: Runs, command: impl FnOnce(&SshFleet) -> std::process::Command) {
+    let mut fleet = SshFleet::start(&[kind.clone(), kind], 2);
     let pids = alice_on_two_hosts(&mut fleet);
-    let (output, stdout, stderr) =
-        run(fleet.remote(&["enforce", "--interval", "0", "--max-devices-per-user", "2"]));
+    let (output, stdout, stderr) = run(command(&fleet));
     assert!(output.status.success(), "{stderr}");
     assert_eq!(
         stdout,
@@ -169,6 +169,13 @@ fn a_cross_host_device_limit_detaches_on_the_right_host() {
         "stderr: {stderr}"
     );
     assert_alice_enforced(&mut fleet, pids);
+}
+
+#[test]
+fn a_cross_host_device_limit_detaches_on_the_right_host() {
+    alice_enforced_by(Runs::Enforcer, |fleet| {
+        fleet.remote(&["enforce", "--interval", "0", "--max-devices-per-user", "2"])
+    });
 }
 
 #[test]
@@ -390,40 +397,24 @@ fn with_usage_watch_a_violation_is_acted_on_without_waiting_for_the_interval() {
 
 #[test]
 fn genvs_own_remote_drives_hosts_running_genv_enforcer() {
-    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
-    let pids = alice_on_two_hosts(&mut fleet);
-    let (output, stdout, stderr) =
-        run(fleet.genv_remote(&["enforce", "--interval", "0", "--max-devices-per-user", "2"]));
-    assert!(output.status.success(), "{stderr}");
-    assert_eq!(
-        stdout,
-        expected_alice_lines(&fleet, pids[0]),
-        "stderr: {stderr}"
-    );
-    assert_alice_enforced(&mut fleet, pids);
+    alice_enforced_by(Runs::Enforcer, |fleet| {
+        fleet.genv_remote(&["enforce", "--interval", "0", "--max-devices-per-user", "2"])
+    });
 }
 
 #[test]
 fn genv_enforcers_remote_drives_hosts_running_python_genv() {
-    let mut fleet = SshFleet::start(&[Runs::PythonGenv, Runs::PythonGenv], 2);
-    let pids = alice_on_two_hosts(&mut fleet);
-    let flags = [
-        "--remote-command",
-        "sudo genv",
-        "enforce",
-        "--interval",
-        "0",
-        "--max-devices-per-user",
-        "2",
-    ];
-    let (output, stdout, stderr) = run(fleet.remote(&flags));
-    assert!(output.status.success(), "{stderr}");
-    assert_eq!(
-        stdout,
-        expected_alice_lines(&fleet, pids[0]),
-        "stderr: {stderr}"
-    );
-    assert_alice_enforced(&mut fleet, pids);
+    alice_enforced_by(Runs::PythonGenv, |fleet| {
+        fleet.remote(&[
+            "--remote-command",
+            "sudo genv",
+            "enforce",
+            "--interval",
+            "0",
+            "--max-devices-per-user",
+            "2",
+        ])
+    });
 }
 
 #[test]
