@@ -118,29 +118,22 @@ fn genv_enforce_event_driven_runs_through_the_front_beside_genvs_own_commands() 
         .unwrap_or_default();
     assert!(attached.contains("e1"), "genv devices: {stdout}");
 
-    // `genv usage` goes to genv-enforcer only when asked (GENV_FRONT_USAGE=1).
-    let probe = node.dir.join("enforcer-probe");
-    std::fs::write(&probe, "#!/bin/sh\necho \"genv-enforcer $*\"\n").unwrap();
-    Command::new("chmod")
-        .arg("755")
-        .arg(&probe)
-        .status()
-        .unwrap();
+    // `genv usage` goes to genv-enforcer only when asked (GENV_FRONT_USAGE=1): only
+    // genv-enforcer's takes --nvml-lib.
+    let fake = artefact("libnvidia_ml_fake.so");
     let usage = |asked: &str| {
         let script = format!(
-            "GENV_ENFORCER={} GENV_FRONT_USAGE={asked} genv usage snapshot --type devices",
-            probe.display()
+            "GENV_FRONT_USAGE={asked} genv usage snapshot --type devices --nvml-lib {}",
+            fake.display()
         );
         bash(&node, &path, &script)
     };
     let (ok, stdout, stderr) = usage("1");
-    assert!(ok, "{stderr}");
-    assert_eq!(stdout.trim(), "genv-enforcer usage snapshot --type devices");
-    let (ok, stdout, stderr) = usage("0");
-    assert!(ok, "{stderr}");
+    assert!(ok && stdout.contains("\"devices\""), "{stdout}{stderr}");
+    let (ok, _, stderr) = usage("0");
     assert!(
-        stdout.contains("\"devices\""),
-        "genv's own answer: {stdout}"
+        !ok && stderr.contains("unrecognized arguments"),
+        "genv's own: {stderr}"
     );
 
     // An outside process opening a GPU: the daemon, started as `genv enforce`, acts.
@@ -189,6 +182,25 @@ fn install_is_idempotent_and_uninstall_leaves_nothing_of_ours() {
         files
     };
     let first = listing(&root);
+    // A copy of the front earlier on PATH is skipped, as the front itself is: the real
+    // genv answers, with no exec loop.
+    let copy = node.dir.join("copy");
+    std::fs::create_dir_all(&copy).unwrap();
+    std::fs::copy(
+        root.join("usr/local/lib/genv-enforcer/front/genv"),
+        copy.join("genv"),
+    )
+    .unwrap();
+    let out = Command::new("timeout")
+        .args(["20", "genv", "--help"])
+        .env("PATH", format!("{}:{}", copy.display(), front_path(&root)))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("usage: genv"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // systemd reads the unit (its binary where this install put it).
     let unit = std::fs::read_to_string(root.join("etc/systemd/system/genv-enforcer.service"))
         .unwrap()
@@ -305,6 +317,20 @@ fn sighup_reads_the_config_file_again_with_the_programs_attached() {
         before,
         "the programs were reloaded"
     );
+
+    // A file that changes what only a restart changes is refused whole: dropping the
+    // rule while asking for --deny would leave the kernel denying with the rule off.
+    std::fs::write(
+        &config,
+        "non-env-processes = false\nkill-after = 5\ndeny = true\n",
+    )
+    .unwrap();
+    unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
+    daemon.expect("[ERROR] SIGHUP: the file changes settings only a restart changes");
+    let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
+    daemon.expect(&format!(
+        "Process {rogue} is not running in a GPU environment"
+    ));
 
     // A file that does not parse leaves the running settings.
     std::fs::write(&config, "non-env-processes = maybe\n").unwrap();

@@ -77,11 +77,16 @@ pub fn install(args: &[String]) -> Result<()> {
     };
     let repo = crate::root();
     put(&binary, &root.join(BINARY), 0o755)?;
-    put(
-        &repo.join("deploy/genv"),
-        &root.join(FRONT_DIR).join("genv"),
-        0o755,
-    )?;
+    let front = std::fs::read_to_string(repo.join("deploy/genv"))?;
+    let enforcer = root.join(BINARY);
+    let enforcer = enforcer.to_str().filter(|p| !p.contains('\''));
+    let enforcer = enforcer.context("--root: a path the front can quote (no ')")?;
+    let front = front.replacen(
+        "installed_enforcer=genv-enforcer\n",
+        &format!("installed_enforcer='{enforcer}'\n"),
+        1,
+    );
+    write(&root.join(FRONT_DIR).join("genv"), &front, 0o755)?;
     write(
         &root.join(PROFILE),
         &format!(
@@ -115,6 +120,11 @@ pub fn uninstall(args: &[String]) -> Result<()> {
     let options = parse(args)?;
     let root = &options.root;
     let binary = root.join(BINARY);
+    let systemd = options.root == Path::new("/") && Path::new("/run/systemd/system").exists();
+    if systemd && root.join(UNIT).exists() {
+        // Stopped first: Restart=always would start it again as its files go.
+        crate::run(Command::new("systemctl").args(["disable", "--now", "genv-enforcer"]))?;
+    }
     if options.root == Path::new("/") && binary.exists() {
         crate::run(Command::new(&binary).arg("unpin"))?;
     }
@@ -144,6 +154,9 @@ pub fn uninstall(args: &[String]) -> Result<()> {
             }
             _ => {}
         }
+    }
+    if systemd {
+        crate::run(Command::new("systemctl").arg("daemon-reload"))?;
     }
     eprintln!("xtask: uninstalled from {}", root.display());
     Ok(())

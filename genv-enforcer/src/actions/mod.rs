@@ -154,12 +154,12 @@ impl Executor {
         self.pending.iter().map(|p| p.deadline).min()
     }
 
-    /// For a one-shot run: waits until every terminated process exited or was killed.
     /// New settings (SIGHUP); processes already signalled keep their grace period.
     pub fn reconfigure(&mut self, config: ExecutorConfig) {
         self.config = config;
     }
 
+    /// For a one-shot run: waits until every terminated process exited or was killed.
     pub fn finish(&mut self) {
         while let Some(deadline) = self.next_deadline() {
             let now = Instant::now();

@@ -285,17 +285,24 @@ pub struct SourceArgs {
     pub genv_tmpdir: PathBuf,
 }
 
+/// The longest period a flag takes (a year): past it, time arithmetic overflows.
+const MAX_SECONDS: f64 = 365.0 * 86400.0;
+
 pub(super) fn non_negative_seconds(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
-        Ok(s) if s.is_finite() && s >= 0.0 => Ok(s),
-        _ => Err(format!("{text:?} is not a number of seconds (0 or more)")),
+        Ok(s) if s.is_finite() && (0.0..=MAX_SECONDS).contains(&s) => Ok(s),
+        _ => Err(format!(
+            "{text:?} is not a number of seconds from 0 to {MAX_SECONDS}"
+        )),
     }
 }
 
 pub(super) fn positive_seconds(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 => Ok(s),
-        _ => Err(format!("{text:?} is not a number of seconds above 0")),
+        Ok(s) if s.is_finite() && s > 0.0 && s <= MAX_SECONDS => Ok(s),
+        _ => Err(format!(
+            "{text:?} is not a number of seconds above 0, up to {MAX_SECONDS}"
+        )),
     }
 }
 
@@ -365,6 +372,8 @@ mod tests {
             "{err}"
         );
         let err = enforce(&["--interval", "-1"]).unwrap_err().to_string();
+        assert!(err.contains("--interval"), "{err}");
+        let err = enforce(&["--interval", "1e300"]).unwrap_err().to_string();
         assert!(err.contains("--interval"), "{err}");
         let err = enforce(&["--event-driven", "--gpu-node", "195:0"])
             .unwrap_err()

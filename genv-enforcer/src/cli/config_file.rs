@@ -58,7 +58,8 @@ pub fn words(path: &Path) -> Result<Vec<OsString>, ConfigFileError> {
             key: key.clone(),
             message,
         };
-        if key == "config" || key.starts_with('-') || key.is_empty() {
+        let refused = ["config", "help", "version", "log-format"];
+        if refused.contains(&key.as_str()) || key.starts_with('-') || key.is_empty() {
             return Err(bad("not a flag a file can give"));
         }
         let flag = format!("--{key}");
@@ -95,11 +96,20 @@ fn scalar(value: &toml::Value) -> Option<OsString> {
 /// `argv` with `enforce --config FILE`'s flags put right after `enforce` (the command
 /// line's own, after them, win). Other commands are left as they are.
 pub fn expand(argv: &[OsString]) -> Result<Vec<OsString>, ConfigFileError> {
-    if argv.get(1).is_none_or(|a| a != "enforce") {
+    // Global flags (`--log-format X`) may come before the command.
+    let mut at = 1;
+    while let Some(arg) = argv.get(at).and_then(|a| a.to_str()) {
+        match arg {
+            "--log-format" => at += 2,
+            _ if arg.starts_with("--log-format=") => at += 1,
+            _ => break,
+        }
+    }
+    if argv.get(at).is_none_or(|a| a != "enforce") {
         return Ok(argv.to_vec());
     }
     let mut path = None;
-    for (i, arg) in argv.iter().enumerate().skip(2) {
+    for (i, arg) in argv.iter().enumerate().skip(at + 1) {
         if arg == "--config" {
             path = argv.get(i + 1).cloned();
         } else if let Some(p) = arg.to_str().and_then(|a| a.strip_prefix("--config=")) {
@@ -109,9 +119,9 @@ pub fn expand(argv: &[OsString]) -> Result<Vec<OsString>, ConfigFileError> {
     let Some(path) = path else {
         return Ok(argv.to_vec());
     };
-    let mut expanded = argv[..2].to_vec();
+    let mut expanded = argv[..=at].to_vec();
     expanded.extend(words(Path::new(&path))?);
-    expanded.extend(argv[2..].iter().cloned());
+    expanded.extend(argv[at + 1..].iter().cloned());
     Ok(expanded)
 }
 
@@ -236,9 +246,16 @@ mod tests {
             ])
             .collect();
         let expanded = expand(&argv).unwrap();
-        let _ = std::fs::remove_file(&path);
         let at = |w: &str| expanded.iter().rposition(|a| a == w).unwrap();
         assert!(at("5") < at("7"));
         assert_eq!(expanded[1], "enforce");
+        // After a global flag too.
+        let mut global: Vec<OsString> =
+            vec!["genv-enforcer".into(), "--log-format".into(), "json".into()];
+        global.extend(argv[1..].iter().cloned());
+        let expanded = expand(&global).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(expanded[3], "enforce");
+        assert!(expanded.iter().any(|a| a == "5"), "{expanded:?}");
     }
 }

@@ -36,7 +36,8 @@ fn fixed(args: &EnforceArgs) -> String {
                 &e.cuda_lib,
                 e.ring_buffer_bytes,
                 &args.sources.nvml_lib,
-                e.metrics_addr
+                e.metrics_addr,
+                e.verbose
             ),
             (
                 &args.sources.genv_tmpdir,
@@ -55,12 +56,14 @@ pub fn reloader(argv: Vec<OsString>, started: &EnforceArgs) -> Reloader {
         let Command::Enforce(args) = Cli::try_parse_from(expanded)?.command else {
             anyhow::bail!("not an enforce command line");
         };
-        let mut warnings = Vec::new();
+        // Half a change could undo what the other half relied on (`deny` dropped with
+        // `non-env-processes` off, the kernel still denying): all or nothing.
         if fixed(&args) != started {
-            warnings.push(
-                "settings that only a restart changes (the tier, --deny, pins, sources, identity policy) were changed in the file; they stay as they were until the daemon restarts".to_owned(),
+            anyhow::bail!(
+                "the file changes settings only a restart changes (the tier, deny, pins, sources, identity policy, verbose, metrics-addr): restart the daemon to apply it"
             );
         }
+        let warnings = Vec::new();
         let config = EnforceConfig::from_args(args)?;
         let (interval, memory_interval) = match config.mode {
             Mode::EventDriven(settings) => (settings.interval, Some(settings.memory_interval)),

@@ -8,9 +8,9 @@
 //! file already keeps are carried over from it as it is published (every second at
 //! most); the timings are observed where they are measured.
 //!
-//! The endpoint answers one request per connection, reads at most 8 KiB of it within
-//! 5 s, and serves nothing but `/metrics`: bind it to an address only the scraper
-//! reaches.
+//! The endpoint answers one request per connection, 8 connections at a time (more are
+//! closed unanswered), reads at most 8 KiB of each within 2 s, and serves nothing but
+//! `/metrics`: bind it to an address only the scraper reaches.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -26,6 +26,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::status::Counts;
 
 type Labels = Vec<(String, String)>;
+
+/// Connections served at once.
+const CONNECTIONS: usize = 8;
+/// How long one may take, request and answer.
+const ANSWER_WITHIN: Duration = Duration::from_secs(2);
 
 pub struct Metrics {
     registry: Registry,
@@ -216,15 +221,26 @@ fn start(addr: std::net::SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<()
     listener.set_nonblocking(true)?;
     let listener = tokio::net::TcpListener::from_std(listener)?;
     tracing::info!("Metrics at http://{addr}/metrics");
+    // A few scrapers at once; past that, connections are closed unanswered, so that
+    // idle ones cannot hold the daemon's memory or its single thread.
+    let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS));
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                // Out of descriptors, mostly: wait rather than spin.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
                 continue;
             };
             let metrics = Arc::clone(&metrics);
             tokio::spawn(async move {
-                let _ =
-                    tokio::time::timeout(Duration::from_secs(5), answer(stream, &metrics)).await;
+                let _ = tokio::time::timeout(ANSWER_WITHIN, answer(stream, &metrics)).await;
+                drop(slot);
             });
         }
     });
