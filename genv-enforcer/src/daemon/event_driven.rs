@@ -237,6 +237,10 @@ impl Daemon {
         for event in batch.events.drain(..) {
             self.on_event(event, now);
         }
+        // Exits waiting for their processes to be gone: looked at again soon.
+        if self.kernel.as_mut().is_some_and(KernelSide::settle_exits) {
+            self.drain_every = DRAIN_EVERY;
+        }
         self.sweep_holders();
         if let Some(first) = batch.unknown.first() {
             if !self.said_unknown {
@@ -285,7 +289,7 @@ impl Daemon {
                 self.enforcer.builder.forget(pid);
                 // A new image: the old one's GPU memory went with its address space.
                 if let Some(kernel) = self.kernel.as_mut() {
-                    kernel.exited(pid);
+                    kernel.exited(pid, false);
                 }
                 if let (true, Some(kernel)) = (unresolved, self.kernel.as_mut()) {
                     kernel.resolve_identity(pid, self.settings.verbose);
@@ -302,7 +306,7 @@ impl Daemon {
             KernelEvent::Exit { pid } => {
                 counts.exit_events += 1;
                 if let Some(kernel) = self.kernel.as_mut() {
-                    kernel.exited(pid);
+                    kernel.exited(pid, true);
                 }
                 self.enforcer.builder.forget(pid);
                 self.watchlist.remove(pid);

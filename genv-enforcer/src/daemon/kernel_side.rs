@@ -296,9 +296,18 @@ impl KernelSide {
         }
     }
 
-    pub(super) fn exited(&mut self, pid: u32) {
+    /// A process exec'ed or (`exiting`) began exiting.
+    pub(super) fn exited(&mut self, pid: u32, exiting: bool) {
         if let Some(alloc) = &mut self.alloc {
-            alloc.exited(&mut self.programs, pid);
+            alloc.exited(&mut self.programs, pid, exiting);
+        }
+    }
+
+    /// Exits waiting for their processes to be gone; whether some still wait.
+    pub(super) fn settle_exits(&mut self) -> bool {
+        match &mut self.alloc {
+            Some(alloc) => alloc.settle_exits(&mut self.programs),
+            None => false,
         }
     }
 

@@ -43,6 +43,11 @@ pub(super) struct AllocSide {
     /// Processes seen starting CUDA: only their exits have charges to take off.
     /// With the start time each had: a pid reused after a lost exit is another process.
     cuda_pids: HashMap<u32, u64>,
+    /// Processes that began exiting but are not gone yet, with their start times: the
+    /// driver frees a process's GPU memory as its descriptors close, late in its exit,
+    /// so its charges stay until then (taken off early, another process could be let
+    /// through while the memory is still held).
+    exiting: HashMap<u32, u64>,
     verbose: bool,
 }
 
@@ -58,6 +63,7 @@ impl AllocSide {
             read_by: HashMap::new(),
             read: 0,
             cuda_pids: HashMap::new(),
+            exiting: HashMap::new(),
             verbose: settings.verbose,
         };
         // A given library that cannot be opened is said by name (never looked at by
@@ -245,9 +251,15 @@ impl AllocSide {
         }
     }
 
-    pub(super) fn exited(&mut self, programs: &mut KernelPrograms, pid: u32) {
+    /// A process exec'ed (`exiting: false`: its old image's memory is gone) or began
+    /// exiting: its charges come off now, or once it is gone.
+    pub(super) fn exited(&mut self, programs: &mut KernelPrograms, pid: u32, exiting: bool) {
         self.looks.remove(&pid);
-        if self.cuda_pids.remove(&pid).is_none() {
+        let Some(started) = self.cuda_pids.remove(&pid) else {
+            return;
+        };
+        if exiting && still_exiting(pid, started) {
+            self.exiting.insert(pid, started);
             return;
         }
         if let Some(maps) = programs.alloc_mut() {
@@ -255,8 +267,33 @@ impl AllocSide {
         }
     }
 
+    /// The exiting processes now gone have their charges taken off; whether some are
+    /// still exiting (the daemon looks again soon).
+    pub(super) fn settle_exits(&mut self, programs: &mut KernelPrograms) -> bool {
+        let gone: Vec<u32> = self
+            .exiting
+            .iter()
+            .filter(|(pid, started)| !still_exiting(**pid, **started))
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in gone {
+            self.exiting.remove(&pid);
+            if let Some(maps) = programs.alloc_mut() {
+                maps.process_exited(pid);
+            }
+        }
+        !self.exiting.is_empty()
+    }
+
     /// The line for what the kernel decided about an allocation.
     pub(super) fn line(&self, over: &OverCap) -> String {
         self.caps.line(over)
     }
+}
+
+/// Whether the process that started at `started` is still there and not yet a zombie
+/// (its descriptors, the GPU's among them, are closed by then).
+fn still_exiting(pid: u32, started: u64) -> bool {
+    crate::backends::procfs::stat(pid)
+        .is_ok_and(|st| st.start_time == started && !matches!(st.state, 'Z' | 'X' | 'x'))
 }
