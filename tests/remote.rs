@@ -467,22 +467,31 @@ fn executes(fleet: &SshFleet) -> usize {
         .count()
 }
 
-/// A host whose stream writes megabytes to stderr (a warning at every poll, for hours)
-/// still streams; a violation its execute does not clear is acted on again each
-/// --interval, as genv's cycle would.
-#[test]
-fn a_stream_flows_past_a_flood_of_stderr_and_a_standing_violation_is_acted_on_again() {
-    let watch = "head -c 3000000 /dev/zero | tr '\\0' x >&2; SNAPSHOT; exec sleep 600";
-    let fleet = SshFleet::start(&[scripted_host(watch, "true")], 1);
-    let mut enforcer = Running::start(fleet.remote(&[
+/// One scripted host under `remote enforce --event-driven --non-env-processes` with
+/// this `--interval`.
+fn scripted_run(watch: &str, execute: &str, interval: &str) -> (SshFleet, Running) {
+    let fleet = SshFleet::start(&[scripted_host(watch, execute)], 1);
+    let enforcer = Running::start(fleet.remote(&[
         "enforce",
         "--event-driven",
         "--interval",
-        "1",
+        interval,
         "--non-env-processes",
     ]));
+    (fleet, enforcer)
+}
+
+/// Waits until the scripted host has run `usage execute` `count` times, within 60 s;
+/// fails with the end of the enforcer's stderr.
+fn wait_for_executes(fleet: &SshFleet, enforcer: &mut Running, count: usize) {
+    wait_until(enforcer, &format!("{count} executes"), || {
+        executes(fleet) >= count
+    });
+}
+
+fn wait_until(enforcer: &mut Running, what: &str, done: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
-    while executes(&fleet) < 3 {
+    while !done() {
         if Instant::now() > deadline {
             let stderr = enforcer.stop();
             let tail: String = stderr
@@ -493,10 +502,20 @@ fn a_stream_flows_past_a_flood_of_stderr_and_a_standing_violation_is_acted_on_ag
                 .into_iter()
                 .rev()
                 .collect();
-            panic!("{} executes in 60 s; stderr ends: {tail}", executes(&fleet));
+            panic!("not {what} within 60 s; stderr ends: {tail}");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A host whose stream writes megabytes to stderr (a warning at every poll, for hours)
+/// still streams; a violation its execute does not clear is acted on again each
+/// --interval, as genv's cycle would.
+#[test]
+fn a_stream_flows_past_a_flood_of_stderr_and_a_standing_violation_is_acted_on_again() {
+    let watch = "head -c 3000000 /dev/zero | tr '\\0' x >&2; SNAPSHOT; exec sleep 600";
+    let (fleet, mut enforcer) = scripted_run(watch, "true", "1");
+    wait_for_executes(&fleet, &mut enforcer, 3);
     enforcer.stop();
 }
 
@@ -506,19 +525,8 @@ fn a_stream_flows_past_a_flood_of_stderr_and_a_standing_violation_is_acted_on_ag
 fn lines_streamed_during_an_execute_do_not_act_twice() {
     let watch =
         "for i in 1 2 3 4 5; do SNAPSHOT; sleep 0.3; OTHER; sleep 0.3; done; exec sleep 600";
-    let fleet = SshFleet::start(&[scripted_host(watch, "sleep 1")], 1);
-    let mut enforcer = Running::start(fleet.remote(&[
-        "enforce",
-        "--event-driven",
-        "--interval",
-        "600",
-        "--non-env-processes",
-    ]));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while executes(&fleet) < 1 {
-        assert!(Instant::now() < deadline, "never executed");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (fleet, mut enforcer) = scripted_run(watch, "sleep 1", "600");
+    wait_for_executes(&fleet, &mut enforcer, 1);
     std::thread::sleep(Duration::from_secs(6));
     assert_eq!(
         executes(&fleet),
@@ -540,30 +548,15 @@ fn lines_streamed_during_an_execute_do_not_act_twice() {
 #[test]
 fn a_host_whose_stream_keeps_failing_is_polled() {
     let watch = "echo 'Sorry, user root is not allowed to execute usage watch' >&2; exit 1";
-    let fleet = SshFleet::start(&[scripted_host(watch, "true")], 1);
-    let mut enforcer = Running::start(fleet.remote(&[
-        "enforce",
-        "--event-driven",
-        "--interval",
-        "1",
-        "--non-env-processes",
-    ]));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while executes(&fleet) < 1 {
-        if Instant::now() > deadline {
-            panic!("never polled and enforced; stderr: {}", enforcer.stop());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (fleet, mut enforcer) = scripted_run(watch, "true", "1");
+    wait_for_executes(&fleet, &mut enforcer, 1);
     // Asked every interval as a host whose state is unknown, then polled as one that
     // cannot stream.
     let said = "Cannot stream snapshots (3 streams failed";
-    while !enforcer.stderr.lock().unwrap().contains(said) {
-        if Instant::now() > deadline {
-            panic!("never said it polls; stderr: {}", enforcer.stop());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let stderr = std::sync::Arc::clone(&enforcer.stderr);
+    wait_until(&mut enforcer, "said it polls", || {
+        stderr.lock().unwrap().contains(said)
+    });
     enforcer.stop();
 }
 
