@@ -13,7 +13,6 @@
 //! is the command line's. SIGHUP reads the file again (see `daemon::reload`).
 
 use std::ffi::OsString;
-use std::io::Read;
 use std::path::Path;
 
 /// The flags that have a `--no-` form: `false` in the file means it.
@@ -40,14 +39,7 @@ pub fn words(path: &Path) -> Result<Vec<OsString>, ConfigFileError> {
         path: shown.clone(),
         message,
     };
-    let file = std::fs::File::open(path).map_err(|e| read_error(e.to_string()))?;
-    let mut text = String::new();
-    file.take(LIMIT + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| read_error(e.to_string()))?;
-    if text.len() as u64 > LIMIT {
-        return Err(read_error(format!("larger than {LIMIT} bytes")));
-    }
+    let text = crate::state::admin_file::read(path, LIMIT).map_err(read_error)?;
     let table: toml::Table = text
         .parse()
         .map_err(|e: toml::de::Error| read_error(e.message().to_owned()))?;

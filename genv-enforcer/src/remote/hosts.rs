@@ -3,7 +3,6 @@
 //! that could be read as an option (`-oProxyCommand=…`), or that carries spaces or
 //! control characters, is refused here rather than passed on.
 
-use std::io::Read;
 use std::path::Path;
 
 /// One host, as the admin named it: `name` prefixes its lines (`[name] …`), as genv's
@@ -52,16 +51,7 @@ pub fn read_hostfile(path: &Path, default_user: Option<&str>) -> Result<Vec<Host
         path: path.display().to_string(),
         message,
     };
-    let file = std::fs::File::open(path).map_err(|e| file_error(e.to_string()))?;
-    let mut text = String::new();
-    file.take(HOSTFILE_LIMIT + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| file_error(e.to_string()))?;
-    if text.len() as u64 > HOSTFILE_LIMIT {
-        return Err(file_error(format!(
-            "larger than {HOSTFILE_LIMIT} bytes; not a host file"
-        )));
-    }
+    let text = crate::state::admin_file::read(path, HOSTFILE_LIMIT).map_err(file_error)?;
     let entries = text
         .lines()
         .enumerate()

@@ -4,6 +4,7 @@
 //! is a detach, made as genv makes it. A file that cannot be read or parsed is reported
 //! with its path and the offending field, and is never written.
 
+pub mod admin_file;
 mod dir;
 mod json;
 mod lock;
