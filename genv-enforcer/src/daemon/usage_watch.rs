@@ -204,9 +204,7 @@ impl Watcher {
 /// genv's snapshot document on one line (newline-delimited JSON); `None` when the
 /// state could not be read.
 fn one_line(snapshot: &Snapshot) -> Option<String> {
-    let text = snapshot.to_genv_json(None).ok()?;
-    let document: serde_json::Value = serde_json::from_str(&text).ok()?;
-    serde_json::to_string(&document).ok()
+    serde_json::to_string(&snapshot.to_genv_value(None).ok()?).ok()
 }
 
 fn known_pids(snapshot: &Snapshot) -> HashSet<u32> {

@@ -112,6 +112,11 @@ fn processes_json(snapshot: &Snapshot) -> Processes {
 impl Snapshot {
     /// `genv usage snapshot [--type T]`, in genv's exact text.
     pub fn to_genv_json(&self, part: Option<SnapshotJson>) -> Result<String, WireError> {
+        Ok(crate::state::to_python_json(&self.to_genv_value(part)?)?)
+    }
+
+    /// The same document, as a value (`usage watch` prints it on one line).
+    pub fn to_genv_value(&self, part: Option<SnapshotJson>) -> Result<Value, WireError> {
         let envs = || self.envs.as_deref().ok_or(WireError::Missing("envs.json"));
         let devices = || {
             self.devices
@@ -130,7 +135,7 @@ impl Snapshot {
                 "devices": Devices { devices: devices()? },
             }),
         };
-        Ok(crate::state::to_python_json(&value)?)
+        Ok(value)
     }
 
     /// Reads a whole snapshot printed by `genv usage snapshot` (genv's or ours).
