@@ -148,18 +148,38 @@ fn test(extra: &[String]) -> Result<()> {
         );
     }
     vm::refusal_check(&root())?;
+    systemd_check()?;
     let kernels: Vec<&str> = vm::KERNELS.iter().map(|k| k.version).collect();
     eprintln!(
         "xtask: all passed: the tier suites on tracepoint (host), on {} in the VM on \
-         kernels {} each, and the harness's refusal check",
+         kernels {} each, the harness's refusal check, and the unit under systemd",
         vm::VM_TIERS.join(", "),
         kernels.join(" and ")
     );
     Ok(())
 }
 
+/// The systemd unit under systemd as PID 1, in the VM (`vm::systemd`).
+fn systemd_check() -> Result<()> {
+    let run = vm::systemd::check(&root())?;
+    let outcome = vm::Outcome { runs: vec![run] };
+    if !outcome.passed() {
+        bail!(
+            "vm-test --systemd: failed: {} (see the test's output above)",
+            outcome.failures().join("; ")
+        );
+    }
+    Ok(())
+}
+
 fn vm_test(args: &[String]) -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
+    if args.iter().any(|a| a == "--systemd") {
+        if args.len() > 1 {
+            bail!("vm-test --systemd takes no other arguments");
+        }
+        return systemd_check();
+    }
     let outcome = vm::test(&root(), &vm::Options::parse(args)?)?;
     if !outcome.passed() {
         bail!(

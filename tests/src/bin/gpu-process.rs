@@ -18,8 +18,11 @@
 //!   it and prints `child exited N` or `child killed by signal N`;
 //! - `--attempts N PATH`: fork N children one after the other, each opening PATH once
 //!   and exiting; print `attempts N returned R succeeded S killed K` (how many opens
-//!   returned to the child at all, how many returned a descriptor, how many children
-//!   died of SIGKILL) and exit;
+//!   returned to the child at all, how many reached the device: a descriptor, or ENXIO
+//!   from a node with no driver behind it; how many children died of SIGKILL) and exit;
+//! - `--attempts-until STOP PATH`: the same until the file STOP exists, with a line for
+//!   each attempt as it ends: `attempt START END ok|enxio|eperm|error|killed|silent`
+//!   (CLOCK_MONOTONIC, microseconds, as systemd's `…TimestampMonotonic`);
 //! - `--reexec-envp LIST`: first exec itself again with exactly the environment entries
 //!   of LIST (separated by `|`; duplicates kept, order kept), same pid;
 //! - `--reexec-env VALUE`: first exec itself again with `GENV_ENVIRONMENT_ID` set to
@@ -305,40 +308,99 @@ fn reexec(value: &str, args: &[String]) -> ! {
 /// `--attempts`: outside processes trying to open a GPU node, many times over. Each
 /// child reports through a pipe the moment its open returns: one byte, `o` for a
 /// descriptor, `f` for a failure. A child killed inside the open writes nothing.
-fn attempt_loop(count: u32, path: &str) -> ! {
+/// How `--attempts` runs on: a number of attempts, or until a file exists.
+enum Until {
+    Count(u32),
+    Exists(CString),
+}
+
+impl Until {
+    fn more(&self, done: u32) -> bool {
+        match self {
+            Self::Count(count) => done < *count,
+            // SAFETY: a NUL-terminated path.
+            Self::Exists(path) => (unsafe { libc::access(path.as_ptr(), libc::F_OK) }) != 0,
+        }
+    }
+}
+
+/// What became of one attempt: what its child's open returned (one byte through the
+/// pipe), or that it died without saying.
+fn outcome(byte: Option<u8>, killed: bool) -> &'static str {
+    match byte {
+        Some(b'o') => "ok",
+        // No driver behind the node: the open reached the device all the same.
+        Some(b'n') => "enxio",
+        Some(b'p') => "eperm",
+        Some(_) => "error",
+        None if killed => "killed",
+        None => "silent",
+    }
+}
+
+fn monotonic_us() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000 + now.tv_nsec as u64 / 1_000
+}
+
+fn attempt_loop(until: Until, path: &str, each: bool) -> ! {
     let name = cstr(path);
     let mut pipe = [0; 2];
     assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
-    let (mut returned, mut succeeded, mut killed) = (0u32, 0u32, 0u32);
-    for _ in 0..count {
+    let (mut done, mut returned, mut succeeded, mut killed) = (0u32, 0u32, 0u32, 0u32);
+    let mut out = std::io::stdout().lock();
+    while until.more(done) {
+        done += 1;
+        let started = monotonic_us();
         // SAFETY: the child makes raw syscalls only, then _exits.
-        match unsafe { libc::fork() } {
+        let died_of_sigkill = match unsafe { libc::fork() } {
             -1 => panic!("fork: {}", std::io::Error::last_os_error()),
             0 => unsafe {
                 let fd = libc::open(name.as_ptr(), libc::O_RDONLY);
-                let byte: u8 = if fd >= 0 { b'o' } else { b'f' };
+                let byte: u8 = match *libc::__errno_location() {
+                    _ if fd >= 0 => b'o',
+                    libc::ENXIO => b'n',
+                    libc::EPERM => b'p',
+                    _ => b'f',
+                };
                 libc::write(pipe[1], (&byte as *const u8).cast(), 1);
                 libc::_exit(0);
             },
             child => {
                 let mut status = 0;
                 unsafe { libc::waitpid(child, &mut status, 0) };
-                if libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL {
-                    killed += 1;
-                }
+                libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL
             }
-        }
-        // Drain what the children wrote so far (the pipe is never full: one byte each).
+        };
+        killed += u32::from(died_of_sigkill);
+        // The child has exited: its byte, if it wrote one, is in the pipe.
         let mut available = 0i32;
         unsafe { libc::ioctl(pipe[0], libc::FIONREAD, &mut available) };
-        for _ in 0..available {
-            let mut byte = 0u8;
-            unsafe { libc::read(pipe[0], (&mut byte as *mut u8).cast(), 1) };
+        let mut byte = None;
+        if available > 0 {
+            let mut read = 0u8;
+            unsafe { libc::read(pipe[0], (&mut read as *mut u8).cast(), 1) };
+            byte = Some(read);
             returned += 1;
-            succeeded += u32::from(byte == b'o');
+            // An open that reached the device: a descriptor, or the driver's ENXIO.
+            succeeded += u32::from(matches!(read, b'o' | b'n'));
+        }
+        if each {
+            let what = outcome(byte, died_of_sigkill);
+            writeln!(out, "attempt {started} {} {what}", monotonic_us()).unwrap();
+            out.flush().unwrap();
         }
     }
-    println!("attempts {count} returned {returned} succeeded {succeeded} killed {killed}");
+    writeln!(
+        out,
+        "attempts {done} returned {returned} succeeded {succeeded} killed {killed}"
+    )
+    .unwrap();
+    out.flush().unwrap();
     std::process::exit(0)
 }
 
@@ -488,7 +550,15 @@ fn run(all: Vec<String>) -> ! {
             "--clobber-environ" => clobber_environ(),
             "--attempts" => {
                 let count = value(&mut args, "--attempts").parse().expect("a count");
-                attempt_loop(count, &value(&mut args, "--attempts"));
+                attempt_loop(Until::Count(count), &value(&mut args, "--attempts"), false);
+            }
+            "--attempts-until" => {
+                let stop = cstr(&value(&mut args, "--attempts-until"));
+                attempt_loop(
+                    Until::Exists(stop),
+                    &value(&mut args, "--attempts-until"),
+                    true,
+                );
             }
             "--reexec-env" | "--reexec-envp" => {
                 value(&mut args, "--reexec-env"); // done above

@@ -17,12 +17,28 @@ pub struct Init<'a> {
     pub modules: Vec<String>,
     /// The work tree's path on the host, and so in the guest.
     pub work_tree: &'a Path,
-    /// The script (inside the work tree) that runs the tests.
-    pub script: &'a Path,
+    /// What runs once the new root is ready.
+    pub then: Then<'a>,
     /// Cargo's target directory when it is outside the work tree (`CARGO_TARGET_DIR`),
     /// shared read-write at the same path: the test binaries and what they run are
     /// there, and a host path under `/tmp` or `/run` would be hidden by the guest's own.
     pub target_dir: Option<&'a Path>,
+}
+
+/// What `/init` hands the guest to once its root is ready.
+pub enum Then<'a> {
+    /// The script (inside the work tree) that runs the tests, chrooted; `/init` prints
+    /// its exit status ([`EXIT_MARKER`]) and powers off.
+    Script(&'a Path),
+    /// systemd as PID 1 (`switch_root`), starting `unit` instead of the default target,
+    /// with `units` (file name, text) in `/etc/systemd/system` of the guest's overlay. The
+    /// unit prints the status and powers off. The guest gets an empty `/etc/fstab` (the
+    /// host's names its disks, which the guest has not) and a machine id (without one,
+    /// systemd's first-boot units would prompt on the console).
+    Systemd {
+        unit: &'a str,
+        units: &'a [(String, String)],
+    },
 }
 
 /// The 9p tag of [`Init::target_dir`]'s share.
@@ -39,7 +55,7 @@ impl Init<'_> {
     fn script(&self) -> String {
         let work = self.work_tree.display();
         let modules = self.modules.join(" ");
-        let script = self.script.display();
+        let then = self.then();
         let target = match self.target_dir {
             Some(dir) => format!(
                 "mkdir -p \"/newroot{dir}\"\n\
@@ -78,12 +94,35 @@ mount -t securityfs securityfs /newroot/sys/kernel/security
 mkdir -p "/newroot{work}"
 mount -t 9p -o {p9},cache=mmap work "/newroot{work}" || fail "mount the work tree"
 {target}hostname genv-vm
-chroot /newroot /bin/sh "{script}"
-echo "{EXIT_MARKER}$?"
-sync
-poweroff -f
-"#
+{then}"#
         )
+    }
+
+    fn then(&self) -> String {
+        match &self.then {
+            Then::Script(script) => format!(
+                "chroot /newroot /bin/sh \"{}\"\necho \"{EXIT_MARKER}$?\"\nsync\npoweroff -f\n",
+                script.display()
+            ),
+            Then::Systemd { unit, units } => {
+                let mut then = String::from(
+                    ": > /newroot/etc/fstab\n\
+                     echo 6e766d2d67656e762d766d2d74657374 > /newroot/etc/machine-id\n\
+                     mkdir -p /newroot/etc/systemd/system\n",
+                );
+                for (name, text) in *units {
+                    then.push_str(&format!(
+                        "cat > /newroot/etc/systemd/system/{name} <<'GENV_VM_UNIT'\n{text}GENV_VM_UNIT\n"
+                    ));
+                }
+                then.push_str(&format!(
+                    "exec switch_root /newroot /lib/systemd/systemd --unit={unit} \
+                     --show-status=false --log-level=warning\n\
+                     fail \"switch_root to systemd\"\n"
+                ));
+                then
+            }
+        }
     }
 }
 
@@ -185,9 +224,31 @@ mod tests {
         Init {
             modules: vec!["9p.ko".into()],
             work_tree: Path::new("/work/tree"),
-            script: Path::new("/work/tree/target/vm/guest.sh"),
+            then: Then::Script(Path::new("/work/tree/target/vm/guest.sh")),
             target_dir,
         }
+    }
+
+    #[test]
+    fn under_systemd_the_units_are_written_and_systemd_becomes_pid_1() {
+        let units = [(
+            "t.target".to_owned(),
+            "[Unit]\nRequires=s.service\n".to_owned(),
+        )];
+        let mut with_systemd = init(None);
+        with_systemd.then = Then::Systemd {
+            unit: "t.target",
+            units: &units,
+        };
+        let script = with_systemd.script();
+        let unit = "cat > /newroot/etc/systemd/system/t.target <<'GENV_VM_UNIT'\n\
+                    [Unit]\nRequires=s.service\nGENV_VM_UNIT\n";
+        let written = script.find(unit).expect(&script);
+        let switch = script
+            .find("exec switch_root /newroot /lib/systemd/systemd --unit=t.target")
+            .expect(&script);
+        assert!(written < switch && script.find(": > /newroot/etc/fstab").unwrap() < switch);
+        assert!(!script.contains("chroot /newroot"), "{script}");
     }
 
     #[test]

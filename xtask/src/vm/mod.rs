@@ -15,6 +15,7 @@ mod kernel;
 mod outcome;
 mod patch_race;
 mod qemu;
+pub mod systemd;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -196,7 +197,8 @@ pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
     for &series in &options.kernels {
         kernels.push((series, kernel::prepare(&cache, series)?));
     }
-    let suites = build_suites()?;
+    let suites: Vec<&str> = TIER_SUITES.iter().chain(&KERNEL_SUITES).copied().collect();
+    let suites = build_suites(&suites)?;
     let guest = Guest {
         root,
         suites: &suites,
@@ -322,26 +324,7 @@ fn boot(
     options: &Options,
     tiers: &[String],
 ) -> Result<qemu::Console> {
-    let root = guest.root;
-    // Both inside the work tree, which the guest mounts at the same path.
-    let dir = kernel.vmlinux.parent().unwrap();
-    let script = dir.join("guest.sh");
-    std::fs::write(
-        &script,
-        guest_script(root, series, guest.suites, tiers, options),
-    )?;
-    let initramfs = dir.join("initramfs.cpio");
-    let init = initramfs::Init {
-        modules: kernel
-            .modules
-            .iter()
-            .map(|m| m.file_name().unwrap().to_string_lossy().into_owned())
-            .collect(),
-        work_tree: root,
-        script: &script,
-        target_dir: guest.target_dir.as_deref(),
-    };
-    initramfs::write(&initramfs, Path::new(BUSYBOX), &kernel.modules, &init)?;
+    let script = guest_script(guest.root, series, guest.suites, tiers, options);
     eprintln!(
         "vm-test: kernel {}: booting {} (lsm={}) under QEMU/TCG; tiers: {}",
         series.version,
@@ -349,14 +332,64 @@ fn boot(
         options.lsm,
         tiers.join(", ")
     );
+    boot_with(
+        guest,
+        series,
+        kernel,
+        &options.lsm,
+        &script,
+        None,
+        deadline(tiers.len()),
+    )
+}
+
+/// Where a boot of `kernel` finds its script: beside the kernel, inside the work tree,
+/// which the guest mounts at the same path.
+fn script_path(kernel: &kernel::Kernel) -> PathBuf {
+    kernel.vmlinux.with_file_name("guest.sh")
+}
+
+/// Boots `kernel` with `script` as the guest's script: run by `/init` itself, or, with
+/// `systemd`'s units (the first one started), by systemd as PID 1.
+fn boot_with(
+    guest: &Guest,
+    series: Series,
+    kernel: &kernel::Kernel,
+    lsm: &str,
+    script: &str,
+    systemd: Option<&[(String, String)]>,
+    deadline: Duration,
+) -> Result<qemu::Console> {
+    let root = guest.root;
+    let script_path = script_path(kernel);
+    std::fs::write(&script_path, script)?;
+    let initramfs = kernel.vmlinux.with_file_name("initramfs.cpio");
+    let then = match systemd {
+        Some(units) => initramfs::Then::Systemd {
+            unit: &units[0].0,
+            units,
+        },
+        None => initramfs::Then::Script(&script_path),
+    };
+    let init = initramfs::Init {
+        modules: kernel
+            .modules
+            .iter()
+            .map(|m| m.file_name().unwrap().to_string_lossy().into_owned())
+            .collect(),
+        work_tree: root,
+        then,
+        target_dir: guest.target_dir.as_deref(),
+    };
+    initramfs::write(&initramfs, Path::new(BUSYBOX), &kernel.modules, &init)?;
     qemu::boot(
         root,
         guest.target_dir.as_deref(),
         kernel,
         &initramfs,
-        &options.lsm,
+        lsm,
         series,
-        deadline(tiers.len()),
+        deadline,
     )
 }
 
@@ -395,8 +428,9 @@ fn ensure_packages() -> Result<()> {
     Ok(())
 }
 
-/// Builds the binaries the tests run and the test executables; their names and paths.
-fn build_suites() -> Result<Vec<(String, PathBuf)>> {
+/// Builds the binaries the tests run and the test executables of `suites`; their names
+/// and paths.
+fn build_suites(suites: &[&str]) -> Result<Vec<(String, PathBuf)>> {
     crate::build_node_artefacts(&[])?;
     let mut build = cargo(&[
         "test",
@@ -405,12 +439,12 @@ fn build_suites() -> Result<Vec<(String, PathBuf)>> {
         "-p",
         "genv-enforcer-tests",
     ]);
-    for suite in TIER_SUITES.iter().chain(&KERNEL_SUITES) {
+    for suite in suites {
         build.args(["--test", suite]);
     }
     let output = build.stderr(Stdio::inherit()).output()?;
     if !output.status.success() {
-        bail!("building the tier test suites failed");
+        bail!("building the test suites {suites:?} failed");
     }
     let mut found = Vec::new();
     for line in String::from_utf8_lossy(&output.stdout).lines() {
@@ -419,13 +453,13 @@ fn build_suites() -> Result<Vec<(String, PathBuf)>> {
         };
         let name = message["target"]["name"].as_str().unwrap_or_default();
         if let Some(exe) = message["executable"].as_str() {
-            if TIER_SUITES.contains(&name) || KERNEL_SUITES.contains(&name) {
+            if suites.contains(&name) {
                 found.push((name.to_owned(), PathBuf::from(exe)));
             }
         }
     }
-    if found.len() != TIER_SUITES.len() + KERNEL_SUITES.len() {
-        bail!("cargo built {found:?}, expected the suites {TIER_SUITES:?} and {KERNEL_SUITES:?}");
+    if found.len() != suites.len() {
+        bail!("cargo built {found:?}, expected the suites {suites:?}");
     }
     Ok(found)
 }

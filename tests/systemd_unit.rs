@@ -1,0 +1,324 @@
+//! The unit under a real systemd, as PID 1: `cargo xtask vm-test --systemd` boots the
+//! VM with systemd as its init and runs this suite there (`cargo xtask test` does, after
+//! the tier suites). Its test is ignored elsewhere: it installs genv-enforcer into `/`,
+//! starts and kills the machine's service, and needs systemd to be the machine's init.
+//!
+//! What it shows: `cargo xtask install` lays down a unit systemd starts (`Type=notify`:
+//! `systemctl start` returns once the daemon is ready); a `kill -9` of the daemon is
+//! followed by systemd's restart, and all along, an outsider's attempts to open a GPU,
+//! one after the other, are refused by the programs the killed daemon pinned (with
+//! `deny` and `keep-pinned`), including every attempt between the kill and the new
+//! daemon's readiness; a stop leaves them deciding; `cargo xtask uninstall` stops the
+//! service and removes the pins, after which the attempts reach the device again.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use genv_enforcer_tests::events::{make_gpu_node, requested_tier, test_node_flags};
+use genv_enforcer_tests::{Node, artefact, device_record, env_record};
+use serde_json::json;
+
+const UNIT: &str = "genv-enforcer";
+const DROP_IN: &str = "/etc/systemd/system/genv-enforcer.service.d/test-node.conf";
+const CONFIG: &str = "/etc/genv-enforcer/config.toml";
+const PINS: &str = "/sys/fs/bpf/genv-enforcer";
+const ALICE: u32 = 64_101;
+const OUTSIDER: u32 = 64_103;
+
+fn command(program: &str, args: &[&str]) -> String {
+    let output = Command::new(program).args(args).output().unwrap();
+    let said = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{program} {args:?}: {said}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    said
+}
+
+fn systemctl(args: &[&str]) -> String {
+    command("systemctl", args)
+}
+
+/// The unit's properties systemd reports.
+fn show() -> HashMap<String, String> {
+    let props = "MainPID,ActiveState,SubState,NRestarts,ActiveEnterTimestampMonotonic";
+    systemctl(&["show", "-p", props, UNIT])
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+fn monotonic_us() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) },
+        0
+    );
+    now.tv_sec as u64 * 1_000_000 + now.tv_nsec as u64 / 1_000
+}
+
+fn xtask(args: &[&str]) {
+    let status = Command::new(artefact("xtask")).args(args).status().unwrap();
+    assert!(status.success(), "xtask {args:?} failed");
+}
+
+/// The pinned generations (one directory each) under the unit's pin directory.
+fn generations() -> Vec<PathBuf> {
+    std::fs::read_dir(PINS)
+        .map(|entries| entries.filter_map(|e| Some(e.ok()?.path())).collect())
+        .unwrap_or_default()
+}
+
+/// The node's configuration as an admin would write it: the flags in the config file,
+/// where genv's state and NVML are in a drop-in.
+fn configure(node: &Node) {
+    let [gpu0, gpu1] = test_node_flags();
+    std::fs::write(
+        CONFIG,
+        format!(
+            "event-driven = true\nnon-env-processes = true\ndeny = true\nkeep-pinned = true\n\
+             verbose = true\nbpf-tier = \"{}\"\ngpu-node = [\"{gpu0}\", \"{gpu1}\"]\n",
+            requested_tier()
+        ),
+    )
+    .unwrap();
+    std::fs::create_dir_all(Path::new(DROP_IN).parent().unwrap()).unwrap();
+    std::fs::write(
+        DROP_IN,
+        format!(
+            "[Service]\nEnvironment=GENV_TMPDIR={} GENV_FAKE_NVML_CONFIG={} GENV_ENFORCER_NVML_LIB={}\n",
+            node.state.display(),
+            node.config_path().display(),
+            artefact("libnvidia_ml_fake.so").display()
+        ),
+    )
+    .unwrap();
+    systemctl(&["daemon-reload"]);
+}
+
+/// An outsider opening `gpu` over and over until told to stop; its lines.
+struct Attempts {
+    stop: PathBuf,
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+/// One attempt: when it started and ended (CLOCK_MONOTONIC, µs), and what became of it.
+struct Attempt {
+    start: u64,
+    end: u64,
+    outcome: String,
+}
+
+impl Attempts {
+    fn start(dir: &Path, gpu: &Path) -> Self {
+        static NTH: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let nth = NTH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let stop = dir.join(format!("stop-attempts-{nth}"));
+        let mut command = Command::new(artefact("gpu-process"));
+        std::os::unix::process::CommandExt::uid(&mut command, OUTSIDER);
+        let mut child = command
+            .arg("--attempts-until")
+            .arg(&stop)
+            .arg(gpu)
+            .env_remove("GENV_ENVIRONMENT_ID")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Self { stop, child, lines }
+    }
+
+    /// Waits for `count` more attempts; them.
+    fn next(&self, count: usize) -> Vec<Attempt> {
+        (0..count)
+            .map(|_| {
+                let line = self
+                    .lines
+                    .recv_timeout(Duration::from_secs(60))
+                    .expect("an attempt within 60 s");
+                parse(&line)
+            })
+            .collect()
+    }
+
+    fn finish(mut self) -> Vec<Attempt> {
+        std::fs::write(&self.stop, "").unwrap();
+        assert!(self.child.wait().unwrap().success());
+        self.lines
+            .iter()
+            .filter(|l| l.starts_with("attempt "))
+            .map(|l| parse(&l))
+            .collect()
+    }
+}
+
+fn parse(line: &str) -> Attempt {
+    let words: Vec<&str> = line.split(' ').collect();
+    let ["attempt", start, end, outcome] = words[..] else {
+        panic!("unexpected line from the attempt loop: {line:?}");
+    };
+    Attempt {
+        start: start.parse().unwrap(),
+        end: end.parse().unwrap(),
+        outcome: outcome.to_owned(),
+    }
+}
+
+/// An open that got through to the device: a descriptor, or the driver's ENXIO (no
+/// driver behind a test node).
+fn reached(attempt: &Attempt) -> bool {
+    matches!(attempt.outcome.as_str(), "ok" | "enxio")
+}
+
+fn assert_refused(attempts: &[Attempt], when: &str) {
+    let through: Vec<(u64, &str)> = (attempts.iter())
+        .filter(|a| reached(a))
+        .map(|a| (a.start, a.outcome.as_str()))
+        .collect();
+    assert!(
+        !attempts.is_empty() && through.is_empty(),
+        "{when}: {} of {} attempts reached the GPU, the first ones (start µs, outcome): {:?}",
+        through.len(),
+        attempts.len(),
+        &through[..through.len().min(10)]
+    );
+}
+
+#[test]
+#[ignore = "needs systemd as the machine's init: cargo xtask vm-test --systemd runs it"]
+fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
+    let init = std::fs::read_to_string("/proc/1/comm").unwrap_or_default();
+    assert!(
+        init.trim() == "systemd" && Path::new("/run/systemd/system").is_dir(),
+        "this machine's init is {init:?}, not systemd: run it with cargo xtask vm-test --systemd"
+    );
+    let mut node = Node::new(2);
+    std::fs::set_permissions(
+        &node.dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
+    let alice_shell = node.shell();
+    node.write_state(
+        json!([env_record("alice-env", ALICE, "alice", None, alice_shell)]),
+        json!([device_record(0, &["alice-env"]), device_record(1, &[])]),
+    );
+    let binary = artefact("genv-enforcer");
+    xtask(&["install", "--binary", binary.to_str().unwrap()]);
+    configure(&node);
+
+    // Type=notify: `systemctl start` returns once the daemon said READY.
+    systemctl(&["start", UNIT]);
+    let first = show();
+    assert_eq!(first["ActiveState"], "active", "{first:?}");
+    let first_pid: i32 = first["MainPID"].parse().unwrap();
+    assert!(first_pid > 1, "{first:?}");
+    let status = std::fs::read_to_string("/run/genv-enforcer/status.json").unwrap();
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["pid"], first_pid, "{status}");
+    let pinned = generations();
+    assert_eq!(pinned.len(), 1, "{pinned:?}");
+
+    // An environment's process is let through (ENXIO: no driver behind a test node).
+    let open = ["--wait-stdin", "--open", gpu.to_str().unwrap()];
+    let worker = node.spawn_with(Some("alice-env"), &[], &open, Some(ALICE));
+    let said = node.attempt(worker);
+    assert!(
+        said.iter().any(|l| l.starts_with("returned ENXIO")),
+        "alice-env's open: {said:?}"
+    );
+
+    // The outsider keeps trying; the daemon is killed under it.
+    let attempts = Attempts::start(&node.dir, &gpu);
+    assert_refused(&attempts.next(3), "before the kill");
+    let killed_at = monotonic_us();
+    assert_eq!(unsafe { libc::kill(first_pid, libc::SIGKILL) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let second = loop {
+        let now = show();
+        if now["MainPID"] != first["MainPID"]
+            && now["MainPID"] != "0"
+            && now["ActiveState"] == "active"
+        {
+            break now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "systemd did not restart the killed daemon within 180 s: {now:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let ready_at: u64 = second["ActiveEnterTimestampMonotonic"].parse().unwrap();
+    assert_eq!(second["NRestarts"], "1", "{second:?}");
+    assert!(ready_at > killed_at, "{second:?}");
+    let _ = attempts.next(3);
+    let all = attempts.finish();
+    assert_refused(&all, "around the restart");
+    let gap: Vec<&Attempt> = (all.iter())
+        .filter(|a| a.start >= killed_at && a.end <= ready_at)
+        .collect();
+    eprintln!(
+        "[systemd] kill -9 to the restarted daemon's READY: {} ms; {} attempts in that gap, \
+         {} in all, none reached the GPU ({} tier: {})",
+        (ready_at - killed_at) / 1000,
+        gap.len(),
+        all.len(),
+        requested_tier(),
+        gap.iter()
+            .map(|a| a.outcome.as_str())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    assert!(
+        !gap.is_empty(),
+        "no attempt fell between the kill and the restart"
+    );
+    let journal = command("journalctl", &["-u", UNIT, "-o", "cat", "--no-pager"]);
+    assert!(
+        journal.contains("Took over from an earlier run's pinned programs"),
+        "{journal}"
+    );
+    let now = generations();
+    assert_eq!(now.len(), 1, "{now:?}");
+    assert_ne!(now, pinned, "the new daemon pins its own programs");
+
+    // Stopped: the pins go on deciding.
+    systemctl(&["stop", UNIT]);
+    let attempts = Attempts::start(&node.dir, &gpu);
+    assert_refused(&attempts.next(3), "the service stopped");
+    let _ = attempts.finish();
+
+    // Uninstalled: stopped, disabled, unpinned; the device is reached again.
+    xtask(&["uninstall"]);
+    assert!(!Path::new(PINS).exists(), "uninstall left {PINS}");
+    assert!(!Path::new("/usr/local/bin/genv-enforcer").exists());
+    assert_eq!(show()["ActiveState"], "inactive");
+    let attempts = Attempts::start(&node.dir, &gpu);
+    let after = attempts.next(3);
+    let _ = attempts.finish();
+    assert!(
+        after.iter().all(reached),
+        "nothing decides after uninstall, yet: {:?}",
+        after.iter().map(|a| &a.outcome).collect::<Vec<_>>()
+    );
+    std::fs::remove_file(DROP_IN).unwrap();
+    std::fs::remove_file(CONFIG).unwrap();
+}
