@@ -55,6 +55,19 @@ impl ProcStat {
     }
 }
 
+/// Whether process `pid` has a thread besides its leader: listed under
+/// `/proc/<pid>/task` until it is released, at the very end of its exit (after its
+/// descriptors are closed). A leader that called `pthread_exit` is a zombie while the
+/// others run on. Stops at the first one found.
+pub fn has_other_threads(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .any(|task| task.file_name().to_str().and_then(|t| t.parse().ok()) != Some(pid))
+}
+
 /// `/proc/<pid>/stat`, read once.
 pub fn stat(pid: u32) -> io::Result<ProcStat> {
     StatFile::open(pid)?.read()
@@ -315,6 +328,37 @@ pub fn self_and_ancestors(pid: u32) -> Vec<u32> {
     chain
 }
 
+/// A process (python3) whose leader called `pthread_exit` while another thread sleeps
+/// on, once its leader reads as a zombie.
+#[cfg(test)]
+pub(crate) fn leader_exited_first() -> std::process::Child {
+    let script = "import ctypes, threading, time\n\
+                  threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n\
+                  print('ready', flush=True)\n\
+                  ctypes.CDLL(None).pthread_exit(None)\n";
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !stat(child.id()).unwrap().is_zombie() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the leader never exited"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -348,5 +392,24 @@ mod tests {
         assert!(!pid_exists(0) && !pid_exists(-1));
         assert_eq!(real_uid(me).unwrap(), rustix::process::getuid().as_raw());
         assert!(self_and_ancestors(me).len() >= 2);
+    }
+
+    /// A process whose leader called `pthread_exit` while another thread runs on: the
+    /// leader reads as a zombie, the process is not gone.
+    #[test]
+    fn a_leader_that_exited_first_leaves_its_process_with_other_threads() {
+        let mut child = leader_exited_first();
+        assert!(
+            has_other_threads(child.id()),
+            "its sleeping thread is not seen"
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!has_other_threads(child.id()) && !has_other_threads(me_never()));
+    }
+
+    /// A pid no process has (beyond the kernel's `pid_max` limit).
+    fn me_never() -> u32 {
+        (1 << 22) + 1
     }
 }

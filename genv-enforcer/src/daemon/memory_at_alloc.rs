@@ -291,9 +291,41 @@ impl AllocSide {
     }
 }
 
-/// Whether the process that started at `started` is still there and not yet a zombie
-/// (its descriptors, the GPU's among them, are closed by then).
+/// Whether the process that started at `started` is still there with a thread that has
+/// not finished exiting (its descriptors, the GPU's among them, are closed by then). Its
+/// leader may be a zombie already: one that called `pthread_exit` exits first, and the
+/// exit event comes from the group's last thread, before that thread closes anything.
 fn still_exiting(pid: u32, started: u64) -> bool {
-    crate::backends::procfs::stat(pid)
-        .is_ok_and(|st| st.start_time == started && !matches!(st.state, 'Z' | 'X' | 'x'))
+    use crate::backends::procfs;
+    procfs::stat(pid).is_ok_and(|st| {
+        st.start_time == started
+            && (!matches!(st.state, 'Z' | 'X' | 'x') || procfs::has_other_threads(pid))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::still_exiting;
+    use crate::backends::procfs;
+
+    /// Charges stay while any thread of the process may still hold the GPU's
+    /// descriptors, a zombie leader notwithstanding; they come off once it is gone, and
+    /// never for another process given its pid.
+    #[test]
+    fn a_process_is_exiting_until_its_last_thread_is_gone() {
+        let mut child = procfs::leader_exited_first();
+        let pid = child.id();
+        let started = procfs::stat(pid).unwrap().start_time;
+        assert!(
+            still_exiting(pid, started),
+            "a zombie leader with a live thread"
+        );
+        assert!(
+            !still_exiting(pid, started + 1),
+            "another process with that pid"
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!still_exiting(pid, started));
+    }
 }
