@@ -8,8 +8,10 @@
 //! followed by systemd's restart, and all along, an outsider's attempts to open a GPU,
 //! one after the other, are refused by the programs the killed daemon pinned (with
 //! `deny` and `keep-pinned`), including every attempt between the kill and the new
-//! daemon's readiness; a stop leaves them deciding; `cargo xtask uninstall` stops the
-//! service and removes the pins, after which the attempts reach the device again.
+//! daemon's readiness, and through a `systemctl reload` that puts an edited
+//! configuration in force in the same process with the same pins; a stop leaves them
+//! deciding; `cargo xtask uninstall` stops the service and removes the pins, after
+//! which the attempts reach the device again.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -51,6 +53,17 @@ fn show() -> HashMap<String, String> {
         .filter_map(|l| l.split_once('='))
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect()
+}
+
+/// `genv-enforcer status`'s file, where the unit's RuntimeDirectory puts it.
+fn status() -> serde_json::Value {
+    let text = std::fs::read_to_string("/run/genv-enforcer/status.json").unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// What the unit's daemons logged (stdout and stderr, through journald).
+fn journal() -> String {
+    command("journalctl", &["-u", UNIT, "-o", "cat", "--no-pager"])
 }
 
 fn monotonic_us() -> u64 {
@@ -229,9 +242,7 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
     assert_eq!(first["ActiveState"], "active", "{first:?}");
     let first_pid: i32 = first["MainPID"].parse().unwrap();
     assert!(first_pid > 1, "{first:?}");
-    let status = std::fs::read_to_string("/run/genv-enforcer/status.json").unwrap();
-    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
-    assert_eq!(status["pid"], first_pid, "{status}");
+    assert_eq!(status()["pid"], first_pid, "{}", status());
     let pinned = generations();
     assert_eq!(pinned.len(), 1, "{pinned:?}");
 
@@ -268,6 +279,33 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
     assert_eq!(second["NRestarts"], "1", "{second:?}");
     assert!(ready_at > killed_at, "{second:?}");
     let _ = attempts.next(3);
+
+    // `systemctl reload` (SIGHUP): the edited file in force, same process, same pins.
+    let pinned_now = generations();
+    let mut config = std::fs::read_to_string(CONFIG).unwrap();
+    config.push_str("interval = 7\n");
+    std::fs::write(CONFIG, config).unwrap();
+    systemctl(&["reload", UNIT]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !journal().contains("SIGHUP: settings read again and in force") {
+        assert!(
+            Instant::now() < deadline,
+            "no reload within 60 s: {}",
+            journal()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    while status()["interval_s"] != 7.0 {
+        assert!(
+            Instant::now() < deadline,
+            "status after the reload: {}",
+            status()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(show()["MainPID"], second["MainPID"]);
+    assert_eq!(generations(), pinned_now, "a reload re-pinned the programs");
+    let _ = attempts.next(3);
     let all = attempts.finish();
     assert_refused(&all, "around the restart");
     let gap: Vec<&Attempt> = (all.iter())
@@ -291,10 +329,10 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
         !gap.is_empty(),
         "no attempt fell between the kill and the restart"
     );
-    let journal = command("journalctl", &["-u", UNIT, "-o", "cat", "--no-pager"]);
     assert!(
-        journal.contains("Took over from an earlier run's pinned programs"),
-        "{journal}"
+        journal().contains("Took over from an earlier run's pinned programs"),
+        "{}",
+        journal()
     );
     let now = generations();
     assert_eq!(now.len(), 1, "{now:?}");
