@@ -111,14 +111,21 @@ mount -t 9p -o {p9},cache=mmap work "/newroot{work}" || fail "mount the work tre
                      mkdir -p /newroot/etc/systemd/system\n",
                 );
                 for (name, text) in *units {
+                    // The text goes through a quoted here-document, as it is.
+                    assert!(
+                        text.ends_with('\n') && !text.lines().any(|l| l == "GENV_VM_UNIT"),
+                        "{name}: a unit's text must end its last line and never hold the \
+                         here-document's end"
+                    );
                     then.push_str(&format!(
                         "cat > /newroot/etc/systemd/system/{name} <<'GENV_VM_UNIT'\n{text}GENV_VM_UNIT\n"
                     ));
                 }
                 then.push_str(&format!(
-                    "exec switch_root /newroot /lib/systemd/systemd --unit={unit} \
-                     --show-status=false --log-level=warning\n\
-                     fail \"switch_root to systemd\"\n"
+                    "# exec: switch_root must be PID 1. Should it fail, init has exited: \
+                     the kernel panics, on the console.\n\
+                     exec switch_root /newroot /lib/systemd/systemd --unit={unit} \
+                     --show-status=false --log-level=warning\n"
                 ));
                 then
             }

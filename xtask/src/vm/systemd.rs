@@ -10,6 +10,7 @@
 //! what `linux-image-amd64` installs), on the LSM tier, the one a node would run.
 
 use std::path::Path;
+use std::process::Command;
 
 use anyhow::{Result, bail};
 
@@ -33,6 +34,16 @@ pub fn check(root: &Path) -> Result<Run> {
     let cache = root.join("target/vm");
     std::fs::create_dir_all(&cache)?;
     ensure_packages()?;
+    // The guest's systemd is the host's (its root is the host's, read-only).
+    if !Path::new("/lib/systemd/systemd").exists() {
+        let install = Command::new("apt-get")
+            .args(["install", "-y", "--no-install-recommends", "systemd"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()?;
+        if !install.success() {
+            bail!("apt-get install systemd failed: the guest boots the host's systemd");
+        }
+    }
     let series = KERNELS[0];
     let kernel = kernel::prepare(&cache, series)?;
     let suites = build_suites(&[SUITE])?;
@@ -43,7 +54,7 @@ pub fn check(root: &Path) -> Result<Run> {
     };
     let section = format!("{TIER} under systemd");
     let script = script(root, series, &suites[0].1, &section);
-    let units = units(&script_path(&kernel));
+    let units = units(&script_path(&kernel))?;
     eprintln!(
         "vm-test: kernel {}: booting {} under QEMU/TCG with systemd as init; {section}",
         series.version, kernel.package
@@ -80,7 +91,13 @@ pub fn check(root: &Path) -> Result<Run> {
 }
 
 /// [`TARGET`] first (systemd's `--unit`), then [`SERVICE`], which runs `script`.
-fn units(script: &Path) -> Vec<(String, String)> {
+fn units(script: &Path) -> Result<Vec<(String, String)>> {
+    // systemd's command lines: quoted, `%` doubled (a specifier otherwise).
+    let script = script.display().to_string();
+    if script.contains(['"', '\\', '\n']) {
+        bail!("the guest script's path {script:?} cannot go on a unit's command line");
+    }
+    let script = script.replace('%', "%%");
     let target = format!(
         "[Unit]\n\
          Description=genv-enforcer's tests under systemd (cargo xtask vm-test --systemd)\n\
@@ -94,14 +111,13 @@ fn units(script: &Path) -> Vec<(String, String)> {
          After=basic.target\n\
          [Service]\n\
          Type=oneshot\n\
-         ExecStart=/bin/sh {}\n\
+         ExecStart=/bin/sh \"{script}\"\n\
          StandardInput=null\n\
          StandardOutput=tty\n\
          StandardError=inherit\n\
-         TTYPath=/dev/console\n",
-        script.display()
+         TTYPath=/dev/console\n"
     );
-    vec![(TARGET.into(), target), (SERVICE.into(), service)]
+    Ok(vec![(TARGET.into(), target), (SERVICE.into(), service)])
 }
 
 /// The script [`SERVICE`] runs: the test, between the markers the host reads (booted,
@@ -117,7 +133,11 @@ fn script(root: &Path, series: super::Series, suite: &Path, section: &str) -> St
          PID 1 is $(cat /proc/1/comm), active LSMs: $(cat /sys/kernel/security/lsm)\"\n\
          echo '{marker}: start'\n\
          status=passed\n\
-         {suite} --color=never --ignored --exact --nocapture {TEST} || status=FAILED\n\
+         {suite} --color=never --ignored --exact --nocapture {TEST} > /tmp/suite.log 2>&1 \
+         || status=FAILED\n\
+         cat /tmp/suite.log\n\
+         grep -q '^test result: ok. 1 passed' /tmp/suite.log \
+         || {{ status=FAILED; echo 'genv-vm: the test did not run and pass'; }}\n\
          echo \"{marker}: $status\"\n\
          [ $status = passed ]\n\
          echo \"{EXIT_MARKER}$?\"\n\
