@@ -546,3 +546,78 @@ fn a_libcuda_on_a_fuse_mount_is_refused_unopened() {
         silent.display()
     ));
 }
+
+/// `cargo xtask gpu-check` (`xtask/gpu-check.py`), the real-GPU check, run here on its
+/// `fake` workload (cuda-user on this node's libcuda and NVML): with `kill` it passes,
+/// having seen the allocation that crosses the cap killed in its call; with `report`
+/// (nothing stops the process) it fails, saying why. What it checks on a GPU node with
+/// PyTorch and CuPy is the same code.
+#[test]
+fn the_gpu_check_passes_when_the_cap_holds_and_fails_when_it_does_not() {
+    let _serial = serial();
+    let mut node = Node::new(2);
+    let (lib, cuda_env) = node.cuda();
+    let [gpu0, gpu1] = genv_enforcer_tests::events::test_node_flags();
+    let tier = genv_enforcer_tests::events::requested_tier();
+    let check = |mode: &str| {
+        let report = node.dir.join(format!("gpu-check-{mode}.md"));
+        let output = Command::new("python3")
+            .arg(genv_enforcer_tests::workspace_root().join("xtask/gpu-check.py"))
+            .args(["--enforcer", artefact("genv-enforcer").to_str().unwrap()])
+            .args(["--workloads", "fake", "--cap", "1g", "--step", "256"])
+            .args([
+                "--settle",
+                "0.5",
+                "--pause",
+                "0.3",
+                "--timeout",
+                "60",
+                "--mode",
+                mode,
+            ])
+            .arg("--state-dir")
+            .arg(&node.state)
+            .arg("--report")
+            .arg(&report)
+            .args(["--", "--cuda-lib", lib.to_str().unwrap()])
+            .args(["--memory-interval", "0.5", "--bpf-tier", &tier])
+            .args(["--gpu-node", &gpu0, "--gpu-node", &gpu1])
+            .env("PATH", Genv::get().path())
+            .env("GENV_FAKE_NVML_CONFIG", node.config_path())
+            .env("GENV_ENFORCER_NVML_LIB", artefact("libnvidia_ml_fake.so"))
+            .env("CUDA_USER", artefact("cuda-user"))
+            .envs(cuda_env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .unwrap();
+        let said = std::fs::read_to_string(&report).unwrap_or_default();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        (output.status.code(), said, stderr)
+    };
+    let (code, said, stderr) = check("kill");
+    if code != Some(0)
+        && !genv_enforcer_tests::events::bpf_required()
+        && stderr.contains("did not say \"are held")
+    {
+        eprintln!("skipped (GENV_REQUIRE_BPF is not set): the daemon loaded no probes: {stderr}");
+        return;
+    }
+    assert_eq!(code, Some(0), "{said}\n{stderr}");
+    eprintln!("{said}");
+    assert!(said.contains("- verdict: PASS"), "{said}");
+    // 3 × 256 MiB returned; the 4th crosses 10^9 bytes and is killed in its call.
+    let row = said.lines().find(|l| l.starts_with("| fake |")).unwrap();
+    assert!(
+        row.contains("| 768 MiB | 1024 MiB | 768 MiB (") && row.contains("| SIGKILL | pass |"),
+        "{row}"
+    );
+    assert!(said.contains("at the allocation"), "{said}");
+
+    let (code, said, stderr) = check("report");
+    assert_eq!(code, Some(1), "{said}\n{stderr}");
+    assert!(said.contains("- verdict: FAIL"), "{said}");
+    let row = said.lines().find(|l| l.starts_with("| fake |")).unwrap();
+    assert!(
+        row.contains("not SIGKILL") && row.contains("over the cap"),
+        "{row}"
+    );
+}

@@ -26,6 +26,7 @@ mod bench_events;
 mod bench_footprint;
 mod bench_remote;
 mod demo;
+mod gpu_check;
 mod install;
 mod sim;
 mod toolchain;
@@ -57,10 +58,11 @@ fn main() -> Result<()> {
         Some("vm-test") => vm_test(&args[1..]),
         Some("install") => install::install(&args[1..]),
         Some("uninstall") => install::uninstall(&args[1..]),
+        Some("gpu-check") => gpu_check::run_check(&args[1..]),
         _ => bail!(
             "usage: cargo xtask <test [-- cargo test args] | vm-test [--kernel 6.1|6.12|all] \
              [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench [footprint|bpf-log|memory-at-alloc|remote] | build-ebpf | \
-             install [--root DIR] [--binary PATH] | uninstall [--root DIR]>"
+             install [--root DIR] [--binary PATH] | uninstall [--root DIR] | gpu-check [-- ARGS]>"
         ),
     }
 }

@@ -1,0 +1,36 @@
+//! `cargo xtask gpu-check [-- ARGS]`: the real-GPU check of `--memory-at-alloc`
+//! (`xtask/gpu-check.py`, which says what it checks) with a release build and genv
+//! 1.4.3 from PyPI (`target/genv-venv`, as the tests use). On a GPU node without cargo,
+//! carry the release binary and genv there and run the script itself:
+//! `python3 xtask/gpu-check.py --enforcer PATH [--report docs/gpu-check.md]`.
+
+use std::process::Command;
+
+use anyhow::{Result, bail};
+
+use crate::{cargo, ensure_python_venv, root, run, target_dir, toolchain};
+
+pub fn run_check(args: &[String]) -> Result<()> {
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("gpu-check needs root (the daemon loads kernel programs)");
+    }
+    toolchain::ensure_ebpf_toolchain()?;
+    run(&mut cargo(&["build", "--release", "-p", "genv-enforcer"]))?;
+    ensure_python_venv()?;
+    let venv = target_dir()?.join("genv-venv");
+    if !venv.join("bin/genv").exists() {
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        run(Command::new(venv.join("bin/pip")).args(["install", "-q", "genv==1.4.3"]))?;
+    }
+    let path = format!(
+        "{}:{}",
+        venv.join("bin").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    run(Command::new("python3")
+        .arg(root().join("xtask/gpu-check.py"))
+        .arg("--enforcer")
+        .arg(target_dir()?.join("release/genv-enforcer"))
+        .args(args.iter().skip_while(|a| *a == "--"))
+        .env("PATH", path))
+}
