@@ -18,6 +18,15 @@ use serde_json::json;
 const DEATH: Duration = Duration::from_secs(30);
 const SIGTERM: i32 = libc::SIGTERM;
 
+/// The exec storm (every daemon on the machine sees its 2000 execs) and the test that
+/// requires no full cycle in its span (a daemon that lost events resynchronises with
+/// one) do not run at once.
+static STORM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn storm_apart() -> std::sync::MutexGuard<'static, ()> {
+    STORM.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A node with two GPUs, no environment yet, and a test node for GPU 0.
 fn node() -> (Node, PathBuf) {
     let node = Node::new(2);
@@ -68,6 +77,7 @@ fn a_process_outside_any_environment_is_terminated_when_it_opens_a_gpu() {
 /// one, not left to the next full cycle (an hour away here).
 #[test]
 fn a_context_created_long_after_the_open_is_answered_before_the_full_cycle() {
+    let _apart = storm_apart();
     let (mut node, gpu) = node();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
@@ -309,6 +319,7 @@ fn opens_are_seen_whatever_the_way_in() {
 
 #[test]
 fn a_storm_of_execs_loses_nothing_without_a_resync() {
+    let _apart = storm_apart();
     let (mut node, gpu) = node();
     // A one-page ring buffer, and the daemon stopped while it fills: the rogue's open is
     // lost for sure, and only the resynchronising full cycle can find it.

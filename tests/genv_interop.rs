@@ -42,12 +42,14 @@ fn reads_what_genv_writes_and_prints_the_same_snapshot() {
     let genv = Genv::get();
     let gpu_pid = activate(&mut node, "interop", 2, &[(0, 300), (1, 200)]);
     // Wait until the GPU process runs in the environment (genv's shell is asynchronous).
-    for _ in 0..100 {
-        if std::fs::read(format!("/proc/{gpu_pid}/environ"))
-            .is_ok_and(|e| e.windows(22).any(|w| w == b"GENV_ENVIRONMENT_ID=in"))
-        {
-            break;
-        }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !std::fs::read(format!("/proc/{gpu_pid}/environ"))
+        .is_ok_and(|e| e.windows(22).any(|w| w == b"GENV_ENVIRONMENT_ID=in"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the GPU process is not in the environment after 30 s"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let theirs = genv

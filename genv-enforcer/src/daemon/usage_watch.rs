@@ -39,6 +39,10 @@ const AFTER_OPEN: [Duration; 4] = [
     Duration::from_secs(1),
     Duration::from_secs(3),
 ];
+/// After the exit of a listed process, when to look again: the event comes as the
+/// process begins to exit, and NVML lists its context until its descriptors are
+/// closed, later in that exit (the snapshot the event itself calls for can be early).
+const AFTER_EXIT: [Duration; 2] = [Duration::from_millis(100), Duration::from_secs(1)];
 /// How often exit events are read (they do not wake the reader).
 const DRAIN_EVERY: Duration = Duration::from_millis(100);
 /// Snapshots are rate-limited: any user can open a GPU node, or write genv's world-
@@ -138,7 +142,23 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
             rechecks.retain(|at| *at <= now + AFTER_OPEN[0]);
             rechecks.extend(AFTER_OPEN.iter().map(|d| now + *d));
         }
+        if exited {
+            recheck_after_exit(&mut rechecks, Instant::now());
+        }
         due |= opened || exited;
+    }
+}
+
+/// Adds [`AFTER_EXIT`]'s looks, each unless one is due within the first of them after
+/// it (then up to twice that late): however many exits come, at most one look per that
+/// span is added.
+fn recheck_after_exit(rechecks: &mut Vec<Instant>, now: Instant) {
+    let span = AFTER_EXIT[0];
+    for after in AFTER_EXIT {
+        let at = now + after;
+        if !rechecks.iter().any(|r| *r >= at && *r <= at + span) {
+            rechecks.push(at + span);
+        }
     }
 }
 
@@ -313,4 +333,29 @@ fn stdin_hangup() -> oneshot::Receiver<()> {
         std::mem::forget(tx);
     }
     rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An exit is looked at again after it (NVML lists the context until the process's
+    /// descriptors close), and a storm of exits adds a bounded number of looks.
+    #[test]
+    fn an_exit_is_looked_at_again_and_a_storm_of_them_stays_bounded() {
+        let now = Instant::now();
+        let mut rechecks = Vec::new();
+        recheck_after_exit(&mut rechecks, now);
+        let span = AFTER_EXIT[0];
+        assert_eq!(
+            rechecks,
+            [now + AFTER_EXIT[0] + span, now + AFTER_EXIT[1] + span]
+        );
+        // A thousand exits within 10 ms of each other: no more looks than the span
+        // they cover allows.
+        for i in 0..1000 {
+            recheck_after_exit(&mut rechecks, now + Duration::from_micros(10 * i));
+        }
+        assert!(rechecks.len() <= 4, "{}", rechecks.len());
+    }
 }
