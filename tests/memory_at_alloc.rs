@@ -565,16 +565,8 @@ fn the_gpu_check_passes_when_the_cap_holds_and_fails_when_it_does_not() {
             .arg(genv_enforcer_tests::workspace_root().join("xtask/gpu-check.py"))
             .args(["--enforcer", artefact("genv-enforcer").to_str().unwrap()])
             .args(["--workloads", "fake", "--cap", "1g", "--step", "256"])
-            .args([
-                "--settle",
-                "0.5",
-                "--pause",
-                "0.3",
-                "--timeout",
-                "60",
-                "--mode",
-                mode,
-            ])
+            .args(["--fine-step", "256", "--settle", "1", "--timeout", "60"])
+            .args(["--mode", mode])
             .arg("--state-dir")
             .arg(&node.state)
             .arg("--report")
@@ -604,10 +596,12 @@ fn the_gpu_check_passes_when_the_cap_holds_and_fails_when_it_does_not() {
     assert_eq!(code, Some(0), "{said}\n{stderr}");
     eprintln!("{said}");
     assert!(said.contains("- verdict: PASS"), "{said}");
-    // 3 × 256 MiB returned; the 4th crosses 10^9 bytes and is killed in its call.
+    // 3 × 256 MiB returned, each seen by NVML; the 4th crosses 10^9 bytes and is
+    // killed in its call.
     let row = said.lines().find(|l| l.starts_with("| fake |")).unwrap();
     assert!(
-        row.contains("| 768 MiB | 1024 MiB | 768 MiB (") && row.contains("| SIGKILL | pass |"),
+        row.contains("| 768 MiB | 1024 MiB | 768 MiB | 768 MiB (")
+            && row.contains("| SIGKILL | pass |"),
         "{row}"
     );
     assert!(said.contains("at the allocation"), "{said}");

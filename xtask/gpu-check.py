@@ -4,76 +4,86 @@ checked on a real GPU with real CUDA programs.
 
 Run as root on a GPU node with genv 1.4.3 and a genv-enforcer build (`cargo xtask
 gpu-check` builds one and passes it; on a node without cargo, run this file with
-`--enforcer PATH`). It starts `genv-enforcer enforce --event-driven --memory-at-alloc
-kill` on a private genv state directory, then, for each workload, in a genv environment
-made by genv's own shell commands (`genv activate`, `genv attach --index 0`, `genv config
-gpu-memory CAP`):
+`--enforcer PATH`, and `--genv PATH` where genv is not on PATH). It starts
+`genv-enforcer enforce --event-driven --memory-at-alloc kill` on a private genv state
+directory, then, for each workload, in a genv environment made by genv's own shell
+commands (`genv activate`, `genv attach --index GPU`, `genv config gpu-memory CAP`):
 
-1. the workload starts CUDA and says so; its NVML usage then (the process's context, and
-   what its library set up) is the context overhead of this run;
-2. once the daemon holds the environment's cap in the kernel, it allocates STEP MiB at a
-   time, saying the total after each call that returned and pausing (PAUSE) for NVML's
-   sampling, up to twice the cap.
+1. the workload starts CUDA and says so; after SETTLE seconds (past the daemon's memory
+   poll, which takes the context into its figure), its NVML usage is the context
+   overhead of this run;
+2. once the daemon holds the environment's cap in the kernel, the check has the workload
+   allocate STEP MiB at a time, then FINE_STEP MiB once within APPROACH MiB of the cap,
+   one allocation per request; after each that returned, it reads NVML's figure for the
+   environment (until it shows the allocation) before the next. It stops at twice the
+   cap. The workloads allocate and never launch a kernel (a kernel would load modules
+   and grow the context after the overhead was read).
 
 It passes when, for every workload:
-- the allocations up to the cap returned: the one killed was the first whose total, with
-  the overhead, crosses the cap (within TOLERANCE for the driver's rounding);
+- the allocations up to the cap returned, and the one killed would have crossed it: its
+  total with the overhead is over the cap, the last one's is not (within TOLERANCE MiB,
+  the driver's rounding);
 - the process died of SIGKILL in that call, which never returned;
-- NVML, sampled every 50 ms throughout, never showed the environment over its cap by more
-  than the overhead, and did show what was allocated (else the sampling judged nothing);
-- the daemon said `... killed process P at the allocation` for it.
+- NVML, read after every allocation and sampled every 50 ms throughout, never showed the
+  environment over its cap (within TOLERANCE), and showed every allocation that returned;
+- the daemon said `... killed process P at the allocation` for it, and never that it
+  could not.
 
 Workloads: `torch` (PyTorch's caching allocator: cuMemAlloc), `torch-expandable`
 (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`: cuMemCreate), `cupy`, and `fake`
 (the test suite's cuda-user on the fake libcuda and NVML: how the suite checks this
-script without a GPU). The report (Markdown) goes to --report, or stdout.
+script without a GPU). The report (Markdown) goes to --report, and to stdout.
 """
 
 import argparse
+import ctypes
 import json
 import os
 import queue
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 MIB = 1 << 20
 
-# A program in a genv shell: start CUDA, say `context`, wait for `go`, then allocate.
+# A program in a genv shell: start CUDA, say `context`, then for each `go N` line
+# allocate N MiB and say the total; anything else (or the end of input) ends it.
 PROGRAMS = {
     "torch": """
-import os, sys, time, torch
+import sys, torch
 torch.cuda.init()
-x = torch.empty(1, device="cuda")
+held, total = [torch.empty(1, device="cuda")], 0
 torch.cuda.synchronize()
 print("context", flush=True)
-sys.stdin.readline()
-step, limit, held, total = int(os.environ["GC_STEP_MIB"]), int(os.environ["GC_LIMIT_MIB"]), [], 0
-while total < limit:
-    held.append(torch.empty(step * 1048576, dtype=torch.uint8, device="cuda"))
+while True:
+    line = sys.stdin.readline()
+    if not line.startswith("go "):
+        break
+    mib = int(line.split()[1])
+    held.append(torch.empty(mib * 1048576, dtype=torch.uint8, device="cuda"))
     torch.cuda.synchronize()
-    total += step
+    total += mib
     print("allocated", total, flush=True)
-    time.sleep(float(os.environ["GC_PAUSE"]))
-print("done", flush=True)
 """,
     "cupy": """
-import os, sys, time, cupy
-x = cupy.empty(1, dtype=cupy.uint8)
-cupy.cuda.Device(0).synchronize()
+import sys, cupy
+held, total = [cupy.empty(1, dtype=cupy.uint8)], 0
+cupy.cuda.Device().synchronize()
 print("context", flush=True)
-sys.stdin.readline()
-step, limit, held, total = int(os.environ["GC_STEP_MIB"]), int(os.environ["GC_LIMIT_MIB"]), [], 0
-while total < limit:
-    held.append(cupy.empty(step * 1048576, dtype=cupy.uint8))
-    cupy.cuda.Device(0).synchronize()
-    total += step
+while True:
+    line = sys.stdin.readline()
+    if not line.startswith("go "):
+        break
+    mib = int(line.split()[1])
+    held.append(cupy.empty(mib * 1048576, dtype=cupy.uint8))
+    cupy.cuda.Device().synchronize()
+    total += mib
     print("allocated", total, flush=True)
-    time.sleep(float(os.environ["GC_PAUSE"]))
-print("done", flush=True)
 """,
 }
 PROGRAMS["torch-expandable"] = PROGRAMS["torch"]
@@ -91,18 +101,20 @@ def parse_size(text):
     return int(text)
 
 
+class Failure(Exception):
+    pass
+
+
 class Lines:
     """A stream's lines, read by a thread, kept and waited on."""
 
-    def __init__(self, stream, echo=None):
+    def __init__(self, stream, echo):
         self.seen, self.queue, self.ended = [], queue.Queue(), False
-        self.echo = echo
 
         def read():
             for line in stream:
                 line = line.rstrip("\n")
-                if self.echo:
-                    print(f"{self.echo}{line}", file=sys.stderr, flush=True)
+                print(f"{echo}{line}", file=sys.stderr, flush=True)
                 self.queue.put(line)
             self.queue.put(None)
 
@@ -113,7 +125,7 @@ class Lines:
         if self.ended:
             return None
         try:
-            line = self.queue.get(timeout=timeout)
+            line = self.queue.get(timeout=max(timeout, 0))
         except queue.Empty:
             return None
         if line is None:
@@ -122,10 +134,10 @@ class Lines:
             self.seen.append(line)
         return line
 
-    def expect(self, *needles, timeout=60):
-        """The first line (seen or to come) containing every one of `needles`."""
+    def expect(self, *needles, timeout, since=0):
+        """The first line from the `since`th on (seen or to come) holding all `needles`."""
         deadline = time.monotonic() + timeout
-        for line in self.seen:
+        for line in self.seen[since:]:
             if all(n in line for n in needles):
                 return line
         while time.monotonic() < deadline:
@@ -134,22 +146,18 @@ class Lines:
                 break
             if line is not None and all(n in line for n in needles):
                 return line
-        raise Failure(f"the daemon did not say {' … '.join(needles)!r} within {timeout} s")
+        raise Failure(f"the daemon did not say {' … '.join(needles)!r} within {timeout:.0f} s")
 
 
-class Failure(Exception):
-    pass
-
-
-class Sampler:
-    """The environment's NVML usage on the GPU, as `genv-enforcer usage snapshot` reads it
-    (NVML's per-process used memory), every 50 ms, in a thread."""
+class Nvml:
+    """The environment's usage on the GPU as NVML reports it per process, read through
+    `genv-enforcer usage snapshot`; and a thread sampling it every 50 ms for the peak."""
 
     def __init__(self, args, env, eid):
         self.args, self.env, self.eid = args, env, eid
         self.peak, self.samples, self.errors = 0, 0, []
         self.running = True
-        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
 
     def now(self):
@@ -166,15 +174,25 @@ class Sampler:
             for usage in process.get("used_gpu_memory") or []:
                 if usage["index"] == self.args.gpu:
                     used += parse_size(usage["gpu_memory"])
+        self.peak = max(self.peak, used)
         return used
 
-    def run(self):
+    def at_least(self, floor, timeout=5):
+        """NVML's figure once it is `floor` or more (the driver's list can lag the
+        call's return), or the last one read after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            used = self.now()
+            if used >= floor or time.monotonic() > deadline:
+                return used
+            time.sleep(0.05)
+
+    def sample(self):
         while self.running:
             try:
-                used = self.now()
-                self.peak = max(self.peak, used)
+                self.now()
                 self.samples += 1
-            except Exception as e:  # said in the report, never silently dropped
+            except Exception as e:  # said in the report, never dropped
                 self.errors.append(str(e))
             time.sleep(0.05)
 
@@ -184,31 +202,28 @@ class Sampler:
 
 
 class Workload:
-    """One workload's process in its genv environment, and what it said."""
+    """One workload's process in its genv environment, driven one allocation at a time."""
 
     def __init__(self, args, env, name, eid):
-        cap = args.cap
         setup = (
             f'eval "$(genv shell --init)"; genv activate --id {eid} --no-prompt'
-            f" && genv attach --index {args.gpu} && genv config gpu-memory {cap}"
+            f" && genv attach --index {args.gpu} && genv config gpu-memory {args.cap}"
         )
-        env = dict(env, GC_STEP_MIB=str(args.step), GC_PAUSE=str(args.pause),
-                   GC_LIMIT_MIB=str(2 * parse_size(cap) // MIB))
-        env.update(ENVIRONMENT.get(name, {}))
-        if name == "fake":
-            # Driven from here, call by call (its protocol: one call a line, `ok VALUE`).
+        env = dict(env, **ENVIRONMENT.get(name, {}))
+        self.fake = name == "fake"
+        if self.fake:
+            # cuda-user: one call a line, answered `ok VALUE` or `err CODE`.
             script = f'{setup} && exec "$CUDA_USER"'
         else:
             env["GC_PROGRAM"] = PROGRAMS[name]
-            script = f'{setup} && exec python3 -u -c "$GC_PROGRAM"'
-        self.fake = name == "fake"
+            script = f'{setup} && exec {shlex.quote(args.python)} -u -c "$GC_PROGRAM"'
+        # exec: the process checked is the workload itself, with the shell's pid.
         self.process = subprocess.Popen(
             ["bash", "-c", script], env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr,
         )
         self.lines = Lines(self.process.stdout, echo=f"[{name}] ")
-        self.step, self.pause = args.step, args.pause
-        self.limit = 2 * parse_size(cap) // MIB
+        self.total = 0
 
     def say(self, line):
         try:
@@ -227,36 +242,31 @@ class Workload:
                 if not answer.startswith("ok"):
                     raise Failure(f"{call}: {answer!r}")
             return
-        while True:
-            line = self.lines.next(timeout)
-            if line is None:
-                raise Failure(f"no `context` line within {timeout} s")
-            if line == "context":
-                return
+        line = self.lines.next(timeout)
+        if line != "context":
+            raise Failure(f"the workload did not start CUDA: {line!r}")
 
-    def allocate(self, timeout):
-        """Allocations until one does not return; the totals that returned."""
-        totals = []
-        if not self.fake:
-            self.say("go")
-        while True:
-            if self.fake:
-                if (totals[-1] if totals else 0) >= self.limit:
-                    self.process.stdin.close()  # cuda-user ends at the end of its input
-                    return totals
-                self.say(f"alloc {self.step}")
-            line = self.lines.next(timeout)
-            if line is None:
-                return totals
-            if self.fake and line.startswith("ok"):
-                totals.append((totals[-1] if totals else 0) + self.step)
-                time.sleep(self.pause)
-            elif line.startswith("allocated "):
-                totals.append(int(line.split()[1]))
-            elif line == "done":
-                return totals
+    def allocate(self, mib, timeout):
+        """One allocation of `mib` MiB: the total after it, or None if it never returned
+        (the process is gone)."""
+        self.say(f"alloc {mib}" if self.fake else f"go {mib}")
+        line = self.lines.next(timeout)
+        if line is None:
+            return None
+        if self.fake and line.startswith("ok"):
+            self.total += mib
+        elif line.startswith("allocated "):
+            self.total = int(line.split()[1])
+        else:
+            raise Failure(f"unexpected answer to an allocation: {line!r}")
+        return self.total
 
-    def wait(self, timeout):
+    def finish(self, timeout):
+        """Ends the input (the workload then exits); its exit status, or None."""
+        try:
+            self.process.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -266,121 +276,164 @@ class Workload:
 
 
 def check(args, env, daemon, name):
-    """One workload; its row of the report, and whether it passed."""
+    """One workload; its row of the report, the daemon's lines about it, and whether it
+    passed."""
     eid = f"gc-{name}"
-    cap = parse_size(args.cap)
+    cap, tol = parse_size(args.cap), args.tolerance * MIB
+    since = len(daemon.seen)
     workload = Workload(args, env, name, eid)
-    sampler = Sampler(args, env, eid)
-    problems = []
+    nvml = Nvml(args, env, eid)
+    problems, last_seen, requested = [], 0, 0
     try:
         workload.start_cuda(args.timeout)
         time.sleep(args.settle)
-        overhead = sampler.now()
-        daemon.expect("caps held at the allocation: ", f"{eid} {args.cap}", timeout=args.timeout)
-        totals = workload.allocate(args.timeout)
-        status = workload.wait(args.timeout)
+        overhead = nvml.now()
+        daemon.expect("caps held at the allocation: ", f"{eid} {args.cap}",
+                      timeout=args.timeout, since=since)
+        while workload.total * MIB < 2 * cap:
+            near = workload.total * MIB + overhead + args.step * MIB > cap - args.approach * MIB
+            requested = args.fine_step if near else args.step
+            total = workload.allocate(requested, args.timeout)
+            if total is None:
+                break
+            last_seen = nvml.at_least(total * MIB + overhead - tol)
+            if last_seen < total * MIB + overhead - tol:
+                problems.append(f"NVML showed {last_seen // MIB} MiB after {total} MiB returned")
+            if last_seen > cap + tol:
+                problems.append(f"NVML showed {last_seen // MIB} MiB, over the cap")
+        status = workload.finish(args.timeout)
     finally:
-        sampler.stop()
+        nvml.stop()
         if workload.process.poll() is None:
             workload.process.kill()
-    pid = workload.process.pid
-    returned = totals[-1] if totals else 0
+    pid, returned = workload.process.pid, workload.total
     if status != -signal.SIGKILL:
         problems.append(f"the workload ended with {status}, not SIGKILL")
-    tolerance, returned_b, step = args.tolerance * MIB, returned * MIB, args.step * MIB
-    if returned_b + overhead > cap + tolerance:
-        problems.append(f"{returned} MiB returned, over the cap with the overhead")
-    if status == -signal.SIGKILL and returned_b + step + overhead <= cap - tolerance:
-        problems.append(f"killed at {returned + args.step} MiB, with room left under the cap")
-    if sampler.peak > cap + overhead:
-        problems.append(f"NVML showed {sampler.peak // MIB} MiB, over cap + overhead")
-    if sampler.peak + tolerance < returned_b + overhead:
-        problems.append(f"NVML never showed what was allocated ({sampler.peak // MIB} MiB "
-                        f"at most): the sampling saw too little to judge")
-    if sampler.errors:
-        problems.append(f"NVML sampling failed {len(sampler.errors)} times: {sampler.errors[0]}")
-    said = [l for l in daemon.seen if "at the allocation" in l and f"process {pid} " in l]
-    if status == -signal.SIGKILL and not said:
+    else:
+        if returned * MIB + overhead > cap + tol:
+            problems.append(f"{returned} MiB returned, over the cap with the overhead")
+        if (returned + requested) * MIB + overhead <= cap - tol:
+            problems.append(f"killed at {returned + requested} MiB, with room left under the cap")
+    if nvml.peak > cap + tol:
+        problems.append(f"NVML's peak {nvml.peak // MIB} MiB is over the cap")
+    if nvml.errors:
+        problems.append(f"NVML sampling failed {len(nvml.errors)} times: {nvml.errors[0]}")
+    said = [line for line in daemon.seen[since:] if f"process {pid} at the allocation" in line]
+    if any(f"could NOT kill process {pid}" in line for line in daemon.seen[since:]):
+        problems.append("the daemon could not kill it")
+    if status == -signal.SIGKILL and not any(f"killed process {pid} at" in l for l in said):
         try:
-            said = [daemon.expect(f"killed process {pid} at the allocation", timeout=10)]
+            said.append(daemon.expect(f"killed process {pid} at the allocation",
+                                      timeout=10, since=since))
         except Failure as e:
             problems.append(str(e))
+    end = "SIGKILL" if status == -signal.SIGKILL else status
     row = (
-        f"| {name} | {args.cap} | {args.step} MiB | {overhead // MIB} MiB | {returned} MiB "
-        f"| {returned + args.step} MiB | {sampler.peak // MIB} MiB ({sampler.samples} samples) "
-        f"| {'SIGKILL' if status == -signal.SIGKILL else status} "
+        f"| {name} | {args.cap} | {args.step}/{args.fine_step} MiB | {overhead // MIB} MiB "
+        f"| {returned} MiB | {returned + requested} MiB | {last_seen // MIB} MiB "
+        f"| {nvml.peak // MIB} MiB ({nvml.samples} samples) | {end} "
         f"| {'pass' if not problems else 'FAIL: ' + '; '.join(problems)} |"
     )
     return row, said, not problems
 
 
-def main():
+def die_with_parent():
+    """In the daemon's child, before exec: SIGTERM when this script goes, however."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--enforcer", required=True, help="the genv-enforcer binary")
+    parser.add_argument("--genv", help="genv's executable (default: genv on PATH)")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the Python with torch and cupy (default: this one)")
     parser.add_argument("--workloads", default="torch,torch-expandable,cupy")
     parser.add_argument("--cap", default="4g", help="the environments' gpu_memory")
     parser.add_argument("--step", type=int, default=512, help="MiB per allocation")
+    parser.add_argument("--fine-step", type=int, default=32,
+                        help="MiB per allocation within APPROACH of the cap: how closely "
+                             "the crossing is located")
+    parser.add_argument("--approach", type=int, default=1024, help="MiB")
     parser.add_argument("--gpu", type=int, default=0)
     parser.add_argument("--mode", default="kill", choices=["kill", "report"],
                         help="--memory-at-alloc (report: the check must fail)")
-    parser.add_argument("--pause", type=float, default=0.25,
-                        help="seconds between allocations (NVML is sampled every 50 ms)")
     parser.add_argument("--settle", type=float, default=2.0,
-                        help="seconds between CUDA's start and the overhead's reading")
+                        help="seconds between CUDA's start and reading the overhead")
     parser.add_argument("--tolerance", type=int, default=64,
                         help="MiB of the driver's rounding allowed around the cap")
     parser.add_argument("--timeout", type=float, default=120)
     parser.add_argument("--state-dir", help="genv's state directory (default: a fresh one)")
-    parser.add_argument("--report", help="write the Markdown report here")
-    parser.add_argument("daemon_args", nargs="*",
-                        help="more genv-enforcer enforce flags, after --")
+    parser.add_argument("--report", help="also write the Markdown report here")
+    parser.add_argument("daemon_args", nargs="*", help="more `enforce` flags, after --")
     args = parser.parse_args()
+    for name in args.workloads.split(","):
+        if name not in PROGRAMS and name != "fake":
+            parser.error(f"--workloads: unknown workload {name!r}")
+    return args
+
+
+def main():
+    args = parse_args()
     if os.geteuid() != 0:
         sys.exit("gpu-check: run it as root (the daemon loads kernel programs)")
-    state = args.state_dir or subprocess.check_output(
-        ["mktemp", "-d", "/tmp/genv-gpu-check.XXXXXX"], text=True).strip()
+    # A SIGTERM (a timeout's) runs the cleanup below like any exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    scratch = tempfile.mkdtemp(prefix="genv-gpu-check.")
+    state = args.state_dir or os.path.join(scratch, "genv")
+    os.makedirs(state, exist_ok=True)
     env = dict(os.environ, GENV_TMPDIR=state)
     env.pop("GENV_ENVIRONMENT_ID", None)
+    if args.genv:
+        # Only genv: the directory it lives in may hold another python3.
+        os.symlink(os.path.abspath(args.genv), os.path.join(scratch, "genv"))
+        env["PATH"] = f"{scratch}:{env.get('PATH', '')}"
     command = [args.enforcer, "enforce", "--event-driven", "--verbose",
                "--memory-at-alloc", args.mode, "--interval", "3600",
-               "--run-dir", state.rstrip("/") + "-run"] + args.daemon_args
+               "--run-dir", os.path.join(scratch, "run")] + args.daemon_args
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     daemon = subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
+                              stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     lines = Lines(daemon.stdout, echo="[daemon] ")
     rows, said, passed = [], [], True
     try:
         lines.expect("are held to their environment's gpu_memory", timeout=args.timeout)
         for name in args.workloads.split(","):
-            if name not in PROGRAMS and name != "fake":
-                sys.exit(f"gpu-check: --workloads: unknown workload {name!r}")
             try:
-                row, lines_said, ok = check(args, env, lines, name)
+                row, about, ok = check(args, env, lines, name)
             except Failure as e:
-                row, lines_said, ok = f"| {name} | {args.cap} | | | | | | | FAIL: {e} |", [], False
+                row, about, ok = f"| {name} | {args.cap} | | | | | | | | FAIL: {e} |", [], False
             rows.append(row)
-            said += lines_said
+            said += about
             passed &= ok
+    except Failure as e:
+        rows.append(f"| (daemon) | | | | | | | | | FAIL: {e} |")
+        passed = False
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:
             daemon.wait(30)
         except subprocess.TimeoutExpired:
             daemon.kill()
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                          "--format=csv,noheader", "-i", str(args.gpu)],
-                         capture_output=True, text=True, env=env)
+        shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader", "-i", str(args.gpu)],
+                             capture_output=True, text=True, env=env, timeout=30)
+        gpu = gpu.stdout.strip() or f"nvidia-smi: {gpu.stderr.strip()}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        gpu = f"nvidia-smi: {e}"
     report = "\n".join([
         f"# gpu-check, {started}",
         "",
-        f"- GPU {args.gpu}: {gpu.stdout.strip() or 'nvidia-smi: ' + gpu.stderr.strip()}; "
-        f"kernel {os.uname().release}",
+        f"- GPU {args.gpu}: {gpu}; kernel {os.uname().release}",
         f"- daemon: `{' '.join(shlex.quote(c) for c in command)}`",
         f"- verdict: {'PASS' if passed else 'FAIL'}",
         "",
-        "| workload | cap | step | context overhead | allocations returned | killed at "
-        "| NVML peak | end | check |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | cap | steps | context overhead | allocations returned | killed at "
+        "| NVML after the last | NVML peak | end | check |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "The daemon's lines:",

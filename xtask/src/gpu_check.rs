@@ -22,15 +22,13 @@ pub fn run_check(args: &[String]) -> Result<()> {
         run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
         run(Command::new(venv.join("bin/pip")).args(["install", "-q", "genv==1.4.3"]))?;
     }
-    let path = format!(
-        "{}:{}",
-        venv.join("bin").display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
+    // The system's python3 runs the check and the workloads (torch and cupy are
+    // there); only genv comes from the venv.
     run(Command::new("python3")
         .arg(root().join("xtask/gpu-check.py"))
         .arg("--enforcer")
         .arg(target_dir()?.join("release/genv-enforcer"))
-        .args(args.iter().skip_while(|a| *a == "--"))
-        .env("PATH", path))
+        .arg("--genv")
+        .arg(venv.join("bin/genv"))
+        .args(args.iter().skip_while(|a| *a == "--")))
 }
