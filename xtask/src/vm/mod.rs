@@ -232,16 +232,16 @@ fn test_on(
     let mut console = boot(guest, series, kernel, options, &options.tiers)?;
     let mut rebooted = None;
     if console.status.is_none()
-        && let Some(oops) = patch_race::int3_oops(&console.lines)
+        && let Some(why) = patch_race::excused(&console.lines)
     {
         let left: Vec<String> = (options.tiers.iter())
             .filter(|tier| !console.tiers.iter().any(|(ended, ..)| ended == *tier))
             .cloned()
             .collect();
         eprintln!(
-            "vm-test: kernel {version}: the guest died of an int3 in kernel text being patched, \
-             {oops}: QEMU/TCG racing a trampoline's text_poke (xtask/src/vm/patch_race.rs); \
-             booting it once more for the tiers that had not ended: {}",
+            "vm-test: kernel {version}: the guest {why}: QEMU/TCG racing a trampoline's \
+             text_poke (xtask/src/vm/patch_race.rs); booting it once more for the tiers that \
+             had not ended: {}",
             left.join(", ")
         );
         let again = boot(guest, series, kernel, options, &left)?;
@@ -252,7 +252,7 @@ fn test_on(
         console.status = again
             .status
             .map(|s| if earlier_failed { s.max(1) } else { s });
-        rebooted = Some(format!("rebooted once after {oops}"));
+        rebooted = Some(format!("rebooted once: the guest {why}"));
     }
     let (Some(status), Some(booted)) = (console.status, console.booted) else {
         bail!(

@@ -41,7 +41,19 @@ pub fn boot(
     loop {
         let left = deadline.saturating_sub(started.elapsed());
         match receive.recv_timeout(left) {
-            Ok(line) => console.take(line.trim_end_matches('\r')),
+            Ok(line) => {
+                console.take(line.trim_end_matches('\r'));
+                // Wedged for good (patch_race): stopped now, not at the deadline.
+                if super::patch_race::wedged(&console.lines[console.lines.len() - 1..]).is_some() {
+                    eprintln!(
+                        "vm-test: kernel {}: the guest is wedged (its watchdog says a daemon's \
+                         CPU is stuck); stopping it",
+                        series.version
+                    );
+                    let _ = child.kill();
+                    break;
+                }
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 let _ = child.kill();
                 let _ = child.wait();
