@@ -53,38 +53,37 @@ MIB = 1 << 20
 
 # A program in a genv shell: start CUDA, say `context`, then for each `go N` line
 # allocate N MiB and say the total; anything else (or the end of input) ends it.
+LOOP = """
+print("context", flush=True)
+while True:
+    line = sys.stdin.readline()
+    if not line.startswith("go "):
+        break
+    mib = int(line.split()[1])
+    held.append({alloc})
+    {sync}
+    total += mib
+    print("allocated", total, flush=True)
+"""
+# Per library: how it starts CUDA (holding a first, tiny allocation), allocates N MiB,
+# and waits for the device.
+LIBRARIES = {
+    "torch": (
+        'import sys, torch\ntorch.cuda.init()\nheld, total = [torch.empty(1, device="cuda")], 0\n'
+        "torch.cuda.synchronize()\n",
+        'torch.empty(mib * 1048576, dtype=torch.uint8, device="cuda")',
+        "torch.cuda.synchronize()",
+    ),
+    "cupy": (
+        "import sys, cupy\nheld, total = [cupy.empty(1, dtype=cupy.uint8)], 0\n"
+        "cupy.cuda.Device().synchronize()\n",
+        "cupy.empty(mib * 1048576, dtype=cupy.uint8)",
+        "cupy.cuda.Device().synchronize()",
+    ),
+}
 PROGRAMS = {
-    "torch": """
-import sys, torch
-torch.cuda.init()
-held, total = [torch.empty(1, device="cuda")], 0
-torch.cuda.synchronize()
-print("context", flush=True)
-while True:
-    line = sys.stdin.readline()
-    if not line.startswith("go "):
-        break
-    mib = int(line.split()[1])
-    held.append(torch.empty(mib * 1048576, dtype=torch.uint8, device="cuda"))
-    torch.cuda.synchronize()
-    total += mib
-    print("allocated", total, flush=True)
-""",
-    "cupy": """
-import sys, cupy
-held, total = [cupy.empty(1, dtype=cupy.uint8)], 0
-cupy.cuda.Device().synchronize()
-print("context", flush=True)
-while True:
-    line = sys.stdin.readline()
-    if not line.startswith("go "):
-        break
-    mib = int(line.split()[1])
-    held.append(cupy.empty(mib * 1048576, dtype=cupy.uint8))
-    cupy.cuda.Device().synchronize()
-    total += mib
-    print("allocated", total, flush=True)
-""",
+    name: start + LOOP.format(alloc=alloc, sync=sync)
+    for name, (start, alloc, sync) in LIBRARIES.items()
 }
 PROGRAMS["torch-expandable"] = PROGRAMS["torch"]
 ENVIRONMENT = {"torch-expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
