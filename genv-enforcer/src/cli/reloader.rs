@@ -63,7 +63,6 @@ pub fn reloader(argv: Vec<OsString>, started: &EnforceArgs) -> Reloader {
                 "the file changes settings only a restart changes (the tier, deny, pins, sources, identity policy, verbose, metrics-addr): restart the daemon to apply it"
             );
         }
-        let warnings = Vec::new();
         let config = EnforceConfig::from_args(args)?;
         let (interval, memory_interval) = match config.mode {
             Mode::EventDriven(settings) => (settings.interval, Some(settings.memory_interval)),
@@ -76,6 +75,7 @@ pub fn reloader(argv: Vec<OsString>, started: &EnforceArgs) -> Reloader {
             memory_interval,
             execution: config.execution,
         };
-        Ok((reloadable, warnings))
+        // What the rules say of themselves, as at start (said as SIGHUP's).
+        Ok((reloadable, config.warnings))
     }))
 }

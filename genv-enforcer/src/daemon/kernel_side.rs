@@ -179,7 +179,7 @@ impl KernelSide {
             &settings.allow_exes,
         )?;
         tracing::info!("Allowed to open GPU nodes outside environments: {allowed}");
-        Ok(allowed.to_string())
+        Ok(allowed)
     }
 
     /// After a full cycle: the watched nodes follow the snapshot's device map, and the kernel's

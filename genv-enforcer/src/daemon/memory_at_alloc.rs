@@ -252,13 +252,14 @@ impl AllocSide {
     }
 
     /// A process exec'ed (`exiting: false`: its old image's memory is gone) or began
-    /// exiting: its charges come off now, or once it is gone.
+    /// exiting: its charges come off now, or once it is gone ([`Self::settle_exits`],
+    /// which the daemon calls after every batch of events).
     pub(super) fn exited(&mut self, programs: &mut KernelPrograms, pid: u32, exiting: bool) {
         self.looks.remove(&pid);
         let Some(started) = self.cuda_pids.remove(&pid) else {
             return;
         };
-        if exiting && still_exiting(pid, started) {
+        if exiting {
             self.exiting.insert(pid, started);
             return;
         }
@@ -270,18 +271,13 @@ impl AllocSide {
     /// The exiting processes now gone have their charges taken off; whether some are
     /// still exiting (the daemon looks again soon).
     pub(super) fn settle_exits(&mut self, programs: &mut KernelPrograms) -> bool {
-        let gone: Vec<u32> = self
-            .exiting
-            .iter()
-            .filter(|(pid, started)| !still_exiting(**pid, **started))
-            .map(|(pid, _)| *pid)
-            .collect();
-        for pid in gone {
-            self.exiting.remove(&pid);
-            if let Some(maps) = programs.alloc_mut() {
+        self.exiting.retain(|&pid, &mut started| {
+            let gone = !still_exiting(pid, started);
+            if let (true, Some(maps)) = (gone, programs.alloc_mut()) {
                 maps.process_exited(pid);
             }
-        }
+            !gone
+        });
         !self.exiting.is_empty()
     }
 
@@ -298,8 +294,7 @@ impl AllocSide {
 fn still_exiting(pid: u32, started: u64) -> bool {
     use crate::backends::procfs;
     procfs::stat(pid).is_ok_and(|st| {
-        st.start_time == started
-            && (!matches!(st.state, 'Z' | 'X' | 'x') || procfs::has_other_threads(pid))
+        st.start_time == started && (!st.is_zombie() || procfs::has_other_threads(pid))
     })
 }
 

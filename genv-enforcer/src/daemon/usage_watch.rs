@@ -111,7 +111,9 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
                     next_poll = Instant::now() + settings.poll;
                 }
                 Err(at) => {
-                    if !rechecks.contains(&at) {
+                    // One look is enough while one is due no later: a storm of changes
+                    // adds no more.
+                    if !rechecks.iter().any(|r| *r <= at) {
                         rechecks.push(at);
                     }
                     // A poll shorter than the limit's pace must not fire in a loop.

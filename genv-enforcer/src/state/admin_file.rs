@@ -3,9 +3,10 @@
 //! the administrator meant; but a FIFO or a device must not hold the daemon (a SIGHUP
 //! reload runs on its event loop), nor a huge file fill its memory.
 
-use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
+
+use super::safe_open::{OpenError, Refusal, read_capped, regular};
 
 /// The file's text; the error says why, without the path (the caller names it).
 pub fn read(path: &Path, limit: u64) -> Result<String, String> {
@@ -14,21 +15,15 @@ pub fn read(path: &Path, limit: u64) -> Result<String, String> {
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
         .map_err(|e| e.to_string())?;
-    let meta = file.metadata().map_err(|e| e.to_string())?;
-    if !meta.is_file() {
-        return Err("not a regular file".to_owned());
-    }
-    if meta.len() > limit {
-        return Err(format!("larger than {limit} bytes"));
-    }
-    let mut text = String::new();
-    file.take(limit + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| e.to_string())?;
-    if text.len() as u64 > limit {
-        return Err(format!("larger than {limit} bytes"));
-    }
-    Ok(text)
+    let said = |e: OpenError| match e {
+        OpenError::Refused(Refusal::NotRegular(_)) => "not a regular file".to_owned(),
+        OpenError::Refused(Refusal::TooLarge { cap }) => format!("larger than {cap} bytes"),
+        OpenError::Refused(refusal) => refusal.to_string(),
+        OpenError::Io(e) => e.to_string(),
+    };
+    regular(&file).map_err(said)?;
+    let bytes = read_capped(&file, limit).map_err(said)?;
+    String::from_utf8(bytes).map_err(|_| "stream did not contain valid UTF-8".to_owned())
 }
 
 #[cfg(test)]

@@ -440,7 +440,7 @@ fn kind(stat: &Stat) -> FileType {
 }
 
 /// Checks, on the descriptor itself, that what was opened is a regular file.
-fn regular(fd: &OwnedFd) -> Result<Stat, OpenError> {
+pub(super) fn regular(fd: impl std::os::fd::AsFd) -> Result<Stat, OpenError> {
     let stat = rfs::fstat(fd)?;
     match kind(&stat) {
         FileType::RegularFile => Ok(stat),
