@@ -1,8 +1,8 @@
 //! `cargo xtask gpu-check [-- ARGS]`: the real-GPU check of `--memory-at-alloc`
 //! (`xtask/gpu-check.py`, which says what it checks) with a release build and genv
-//! 1.4.3 from PyPI (`target/genv-venv`, as the tests use). On a GPU node without cargo,
+//! 1.4.3 from PyPI (the tests' `target/debug/genv-venv`). On a GPU node without cargo,
 //! carry the release binary and genv there and run the script itself:
-//! `python3 xtask/gpu-check.py --enforcer PATH [--report docs/gpu-check.md]`.
+//! `python3 xtask/gpu-check.py --enforcer PATH --genv PATH [--report docs/gpu-check.md]`.
 
 use std::process::Command;
 
@@ -17,17 +17,14 @@ pub fn run_check(args: &[String]) -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
     run(&mut cargo(&["build", "--release", "-p", "genv-enforcer"]))?;
     ensure_python_venv()?;
-    let venv = target_dir()?.join("genv-venv");
-    if !venv.join("bin/genv").exists() {
-        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-        run(Command::new(venv.join("bin/pip")).args(["install", "-q", "genv==1.4.3"]))?;
-    }
+    let target = target_dir()?;
+    let venv = crate::bench_footprint::genv_venv(&target)?;
     // The system's python3 runs the check and the workloads (torch and cupy are
     // there); only genv comes from the venv.
     run(Command::new("python3")
         .arg(root().join("xtask/gpu-check.py"))
         .arg("--enforcer")
-        .arg(target_dir()?.join("release/genv-enforcer"))
+        .arg(target.join("release/genv-enforcer"))
         .arg("--genv")
         .arg(venv.join("bin/genv"))
         .args(args.iter().skip_while(|a| *a == "--")))

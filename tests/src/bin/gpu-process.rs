@@ -305,9 +305,6 @@ fn reexec(value: &str, args: &[String]) -> ! {
     panic!("exec: {}", command.exec());
 }
 
-/// `--attempts`: outside processes trying to open a GPU node, many times over. Each
-/// child reports through a pipe the moment its open returns: one byte, `o` for a
-/// descriptor, `f` for a failure. A child killed inside the open writes nothing.
 /// How `--attempts` runs on: a number of attempts, or until a file exists.
 enum Until {
     Count(u32),
@@ -347,6 +344,10 @@ fn monotonic_us() -> u64 {
     now.tv_sec as u64 * 1_000_000 + now.tv_nsec as u64 / 1_000
 }
 
+/// `--attempts`: outside processes trying to open a GPU node, many times over. Each
+/// child reports through a pipe the moment its open returns: one byte, `o` for a
+/// descriptor, `n` for ENXIO, `p` for EPERM, `f` for another failure. A child killed
+/// inside the open writes nothing.
 fn attempt_loop(until: Until, path: &str, each: bool) -> ! {
     let name = cstr(path);
     let mut pipe = [0; 2];
