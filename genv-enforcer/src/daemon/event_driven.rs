@@ -208,8 +208,11 @@ impl Daemon {
                     schedule.full_now(Instant::now());
                 }
             }
-            self.status.nvml =
-                crate::backends::nvml::loaded_library().map(|p| p.display().to_string());
+            // Looked for in /proc/self/maps until it loads; a loaded NVML stays.
+            if self.status.nvml.is_none() {
+                self.status.nvml =
+                    crate::backends::nvml::loaded_library().map(|p| p.display().to_string());
+            }
             self.status.watching = self
                 .state_watch
                 .as_ref()
