@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use genv_enforcer_tests::events::{self, EventDaemon};
-use genv_enforcer_tests::{Genv, Node, artefact};
+use genv_enforcer_tests::{Daemon, Genv, Node, artefact};
 
 const DEATH: Duration = Duration::from_secs(10);
 
@@ -258,6 +258,47 @@ fn install_is_idempotent_and_uninstall_leaves_nothing_of_ours() {
     install(&node);
     xtask(&["uninstall"], &root);
     assert_eq!(std::fs::read_to_string(&link).unwrap(), "#!/bin/sh\n");
+}
+
+/// genv's loop (no `--event-driven`, as on a kernel without BPF) reloads as the
+/// event-driven daemon does: SIGHUP reads `--config` again, systemd hears RELOADING then
+/// READY around it, and the next cycle, at once, is under the new rules.
+#[test]
+fn sighup_reloads_genvs_loop_too() {
+    use std::os::unix::net::UnixDatagram;
+    let mut node = Node::new(1);
+    let config = node.dir.join("config.toml");
+    std::fs::write(&config, "non-env-processes = false\ninterval = 3600\n").unwrap();
+    let notify_path = node.dir.join("notify");
+    let notify = UnixDatagram::bind(&notify_path).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let heard = || {
+        let mut buf = [0u8; 256];
+        let n = notify.recv(&mut buf).expect("a notification within 60 s");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    node.enforcer_env
+        .push(("NOTIFY_SOCKET".into(), notify_path.display().to_string()));
+    let daemon = Daemon::start(&node, &["--config", config.to_str().unwrap()]);
+    assert_eq!(heard(), "READY=1");
+    let outsider = node.spawn(None, &[(0, 100)]);
+
+    std::fs::write(&config, "non-env-processes = true\ninterval = 3600\n").unwrap();
+    unsafe { libc::kill(daemon.pid() as i32, libc::SIGHUP) };
+    assert_eq!(heard(), "RELOADING=1");
+    assert_eq!(heard(), "READY=1");
+    daemon.expect_line(
+        "SIGHUP: settings read again and in force",
+        Duration::from_secs(20),
+    );
+    // The hour-long interval starts again from the reload: this cycle is the reload's.
+    daemon.expect_line(
+        &format!("Process {outsider} is not running in a GPU environment"),
+        Duration::from_secs(20),
+    );
+    assert_eq!(node.wait_exit(outsider, DEATH), Some(libc::SIGTERM));
 }
 
 /// The unit's daemon reads `--config`; SIGHUP reads it again and puts the new rules in

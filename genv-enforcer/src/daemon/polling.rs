@@ -37,14 +37,11 @@ pub async fn run(
             _ = tokio::time::sleep_until(wake.into()) => {}
             _ = stop.recv() => break,
             _ = hangup.recv() => {
-                let Some(new) = reload.as_mut().and_then(Reloader::read) else {
-                    continue;
-                };
-                enforcer.rules = new.rules;
-                enforcer.executor.reconfigure(new.execution);
-                interval = new.interval;
-                next_cycle = Instant::now();
-                tracing::info!("SIGHUP: settings read again and in force");
+                if let Some(new) = super::reload::reload(reload.as_mut(), &mut enforcer) {
+                    interval = new.interval;
+                    next_cycle = Instant::now();
+                    tracing::info!("SIGHUP: settings read again and in force");
+                }
             }
         }
     }

@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use crate::actions::ExecutorConfig;
+use crate::cycle::Enforcer;
 use crate::rules::Rules;
 
 /// What a reload can change in a running daemon.
@@ -48,6 +49,35 @@ impl Reloader {
             }
         }
     }
+}
+
+/// The periods a reload set, for the caller's schedule (the rules and execution settings
+/// are already in force on the enforcer).
+pub struct NewPeriods {
+    pub interval: Duration,
+    pub memory_interval: Option<Duration>,
+}
+
+/// SIGHUP, in either daemon: `--config` read again (systemd told `RELOADING=1`
+/// meanwhile) and its rules and execution settings put in force on `enforcer`; processes
+/// already signalled keep their grace period. `None` when nothing changed: no file to
+/// read, or one that cannot be used (said why; the running settings stay).
+pub fn reload(reloader: Option<&mut Reloader>, enforcer: &mut Enforcer) -> Option<NewPeriods> {
+    let Some(reloader) = reloader else {
+        tracing::info!("SIGHUP: no --config file to read again; nothing changes");
+        return None;
+    };
+    notify("RELOADING=1");
+    let periods = reloader.read().map(|new| {
+        enforcer.rules = new.rules;
+        enforcer.executor.reconfigure(new.execution);
+        NewPeriods {
+            interval: new.interval,
+            memory_interval: new.memory_interval,
+        }
+    });
+    notify("READY=1");
+    periods
 }
 
 /// SIGHUP, installed with the stop signals so that none is lost (its default would end

@@ -3,33 +3,26 @@
 
 use std::time::Instant;
 
-use super::super::reload::notify;
+use super::super::reload::reload;
 use super::super::schedule::Schedule;
 use super::Daemon;
 
 impl Daemon {
     pub(super) fn reload(&mut self, schedule: &mut Schedule) {
-        let Some(reloader) = self.settings.reload.as_mut() else {
-            tracing::info!("SIGHUP: no --config file to read again; nothing changes");
+        let Some(new) = reload(self.settings.reload.as_mut(), &mut self.enforcer) else {
             return;
         };
-        notify("RELOADING=1");
-        if let Some(new) = reloader.read() {
-            let memory = new.memory_interval.unwrap_or(self.settings.memory_interval);
-            self.enforcer.rules = new.rules;
-            self.enforcer.executor.reconfigure(new.execution);
-            self.settings.interval = new.interval;
-            self.settings.memory_interval = memory;
-            self.status.interval_s = new.interval.as_secs_f64();
-            self.status.memory_interval_s = memory.as_secs_f64();
-            // A full cycle at once, under the new rules.
-            schedule.set_periods(Instant::now(), new.interval, memory);
-            tracing::info!(
-                "SIGHUP: settings read again and in force ({:?}, every {:?}); the kernel programs stay attached",
-                self.enforcer.rules,
-                new.interval
-            );
-        }
-        notify("READY=1");
+        let memory = new.memory_interval.unwrap_or(self.settings.memory_interval);
+        self.settings.interval = new.interval;
+        self.settings.memory_interval = memory;
+        self.status.interval_s = new.interval.as_secs_f64();
+        self.status.memory_interval_s = memory.as_secs_f64();
+        // A full cycle at once, under the new rules.
+        schedule.set_periods(Instant::now(), new.interval, memory);
+        tracing::info!(
+            "SIGHUP: settings read again and in force ({:?}, every {:?}); the kernel programs stay attached",
+            self.enforcer.rules,
+            new.interval
+        );
     }
 }
