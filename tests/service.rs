@@ -367,7 +367,9 @@ fn sighup_reads_the_config_file_again_with_the_programs_attached() {
     )
     .unwrap();
     unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
-    daemon.expect("[ERROR] SIGHUP: the file changes settings only a restart changes");
+    daemon.expect(
+        "[ERROR] SIGHUP: the file changes settings only a restart changes (--deny: false -> true)",
+    );
     let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
     daemon.expect(&format!(
         "Process {rogue} is not running in a GPU environment"

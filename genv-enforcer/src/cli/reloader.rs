@@ -11,46 +11,50 @@ use super::config::{EnforceConfig, Mode};
 use super::config_file;
 use crate::daemon::reload::{Reloadable, Reloader};
 
-/// What only a restart changes: the kernel side, the sources, the identity policy.
-fn fixed(args: &EnforceArgs) -> String {
-    let e = &args.events;
-    format!(
-        "{:?}",
-        (
-            (
-                e.event_driven,
-                e.bpf_tier,
-                &e.gpu_node,
-                &e.run_dir,
-                e.deny,
-                e.deny_root
-            ),
-            (
-                &e.allow_exe,
-                e.keep_pinned,
-                &e.pin_dir,
-                e.bpf_log,
-                e.memory_at_alloc
-            ),
-            (
-                &e.cuda_lib,
-                e.ring_buffer_bytes,
-                &args.sources.nvml_lib,
-                e.metrics_addr,
-                e.verbose
-            ),
-            (
-                &args.sources.genv_tmpdir,
-                args.allow_unknown_env,
-                args.allow_foreign_env
-            ),
-            args.orphans,
-        )
-    )
+/// What only a restart changes (the kernel side, the sources, the identity policy),
+/// each under its flag, its value as text: enough to say which ones a file changed.
+fn restart_only(args: &EnforceArgs) -> Vec<(&'static str, String)> {
+    use std::fmt::Debug;
+    fn text(value: &dyn Debug) -> String {
+        format!("{value:?}")
+    }
+    let (e, s) = (&args.events, &args.sources);
+    vec![
+        ("--event-driven", text(&e.event_driven)),
+        ("--bpf-tier", text(&e.bpf_tier)),
+        ("--gpu-node", text(&e.gpu_node)),
+        ("--run-dir", text(&e.run_dir)),
+        ("--deny", text(&e.deny)),
+        ("--deny-root", text(&e.deny_root)),
+        ("--allow-exe", text(&e.allow_exe)),
+        ("--keep-pinned", text(&e.keep_pinned)),
+        ("--pin-dir", text(&e.pin_dir)),
+        ("--bpf-log", text(&e.bpf_log)),
+        ("--memory-at-alloc", text(&e.memory_at_alloc)),
+        ("--cuda-lib", text(&e.cuda_lib)),
+        ("--ring-buffer-bytes", text(&e.ring_buffer_bytes)),
+        ("--metrics-addr", text(&e.metrics_addr)),
+        ("--verbose", text(&e.verbose)),
+        ("--nvml-lib", text(&s.nvml_lib)),
+        ("--genv-tmpdir", text(&s.genv_tmpdir)),
+        ("--allow-unknown-env", text(&args.allow_unknown_env)),
+        ("--allow-foreign-env", text(&args.allow_foreign_env)),
+        ("--orphans", text(&args.orphans)),
+    ]
+}
+
+/// The flags whose values differ between `before` and `after`, with both values.
+fn changed(before: &[(&'static str, String)], after: &[(&'static str, String)]) -> Vec<String> {
+    before
+        .iter()
+        .zip(after)
+        .filter(|((_, old), (_, new))| old != new)
+        .map(|((flag, old), (_, new))| format!("{flag}: {old} -> {new}"))
+        .collect()
 }
 
 pub fn reloader(argv: Vec<OsString>, started: &EnforceArgs) -> Reloader {
-    let started = fixed(started);
+    let started = restart_only(started);
     Reloader(Box::new(move || {
         let expanded = config_file::expand(&argv)?;
         let Command::Enforce(args) = Cli::try_parse_from(expanded)?.command else {
@@ -58,9 +62,11 @@ pub fn reloader(argv: Vec<OsString>, started: &EnforceArgs) -> Reloader {
         };
         // Half a change could undo what the other half relied on (`deny` dropped with
         // `non-env-processes` off, the kernel still denying): all or nothing.
-        if fixed(&args) != started {
+        let changed = changed(&started, &restart_only(&args));
+        if !changed.is_empty() {
             anyhow::bail!(
-                "the file changes settings only a restart changes (the tier, deny, pins, sources, identity policy, verbose, metrics-addr): restart the daemon to apply it"
+                "the file changes settings only a restart changes ({}): restart the daemon to apply it",
+                changed.join("; ")
             );
         }
         let config = EnforceConfig::from_args(args)?;
