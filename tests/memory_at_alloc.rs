@@ -222,7 +222,11 @@ fn freed_memory_is_given_back_and_the_process_survives() {
         let pointer = user.ok("alloc 600");
         user.ok(&format!("free {pointer}"));
         let pointer = user.ok("async 600");
+        user.ok(&format!("freeasync {pointer}"));
+        let pointer = user.ok("pool 600");
         user.ok(&format!("free {pointer}"));
+        let pointer = user.ok("alloc 600");
+        user.ok(&format!("freeasync {pointer}"));
         let handle = user.ok("vmm 600 0");
         user.ok(&format!("release {handle}"));
         let pointer = user.ok("pitch 600");
@@ -343,7 +347,8 @@ fn a_context_on_gpu_1_does_not_count_against_gpu_0() {
     user.init(&daemon, "0,1");
     user.ok("ctx 0");
     user.ok("alloc 600");
-    user.ok("ctx 1");
+    // A context of its own (`cuCtxCreate`), current once made.
+    user.ok("create 1");
     user.ok("alloc 600");
     user.ok("push 0");
     user.ok("alloc 300");
@@ -366,7 +371,8 @@ fn a_context_on_gpu_1_does_not_count_against_gpu_0() {
     assert_eq!(ledger_total(&node, &[other.pid], 1), 600 * MIB);
 }
 
-/// `report`: the line, and the allocation goes on.
+/// `report`: the line, and the allocation goes on (here one from a memory pool, which
+/// counts as any other).
 #[test]
 fn report_mode_says_so_and_lets_the_allocation_through() {
     let _serial = serial();
@@ -374,7 +380,7 @@ fn report_mode_says_so_and_lets_the_allocation_through() {
         return;
     };
     user.ok("alloc 600");
-    user.ok("alloc 600");
+    user.ok("pool 600");
     let line = daemon.expect(&format!(
         "process {} allocated past it (--memory-at-alloc report)",
         user.pid

@@ -6,13 +6,14 @@
 //! - `init`: `cuInit(0)`;
 //! - `ctx D`: `cuDevicePrimaryCtxRetain` on device D, then `cuCtxSetCurrent` (what the
 //!   runtime does); `create D`: `cuCtxCreate_v2`; `push D` / `pop`: the context stack;
-//! - `alloc MIB`: `cuMemAlloc_v2`; `async MIB`: `cuMemAllocAsync`; `pitch MIB`:
+//! - `alloc MIB`: `cuMemAlloc_v2`; `async MIB`: `cuMemAllocAsync`; `pool MIB`:
+//!   `cuMemAllocFromPoolAsync`; `pitch MIB`:
 //!   `cuMemAllocPitch_v2` of 1 MiB rows; `vmm MIB D`: `cuMemCreate` on device D;
 //!   `managed MIB`: `cuMemAllocManaged`;
 //! - `bytes N`: `cuMemAlloc_v2` of N bytes exactly; `pitchw W H`: `cuMemAllocPitch_v2`
 //!   of H rows of W bytes;
-//! - `free PTR`: `cuMemFree_v2`; `release HANDLE`: `cuMemRelease` (PTR and HANDLE as
-//!   answered, in hex);
+//! - `free PTR`: `cuMemFree_v2`; `freeasync PTR`: `cuMemFreeAsync`; `release HANDLE`:
+//!   `cuMemRelease` (PTR and HANDLE as answered, in hex);
 //! - `loop N`: N pairs of `cuMemAlloc_v2` (1 MiB) and `cuMemFree_v2`, answering the
 //!   nanoseconds they took in all (the benchmark of the probes' cost).
 
@@ -143,6 +144,15 @@ fn main() {
                 number(1) as usize * MIB,
                 0
             ),
+            "pool" => call!(
+                cuda,
+                "cuMemAllocFromPoolAsync",
+                fn(*mut u64, usize, u64, u64),
+                &mut value,
+                number(1) as usize * MIB,
+                0,
+                0
+            ),
             "pitch" => pitched(&cuda, MIB, number(1) as usize, &mut value),
             "vmm" => {
                 let prop = AllocationProp {
@@ -194,6 +204,7 @@ fn main() {
                 1
             ),
             "free" => call!(cuda, "cuMemFree_v2", fn(u64), number(1)),
+            "freeasync" => call!(cuda, "cuMemFreeAsync", fn(u64, u64), number(1), 0),
             "release" => call!(cuda, "cuMemRelease", fn(u64), number(1)),
             other => {
                 writeln!(out, "unknown {other}").unwrap();
