@@ -10,7 +10,7 @@
 //! CPU is the kernel's own account: every thread's `schedstat` for genv-enforcer; for
 //! genv, user and system time with that of the `nvidia-smi` it runs every second.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -225,14 +225,4 @@ fn with_children_cpu(pid: u32) -> Result<u64> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Ok(ticks * 1_000_000_000 / hz)
-}
-
-/// genv 1.4.3 in a venv: the one the test suite installs, or a new one.
-pub fn genv_venv(target: &Path) -> Result<PathBuf> {
-    let venv = target.join("debug/genv-venv");
-    if !venv.join("bin/genv").exists() {
-        crate::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-        crate::run(Command::new(venv.join("bin/pip")).args(["install", "-q", "genv==1.4.3"]))?;
-    }
-    Ok(venv)
 }

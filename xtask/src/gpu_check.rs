@@ -18,7 +18,7 @@ pub fn run_check(args: &[String]) -> Result<()> {
     run(&mut cargo(&["build", "--release", "-p", "genv-enforcer"]))?;
     ensure_python_venv()?;
     let target = target_dir()?;
-    let venv = crate::bench_footprint::genv_venv(&target)?;
+    let venv = crate::genv_venv(&target)?;
     // The system's python3 runs the check and the workloads (torch and cupy are
     // there); only genv comes from the venv.
     run(Command::new("python3")

@@ -207,6 +207,18 @@ fn ensure_python_venv() -> Result<()> {
     Ok(())
 }
 
+/// genv 1.4.3 in a venv: the one the test suite installs (`target/debug/genv-venv`,
+/// where the tests' `Genv::get` looks), or a new one.
+pub fn genv_venv(target: &Path) -> Result<PathBuf> {
+    let venv = target.join("debug/genv-venv");
+    if !venv.join("bin/genv").exists() {
+        ensure_python_venv()?;
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        run(Command::new(venv.join("bin/pip")).args(["install", "-q", "genv==1.4.3"]))?;
+    }
+    Ok(venv)
+}
+
 /// The remote-enforcement tests run Debian's real sshd (one per simulated host, in
 /// network namespaces) and sudo on the hosts' side. Installed without starting the
 /// system's own ssh service: a `policy-rc.d` that refuses service starts is put in
@@ -287,7 +299,7 @@ fn bench_section(section: fn(&Path) -> Result<String>) -> Result<()> {
 fn bench_footprint_only() -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
     build_node_artefacts(&["--release"])?;
-    let venv = bench_footprint::genv_venv(&target_dir()?)?;
+    let venv = genv_venv(&target_dir()?)?;
     print!(
         "{}",
         bench_footprint::run(&target_dir()?.join("release"), &venv)?
@@ -317,7 +329,7 @@ fn bench() -> Result<()> {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let venv = bench_footprint::genv_venv(&target_dir()?)?;
+    let venv = genv_venv(&target_dir()?)?;
     let table = format!(
         "{stdout}{}{}{}{}{}",
         bench_events::run(&release)?,

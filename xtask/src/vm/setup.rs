@@ -47,6 +47,9 @@ pub fn ensure_packages() -> Result<()> {
 /// and paths.
 pub fn build_suites(suites: &[&str]) -> Result<Vec<(String, PathBuf)>> {
     crate::build_node_artefacts(&[])?;
+    // The suites run the real genv from the venv the host's run installs; the guest has
+    // no network to install it from, so it is made here when no host run has yet.
+    crate::genv_venv(&crate::target_dir()?)?;
     let mut build = cargo(&[
         "test",
         "--no-run",
