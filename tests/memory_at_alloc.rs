@@ -490,6 +490,34 @@ fn a_duplicated_visible_devices_is_read_as_cuda_reads_it() {
     assert!(line.contains(" on device 1 "), "{line}");
 }
 
+/// CUDA also takes GPUs by UUID (`GPU-…`, or a prefix only one GPU has): a program that
+/// names its GPU so is charged on that GPU. (Read as device numbers only, such a list
+/// named no GPU at all, and the program allocated past its cap uncharged.)
+#[test]
+fn a_gpu_named_by_uuid_in_visible_devices_is_charged() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    // genv sets CUDA_VISIBLE_DEVICES=1; the program names the same GPU by its UUID.
+    let mut user = CudaUser::start(
+        &mut node,
+        &cuda_env,
+        "genv activate --id nu; genv config gpu-memory 1g; genv attach --index 1; \
+         export CUDA_VISIBLE_DEVICES=GPU-fake-1",
+    );
+    daemon.expect("caps held at the allocation: nu 1g");
+    user.init(&daemon, "GPU-fake-1");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
+    assert!(
+        line.starts_with("Environment nu would use 1258m on device 1 "),
+        "{line}"
+    );
+    assert_eq!(ledger_total(&node, &[user.pid], 1), 600 * MIB);
+}
+
 /// A libcuda the daemon was not told about (a user's copy, a container's own) is
 /// probed once a process that maps it opens a GPU node, which CUDA does in `cuInit`,
 /// before any allocation: the copy does not get past the cap.

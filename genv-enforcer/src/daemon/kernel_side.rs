@@ -276,9 +276,11 @@ impl KernelSide {
         AllocSide::rebase(&mut self.programs, before, measured, listed);
     }
 
-    pub(super) fn cuda_started(&mut self, pid: u32) {
+    /// A process started CUDA; `gpus`: NVML's devices, which its `CUDA_VISIBLE_DEVICES`
+    /// may name by UUID.
+    pub(super) fn cuda_started(&mut self, pid: u32, gpus: &[nvml::GpuInfo]) {
         if let Some(alloc) = &mut self.alloc {
-            alloc.cuda_started(&mut self.programs, pid);
+            alloc.cuda_started(&mut self.programs, pid, gpus);
         }
     }
 

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use genv_ebpf_common::alloc::EnvGpu;
 
 use super::event_driven::Settings;
+use crate::backends::nvml::GpuInfo;
 use crate::backends::procfs;
 use crate::bpf::KernelPrograms;
 use crate::bpf::cuda::Library;
@@ -169,7 +170,12 @@ impl AllocSide {
     }
 
     /// A process started CUDA: its device numbering, from its `CUDA_VISIBLE_DEVICES`.
-    pub(super) fn cuda_started(&mut self, programs: &mut KernelPrograms, pid: u32) {
+    pub(super) fn cuda_started(
+        &mut self,
+        programs: &mut KernelPrograms,
+        pid: u32,
+        gpus: &[GpuInfo],
+    ) {
         let Some(maps) = programs.alloc_mut() else {
             return;
         };
@@ -191,7 +197,7 @@ impl AllocSide {
                 return;
             }
         };
-        let map = ordinals(visible.as_deref());
+        let map = ordinals(visible.as_deref(), gpus);
         if let Err(e) = maps.set_ordinals(pid, map) {
             tracing::warn!("Cannot record process {pid}'s CUDA devices in the kernel: {e}");
         } else if self.verbose {

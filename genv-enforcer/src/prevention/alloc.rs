@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use genv_ebpf_common::alloc::{EnvGpu, MAX_ORDINALS, NO_GPU, Ordinals};
 use genv_ebpf_common::{env_id_hash, policy};
 
+use crate::backends::nvml::GpuInfo;
 use crate::intake::{AllocOutcome, OverCap};
 use crate::snapshot::GpuProcess;
 use crate::state::memory::format_megabytes;
@@ -132,22 +133,45 @@ pub fn measured(processes: &[GpuProcess]) -> HashMap<EnvGpu, u64> {
 }
 
 /// A process's CUDA device numbers from its `CUDA_VISIBLE_DEVICES` (`None`: unset, and
-/// CUDA numbers devices as NVML does). As CUDA reads it: comma-separated, up to the
-/// first entry it cannot use; an entry of another form (a UUID, a MIG instance) ends
-/// the list here too, so its devices are not charged to a wrong GPU.
-pub fn ordinals(visible: Option<&str>) -> Option<Ordinals> {
+/// CUDA numbers devices as NVML does), as CUDA reads it: comma-separated, up to the
+/// first entry it cannot use. An entry is a device number or a GPU's UUID (`GPU-…`,
+/// whole or a prefix only one of `gpus` has), resolved through NVML's list; one that
+/// names no GPU of it (a MIG instance, an unknown UUID) ends the list there, so that
+/// nothing is charged to a wrong GPU. (Left unresolved, a UUID would let the process
+/// allocate with no GPU charged at all.)
+pub fn ordinals(visible: Option<&str>, gpus: &[GpuInfo]) -> Option<Ordinals> {
     let visible = visible?;
     let mut map = Ordinals {
         index: [NO_GPU; MAX_ORDINALS],
     };
     let entries = visible.split(',').map(str::trim);
     for (slot, entry) in map.index.iter_mut().zip(entries) {
-        match entry.parse::<u8>() {
-            Ok(index) if index != NO_GPU => *slot = index,
+        match visible_device(entry, gpus).and_then(|i| u8::try_from(i).ok()) {
+            Some(index) if index != NO_GPU => *slot = index,
             _ => break,
         }
     }
     Some(map)
+}
+
+/// The NVML index one entry of `CUDA_VISIBLE_DEVICES` names.
+fn visible_device(entry: &str, gpus: &[GpuInfo]) -> Option<u32> {
+    if let Ok(index) = entry.parse::<u32>() {
+        return Some(index);
+    }
+    // "GPU-" and at least one character of the UUID after it.
+    if entry.len() <= "GPU-".len() || !entry.starts_with("GPU-") {
+        return None;
+    }
+    let mut named = gpus.iter().filter(|gpu| {
+        gpu.uuid
+            .get(..entry.len())
+            .is_some_and(|head| head.eq_ignore_ascii_case(entry))
+    });
+    match (named.next(), named.next()) {
+        (Some(gpu), None) => Some(gpu.index),
+        _ => None, // none, or a prefix two GPUs share: CUDA refuses it too
+    }
 }
 
 #[cfg(test)]
@@ -157,17 +181,43 @@ mod tests {
 
     #[test]
     fn visible_devices_map_cuda_numbers_to_nvml_indices_as_cuda_reads_them() {
-        assert_eq!(ordinals(None), None);
-        let map = ordinals(Some("1,3")).unwrap();
+        let gpu = |index, uuid: &str| GpuInfo {
+            index,
+            uuid: uuid.to_owned(),
+            minor: Some(index),
+            total_memory: 0,
+        };
+        let gpus = [
+            gpu(0, "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"),
+            gpu(1, "GPU-89ab0000-0000-0000-0000-000000000000"),
+            gpu(2, "GPU-c0d51234-0000-0000-0000-000000000000"),
+        ];
+        assert_eq!(ordinals(None, &gpus), None);
+        let map = ordinals(Some("1,3"), &gpus).unwrap();
         assert_eq!(&map.index[..3], &[1, 3, NO_GPU]);
         // CUDA stops at the first entry it cannot use.
-        let map = ordinals(Some("2,x,0")).unwrap();
+        let map = ordinals(Some("2,x,0"), &gpus).unwrap();
         assert_eq!(&map.index[..2], &[2, NO_GPU]);
-        let map = ordinals(Some("GPU-1234,0")).unwrap();
-        assert_eq!(map.index[0], NO_GPU);
+        // UUIDs, whole or a prefix only one GPU has, in any case.
+        let map = ordinals(
+            Some("GPU-c0d5, GPU-8932F937-d72c-4106-c12f-20bd9faed9f6,0"),
+            &gpus,
+        )
+        .unwrap();
+        assert_eq!(&map.index[..4], &[2, 0, 0, NO_GPU]);
+        // A prefix two GPUs share, an unknown UUID, a MIG instance, a bare "GPU-".
+        for visible in ["GPU-89,0", "GPU-1234,0", "MIG-8932f937,0", "GPU-,0"] {
+            assert_eq!(
+                ordinals(Some(visible), &gpus).unwrap().index[0],
+                NO_GPU,
+                "{visible}"
+            );
+        }
+        // Without NVML's list, a UUID names nothing.
+        assert_eq!(ordinals(Some("GPU-c0d5"), &[]).unwrap().index[0], NO_GPU);
         // Empty: no device at all.
         assert!(
-            ordinals(Some(""))
+            ordinals(Some(""), &gpus)
                 .unwrap()
                 .index
                 .iter()

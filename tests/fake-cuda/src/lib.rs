@@ -4,7 +4,9 @@
 //! library (by symbol, in this file's inode), so everything above the C ABI runs as it
 //! would on a GPU node.
 //!
-//! Like a driver, it numbers devices through `CUDA_VISIBLE_DEVICES` (integers) and
+//! Like a driver, it numbers devices through `CUDA_VISIBLE_DEVICES` (device numbers, or
+//! `GPU-` UUIDs, whole or a prefix only one device has, of the fake NVML's devices in
+//! `GENV_FAKE_NVML_CONFIG`) and
 //! reports what each process holds: with `GENV_FAKE_CUDA_LEDGER` set to a directory, it
 //! keeps a file `<pid>-<nvml index>` there holding the bytes the process holds on that
 //! GPU, which the fake NVML (its `ledger` setting) reports as the process's compute
@@ -54,13 +56,56 @@ fn with_driver<T>(body: impl FnOnce(&mut Driver) -> T) -> T {
     body(driver)
 }
 
-/// The NVML index of device ordinal `ordinal`, as `CUDA_VISIBLE_DEVICES` numbers them.
+/// The NVML index of device ordinal `ordinal`, as `CUDA_VISIBLE_DEVICES` numbers them:
+/// the list ends at its first entry that names no device.
 fn nvml_index(ordinal: c_int) -> Option<u32> {
     let ordinal = usize::try_from(ordinal).ok()?;
-    match std::env::var("CUDA_VISIBLE_DEVICES") {
-        Ok(visible) => visible.split(',').nth(ordinal)?.trim().parse().ok(),
-        Err(_) => Some(ordinal as u32),
+    let Ok(visible) = std::env::var("CUDA_VISIBLE_DEVICES") else {
+        return Some(ordinal as u32);
+    };
+    let uuids = nvml_uuids();
+    visible
+        .split(',')
+        .map(|entry| visible_device(entry.trim(), &uuids))
+        .take_while(Option::is_some)
+        .nth(ordinal)?
+}
+
+/// One entry of `CUDA_VISIBLE_DEVICES`: a device number, or a UUID (a prefix will do)
+/// only one device has.
+fn visible_device(entry: &str, uuids: &[String]) -> Option<u32> {
+    if let Ok(index) = entry.parse() {
+        return Some(index);
     }
+    if entry.len() <= "GPU-".len() || !entry.starts_with("GPU-") {
+        return None;
+    }
+    let mut named = (0u32..).zip(uuids).filter(|(_, uuid)| {
+        uuid.get(..entry.len())
+            .is_some_and(|h| h.eq_ignore_ascii_case(entry))
+    });
+    match (named.next(), named.next()) {
+        (Some((index, _)), None) => Some(index),
+        _ => None,
+    }
+}
+
+/// The UUIDs of the fake NVML's devices, by index.
+fn nvml_uuids() -> Vec<String> {
+    let Some(text) = std::env::var_os("GENV_FAKE_NVML_CONFIG").and_then(|p| std::fs::read(p).ok())
+    else {
+        return Vec::new();
+    };
+    let config: serde_json::Value = serde_json::from_slice(&text).unwrap_or_default();
+    config["devices"]
+        .as_array()
+        .map(|devices| {
+            devices
+                .iter()
+                .map(|d| d["uuid"].as_str().unwrap_or_default().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn current_ordinal(driver: &Driver) -> Option<c_int> {

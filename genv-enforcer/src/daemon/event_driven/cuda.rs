@@ -38,7 +38,7 @@ impl Daemon {
             return;
         };
         if start.call == CudaCall::Init {
-            kernel.cuda_started(start.pid);
+            kernel.cuda_started(start.pid, self.enforcer.builder.devices());
             return;
         }
         if !self.enforcer.rules.non_env_processes || !kernel.definitely_outside(start.pid) {
