@@ -260,35 +260,47 @@ fn install_is_idempotent_and_uninstall_leaves_nothing_of_ours() {
     assert_eq!(std::fs::read_to_string(&link).unwrap(), "#!/bin/sh\n");
 }
 
+/// What systemd would hear from the node's daemons (`NOTIFY_SOCKET`, as `Type=notify`
+/// gives it).
+struct Systemd(std::os::unix::net::UnixDatagram);
+
+impl Systemd {
+    fn listen(node: &mut Node) -> Self {
+        let path = node.dir.join("notify");
+        let socket = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        node.enforcer_env
+            .push(("NOTIFY_SOCKET".into(), path.display().to_string()));
+        Self(socket)
+    }
+
+    /// The next notification (60 s at most).
+    fn heard(&self) -> String {
+        let mut buf = [0u8; 256];
+        let n = self.0.recv(&mut buf).expect("a notification within 60 s");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+}
+
 /// genv's loop (no `--event-driven`, as on a kernel without BPF) reloads as the
 /// event-driven daemon does: SIGHUP reads `--config` again, systemd hears RELOADING then
 /// READY around it, and the next cycle, at once, is under the new rules.
 #[test]
 fn sighup_reloads_genvs_loop_too() {
-    use std::os::unix::net::UnixDatagram;
     let mut node = Node::new(1);
     let config = node.dir.join("config.toml");
     std::fs::write(&config, "non-env-processes = false\ninterval = 3600\n").unwrap();
-    let notify_path = node.dir.join("notify");
-    let notify = UnixDatagram::bind(&notify_path).unwrap();
-    notify
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .unwrap();
-    let heard = || {
-        let mut buf = [0u8; 256];
-        let n = notify.recv(&mut buf).expect("a notification within 60 s");
-        String::from_utf8_lossy(&buf[..n]).into_owned()
-    };
-    node.enforcer_env
-        .push(("NOTIFY_SOCKET".into(), notify_path.display().to_string()));
+    let systemd = Systemd::listen(&mut node);
     let daemon = Daemon::start(&node, &["--config", config.to_str().unwrap()]);
-    assert_eq!(heard(), "READY=1");
+    assert_eq!(systemd.heard(), "READY=1");
     let outsider = node.spawn(None, &[(0, 100)]);
 
     std::fs::write(&config, "non-env-processes = true\ninterval = 3600\n").unwrap();
     unsafe { libc::kill(daemon.pid() as i32, libc::SIGHUP) };
-    assert_eq!(heard(), "RELOADING=1");
-    assert_eq!(heard(), "READY=1");
+    assert_eq!(systemd.heard(), "RELOADING=1");
+    assert_eq!(systemd.heard(), "READY=1");
     daemon.expect_line(
         "SIGHUP: settings read again and in force",
         Duration::from_secs(20),
@@ -306,26 +318,14 @@ fn sighup_reloads_genvs_loop_too() {
 /// RELOADING then READY around the reload (`NOTIFY_SOCKET`, as `Type=notify` gives it).
 #[test]
 fn sighup_reads_the_config_file_again_with_the_programs_attached() {
-    use std::os::unix::net::UnixDatagram;
     let mut node = Node::new(1);
     let config = node.dir.join("config.toml");
     std::fs::write(&config, "non-env-processes = false\nkill-after = 5\n").unwrap();
-    let notify_path = node.dir.join("notify");
-    let notify = UnixDatagram::bind(&notify_path).unwrap();
-    notify
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .unwrap();
-    let heard = || {
-        let mut buf = [0u8; 256];
-        let n = notify.recv(&mut buf).expect("a notification within 60 s");
-        String::from_utf8_lossy(&buf[..n]).into_owned()
-    };
-    node.enforcer_env
-        .push(("NOTIFY_SOCKET".into(), notify_path.display().to_string()));
+    let systemd = Systemd::listen(&mut node);
     let Some(daemon) = EventDaemon::start(&node, &["--config", config.to_str().unwrap()]) else {
         return;
     };
-    assert_eq!(heard(), "READY=1");
+    assert_eq!(systemd.heard(), "READY=1");
     let programs = |status: serde_json::Value| -> Vec<u64> {
         status["programs"]
             .as_array()
@@ -346,8 +346,8 @@ fn sighup_reads_the_config_file_again_with_the_programs_attached() {
 
     std::fs::write(&config, "non-env-processes = true\nkill-after = 5\n").unwrap();
     unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
-    assert_eq!(heard(), "RELOADING=1");
-    assert_eq!(heard(), "READY=1");
+    assert_eq!(systemd.heard(), "RELOADING=1");
+    assert_eq!(systemd.heard(), "READY=1");
     daemon.expect("[INFO] SIGHUP: settings read again and in force");
     daemon.expect(&format!(
         "Process {rogue} is not running in a GPU environment"
