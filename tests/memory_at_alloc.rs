@@ -518,6 +518,56 @@ fn a_gpu_named_by_uuid_in_visible_devices_is_charged() {
     assert_eq!(ledger_total(&node, &[user.pid], 1), 600 * MIB);
 }
 
+/// A UUID names a GPU only through NVML's device list: a program that starts CUDA
+/// while NVML lists none (here, it fails to count them) is read again once NVML lists
+/// them, at the next full cycle, and is charged from then on.
+#[test]
+fn a_uuid_read_before_nvml_listed_any_gpu_is_resolved_once_it_does() {
+    let _serial = serial();
+    let mut node = Node::new(2);
+    let (lib, cuda_env) = node.cuda();
+    let listed = serde_json::from_str::<serde_json::Value>(
+        &std::fs::read_to_string(node.config_path()).unwrap(),
+    )
+    .unwrap();
+    let mut failing = listed.clone();
+    failing["fail"] = serde_json::json!({"nvmlDeviceGetCount_v2": 999});
+    node.write_nvml(failing);
+    let Some(daemon) = daemon(&node, &lib, "kill", &[]) else {
+        return;
+    };
+    let mut user = CudaUser::start(
+        &mut node,
+        &cuda_env,
+        "genv activate --id xi; genv config gpu-memory 1g; genv attach --index 1; \
+         export CUDA_VISIBLE_DEVICES=GPU-fake-1",
+    );
+    daemon.expect("caps held at the allocation: xi 1g");
+    user.init(&daemon, "GPU-fake-1");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    // NVML lists the GPUs again; genv's next write makes a full cycle, which reads the
+    // program's list again.
+    node.write_nvml(listed);
+    Genv::get().bash(&node, "genv activate --id omicron");
+    daemon.expect_count(
+        &format!(
+            "Process {} started CUDA with CUDA_VISIBLE_DEVICES=GPU-fake-1",
+            user.pid
+        ),
+        2,
+    );
+    // A memory poll since: NVML's 600 MiB on GPU 1 is the baseline.
+    let polls = |s: &serde_json::Value| s["counts"]["memory_checks"].as_u64();
+    let now = daemon.wait_status("a memory poll", polls);
+    daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
+    assert!(
+        line.starts_with("Environment xi would use 1258m on device 1 "),
+        "{line}"
+    );
+}
+
 /// A libcuda the daemon was not told about (a user's copy, a container's own) is
 /// probed once a process that maps it opens a GPU node, which CUDA does in `cuInit`,
 /// before any allocation: the copy does not get past the cap.

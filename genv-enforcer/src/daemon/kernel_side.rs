@@ -183,17 +183,19 @@ impl KernelSide {
     }
 
     /// After a full cycle: the watched nodes follow the snapshot's device map, and the kernel's
-    /// environments follow the state the cycle read (`None`: unreadable, keep the last).
+    /// environments follow the state the cycle read (`None`: unreadable, keep the last);
+    /// `gpus`: NVML's devices, for the CUDA numberings that named a GPU by UUID.
     pub(super) fn follow_cycle(
         &mut self,
         settings: &Settings,
         status: &mut Status,
-        device_map: &DeviceMap,
+        (device_map, gpus): (&DeviceMap, &[nvml::GpuInfo]),
         summary: &mut CycleSummary,
     ) {
         self.watch_nodes(status, device_map);
         let state = summary.state.take();
         if let Some(alloc) = &mut self.alloc {
+            alloc.devices_known(&mut self.programs, gpus);
             let envs = state.as_ref().map(|(envs, _)| envs.as_slice());
             let gpus = state
                 .as_ref()

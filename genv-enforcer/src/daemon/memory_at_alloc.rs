@@ -16,7 +16,7 @@ use crate::backends::procfs;
 use crate::bpf::KernelPrograms;
 use crate::bpf::cuda::Library;
 use crate::intake::OverCap;
-use crate::prevention::alloc::{Caps, ordinals};
+use crate::prevention::alloc::{Caps, names_a_uuid, ordinals};
 use crate::state::Env;
 
 /// How many libraries first seen in processes are read, in the daemon's life, in all
@@ -49,6 +49,9 @@ pub(super) struct AllocSide {
     /// so its charges stay until then (taken off early, another process could be let
     /// through while the memory is still held).
     exiting: HashMap<u32, u64>,
+    /// Processes that named a GPU by UUID before NVML listed any device, with their
+    /// start times: read again once it does (until then, those GPUs are charged nothing).
+    unresolved: HashMap<u32, u64>,
     verbose: bool,
 }
 
@@ -65,6 +68,7 @@ impl AllocSide {
             read: 0,
             cuda_pids: HashMap::new(),
             exiting: HashMap::new(),
+            unresolved: HashMap::new(),
             verbose: settings.verbose,
         };
         // A given library that cannot be opened is said by name (never looked at by
@@ -197,6 +201,9 @@ impl AllocSide {
                 return;
             }
         };
+        if gpus.is_empty() && visible.as_deref().is_some_and(names_a_uuid) {
+            self.unresolved.insert(pid, started);
+        }
         let map = ordinals(visible.as_deref(), gpus);
         if let Err(e) = maps.set_ordinals(pid, map) {
             tracing::warn!("Cannot record process {pid}'s CUDA devices in the kernel: {e}");
@@ -205,6 +212,21 @@ impl AllocSide {
                 target: "event", "Process {pid} started CUDA with CUDA_VISIBLE_DEVICES={}",
                 visible.as_deref().unwrap_or("(unset)")
             );
+        }
+    }
+
+    /// After a full cycle, with NVML's devices as it listed them: the processes that
+    /// named a GPU by UUID before any was listed are read again.
+    pub(super) fn devices_known(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
+        if gpus.is_empty() {
+            return;
+        }
+        for (pid, started) in std::mem::take(&mut self.unresolved) {
+            // The same process, still running CUDA (an exit or exec took it off).
+            if self.cuda_pids.get(&pid) == Some(&started) {
+                self.cuda_pids.remove(&pid);
+                self.cuda_started(programs, pid, gpus);
+            }
         }
     }
 
@@ -262,6 +284,7 @@ impl AllocSide {
     /// which the daemon calls after every batch of events).
     pub(super) fn exited(&mut self, programs: &mut KernelPrograms, pid: u32, exiting: bool) {
         self.looks.remove(&pid);
+        self.unresolved.remove(&pid);
         let Some(started) = self.cuda_pids.remove(&pid) else {
             return;
         };

@@ -134,11 +134,13 @@ pub fn measured(processes: &[GpuProcess]) -> HashMap<EnvGpu, u64> {
 
 /// A process's CUDA device numbers from its `CUDA_VISIBLE_DEVICES` (`None`: unset, and
 /// CUDA numbers devices as NVML does), as CUDA reads it: comma-separated, up to the
-/// first entry it cannot use. An entry is a device number or a GPU's UUID (`GPU-…`,
-/// whole or a prefix only one of `gpus` has), resolved through NVML's list; one that
-/// names no GPU of it (a MIG instance, an unknown UUID) ends the list there, so that
-/// nothing is charged to a wrong GPU. (Left unresolved, a UUID would let the process
-/// allocate with no GPU charged at all.)
+/// first entry it cannot use. An entry is a device number, read as `strtoul` reads one
+/// (`1gpu` is 1), or a GPU's UUID (`GPU-…`, whole or a prefix only one of `gpus` has),
+/// resolved through NVML's list. One that names no GPU of it (a MIG instance, an
+/// unknown UUID) ends the list there, so that nothing is charged to a wrong GPU. Where
+/// CUDA's reading is stricter (a list mixing numbers and UUIDs, a number given twice),
+/// this one still maps: CUDA then has no such device, and nothing lands there, whereas
+/// a device CUDA has and this reading lacked would take allocations uncharged.
 pub fn ordinals(visible: Option<&str>, gpus: &[GpuInfo]) -> Option<Ordinals> {
     let visible = visible?;
     let mut map = Ordinals {
@@ -154,15 +156,19 @@ pub fn ordinals(visible: Option<&str>, gpus: &[GpuInfo]) -> Option<Ordinals> {
     Some(map)
 }
 
+/// Whether `visible` names a GPU by UUID, which only NVML's device list resolves.
+pub fn names_a_uuid(visible: &str) -> bool {
+    visible
+        .split(',')
+        .any(|entry| uuid_prefix(entry.trim()).is_some())
+}
+
 /// The NVML index one entry of `CUDA_VISIBLE_DEVICES` names.
 fn visible_device(entry: &str, gpus: &[GpuInfo]) -> Option<u32> {
-    if let Ok(index) = entry.parse::<u32>() {
+    if let Some(index) = leading_number(entry) {
         return Some(index);
     }
-    // "GPU-" and at least one character of the UUID after it.
-    if entry.len() <= "GPU-".len() || !entry.starts_with("GPU-") {
-        return None;
-    }
+    let entry = uuid_prefix(entry)?;
     let mut named = gpus.iter().filter(|gpu| {
         gpu.uuid
             .get(..entry.len())
@@ -170,8 +176,24 @@ fn visible_device(entry: &str, gpus: &[GpuInfo]) -> Option<u32> {
     });
     match (named.next(), named.next()) {
         (Some(gpu), None) => Some(gpu.index),
-        _ => None, // none, or a prefix two GPUs share: CUDA refuses it too
+        _ => None, // none, or a prefix two GPUs share, which CUDA refuses
     }
+}
+
+/// The number an entry starts with, as `strtoul` reads it (an optional `+`, then
+/// digits); `None` for none, or a minus (which ends CUDA's list).
+fn leading_number(entry: &str) -> Option<u32> {
+    let digits = entry.strip_prefix('+').unwrap_or(entry);
+    let end = digits
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(digits.len());
+    digits[..end].parse().ok()
+}
+
+/// `GPU-` (in any case) and at least one character of the UUID after it.
+fn uuid_prefix(entry: &str) -> Option<&str> {
+    let head = entry.get(.."GPU-".len())?;
+    (head.eq_ignore_ascii_case("GPU-") && entry.len() > head.len()).then_some(entry)
 }
 
 #[cfg(test)]
@@ -205,8 +227,21 @@ mod tests {
         )
         .unwrap();
         assert_eq!(&map.index[..4], &[2, 0, 0, NO_GPU]);
-        // A prefix two GPUs share, an unknown UUID, a MIG instance, a bare "GPU-".
-        for visible in ["GPU-89,0", "GPU-1234,0", "MIG-8932f937,0", "GPU-,0"] {
+        // Numbers as strtoul reads them; a number given twice still maps.
+        let map = ordinals(Some("1gpu2, +2ampere,1,x"), &gpus).unwrap();
+        assert_eq!(&map.index[..4], &[1, 2, 1, NO_GPU]);
+        let map = ordinals(Some("gpu-C0D5,GPU-8932f9"), &gpus).unwrap();
+        assert_eq!(&map.index[..3], &[2, 0, NO_GPU]);
+        // A prefix two GPUs share, an unknown UUID, a MIG instance, a bare "GPU-", a
+        // minus, a number past 255.
+        for visible in [
+            "GPU-89,0",
+            "GPU-1234,0",
+            "MIG-8932f937,0",
+            "GPU-,0",
+            "-1,0",
+            "256,0",
+        ] {
             assert_eq!(
                 ordinals(Some(visible), &gpus).unwrap().index[0],
                 NO_GPU,

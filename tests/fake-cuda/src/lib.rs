@@ -71,10 +71,14 @@ fn nvml_index(ordinal: c_int) -> Option<u32> {
         .nth(ordinal)?
 }
 
-/// One entry of `CUDA_VISIBLE_DEVICES`: a device number, or a UUID (a prefix will do)
-/// only one device has.
+/// One entry of `CUDA_VISIBLE_DEVICES`: a device number (as `strtoul` reads it: `1gpu`
+/// is 1), or a UUID (a prefix will do) only one device has.
 fn visible_device(entry: &str, uuids: &[String]) -> Option<u32> {
-    if let Ok(index) = entry.parse() {
+    let digits = entry.strip_prefix('+').unwrap_or(entry);
+    let end = digits
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(digits.len());
+    if let Ok(index) = digits[..end].parse() {
         return Some(index);
     }
     if entry.len() <= "GPU-".len() || !entry.starts_with("GPU-") {

@@ -36,7 +36,10 @@ impl Daemon {
             kernel.follow_cycle(
                 &self.settings,
                 &mut self.status,
-                self.enforcer.builder.device_map(),
+                (
+                    self.enforcer.builder.device_map(),
+                    self.enforcer.builder.devices(),
+                ),
                 &mut summary,
             );
         }
