@@ -211,6 +211,13 @@ fn ensure_python_venv() -> Result<()> {
 /// where the tests' `Genv::get` looks), or a new one.
 pub fn genv_venv(target: &Path) -> Result<PathBuf> {
     let venv = target.join("debug/genv-venv");
+    // The tests' lock: a suite installing it at the same time waits, and so does this.
+    std::fs::create_dir_all(target.join("debug"))?;
+    let lock = std::fs::File::create(target.join("debug/genv-venv.lock"))?;
+    // SAFETY: flock on a descriptor this function owns; released when it is dropped.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("locking genv-venv.lock");
+    }
     if !venv.join("bin/genv").exists() {
         ensure_python_venv()?;
         run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;

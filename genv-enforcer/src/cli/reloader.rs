@@ -18,10 +18,16 @@ fn restart_only(args: &EnforceArgs) -> Vec<(&'static str, String)> {
     fn text(value: &dyn Debug) -> String {
         format!("{value:?}")
     }
+    /// An optional flag's value, or that it was not given.
+    fn given<T: Debug>(value: &Option<T>) -> String {
+        value
+            .as_ref()
+            .map_or_else(|| "not given".to_owned(), |v| text(v))
+    }
     let (e, s) = (&args.events, &args.sources);
     vec![
         ("--event-driven", text(&e.event_driven)),
-        ("--bpf-tier", text(&e.bpf_tier)),
+        ("--bpf-tier", given(&e.bpf_tier)),
         ("--gpu-node", text(&e.gpu_node)),
         ("--run-dir", text(&e.run_dir)),
         ("--deny", text(&e.deny)),
@@ -32,8 +38,8 @@ fn restart_only(args: &EnforceArgs) -> Vec<(&'static str, String)> {
         ("--bpf-log", text(&e.bpf_log)),
         ("--memory-at-alloc", text(&e.memory_at_alloc)),
         ("--cuda-lib", text(&e.cuda_lib)),
-        ("--ring-buffer-bytes", text(&e.ring_buffer_bytes)),
-        ("--metrics-addr", text(&e.metrics_addr)),
+        ("--ring-buffer-bytes", given(&e.ring_buffer_bytes)),
+        ("--metrics-addr", given(&e.metrics_addr)),
         ("--verbose", text(&e.verbose)),
         ("--nvml-lib", text(&s.nvml_lib)),
         ("--genv-tmpdir", text(&s.genv_tmpdir)),
