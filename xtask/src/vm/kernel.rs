@@ -9,7 +9,8 @@
 //!   6.12): QEMU boots it through its PVH entry point, which skips the decompressor (slow
 //!   under TCG);
 //! - the modules the guest's init loads before it can see the host (9p, its virtio
-//!   transport, the virtio PCI driver, overlayfs), with their dependencies, in load order,
+//!   transport, the virtio PCI driver, overlayfs; and FUSE, for the tests' hostile
+//!   mounts), with their dependencies, in load order,
 //!   decompressed (6.12 ships `.ko.xz`). What the package lists in `modules.builtin` is
 //!   in the kernel already and is not loaded (6.12 builds the virtio PCI driver in).
 
@@ -22,8 +23,9 @@ use object::{Object, ObjectSection};
 
 use crate::run;
 
-/// The modules init needs, by name; their dependencies come from each `.ko`'s modinfo.
-const NEEDED_MODULES: [&str; 4] = ["virtio_pci", "9pnet_virtio", "9p", "overlay"];
+/// The modules init loads, by name; their dependencies come from each `.ko`'s modinfo.
+/// `fuse`: the hostile-mount tests (a silent FUSE server) need `/dev/fuse`.
+const NEEDED_MODULES: [&str; 5] = ["virtio_pci", "9pnet_virtio", "9p", "overlay", "fuse"];
 
 /// One kernel series the harness boots, and the metapackage that follows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,7 +71,10 @@ fn prepare_package(cache: &Path, series: Series) -> Result<Kernel> {
     let dir = cache.join(&package);
     let vmlinux = dir.join("vmlinux");
     let order = dir.join("modules.order");
-    if !order.exists() {
+    // What the cache was made for: a cache made for another list is made again.
+    let needed = dir.join("modules.needed");
+    let wanted = NEEDED_MODULES.join("\n");
+    if !order.exists() || std::fs::read_to_string(&needed).ok().as_deref() != Some(&wanted) {
         let started = std::time::Instant::now();
         let _ = std::fs::remove_dir_all(&dir);
         let unpacked = dir.join("unpacked");
@@ -92,8 +97,9 @@ fn prepare_package(cache: &Path, series: Series) -> Result<Kernel> {
         }
         std::fs::remove_dir_all(&unpacked)?;
         std::fs::remove_file(&deb)?;
-        // Written last: its presence says the cache is complete.
+        // Written last: their presence says the cache is complete.
         std::fs::write(&order, listed)?;
+        std::fs::write(&needed, &wanted)?;
         eprintln!("vm-test: prepared {package} in {:.0?}", started.elapsed());
     }
     let modules = std::fs::read_to_string(&order)?
