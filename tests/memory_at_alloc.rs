@@ -568,6 +568,54 @@ fn a_uuid_read_before_nvml_listed_any_gpu_is_resolved_once_it_does() {
     );
 }
 
+/// An allocation made while a memory poll is asking NVML may or may not be in NVML's
+/// answer: that account keeps its last baseline until a poll with nothing in flight, so
+/// the allocation is counted once. (Taking NVML's figure with the delta read before the
+/// question counted it twice until the next poll, and killed a process with room left
+/// under its cap.) The fake NVML's gate holds the daemon in the middle of asking.
+#[test]
+fn an_allocation_while_nvml_is_asked_is_counted_once() {
+    let _serial = serial();
+    let Some((mut node, daemon, mut user)) = ready("kill", "pi") else {
+        return;
+    };
+    user.ok("alloc 600");
+    let gate = node.dir.join("gate");
+    let waiting = node.dir.join("gate.waiting");
+    let held = |there: bool| {
+        let deadline = std::time::Instant::now() + DEATH;
+        while waiting.exists() != there {
+            assert!(std::time::Instant::now() < deadline, "the gate never held");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(node.config_path()).unwrap()).unwrap();
+    config["gate"] = serde_json::json!(gate);
+    std::fs::write(&gate, b"").unwrap();
+    node.write_nvml(config);
+    held(true);
+    // In flight for the poll that is asking: charged, and in the answer NVML will give.
+    user.ok("alloc 300");
+    // Let that poll answer, and hold the next one: the first has rebased by then.
+    std::fs::remove_file(&gate).unwrap();
+    held(false);
+    std::fs::write(&gate, b"").unwrap();
+    held(true);
+    // 950 MiB in all: under 1g (953 MiB).
+    user.ok("alloc 50");
+    std::fs::remove_file(&gate).unwrap();
+    // A poll with nothing in flight takes NVML's 950 MiB; 100 more is past the cap.
+    let polls = |s: &serde_json::Value| s["counts"]["memory_checks"].as_u64();
+    let now = daemon.wait_status("a memory poll", polls);
+    daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 100");
+    assert!(
+        line.starts_with("Environment pi would use 1101m on device 0 "),
+        "{line}"
+    );
+}
+
 /// A libcuda the daemon was not told about (a user's copy, a container's own) is
 /// probed once a process that maps it opens a GPU node, which CUDA does in `cuInit`,
 /// before any allocation: the copy does not get past the cap.

@@ -301,6 +301,14 @@ fn ldconfig_libcuda() -> Vec<PathBuf> {
         .collect()
 }
 
+/// The accounting deltas of every environment and GPU, read just before NVML was asked
+/// and just after it answered.
+#[derive(Clone, Copy)]
+pub struct DeltasAround<'a> {
+    pub before: &'a HashMap<EnvGpu, i64>,
+    pub after: &'a HashMap<EnvGpu, i64>,
+}
+
 /// The accounting maps (see `genv_ebpf_common::alloc`).
 pub struct AllocMaps {
     caps: BpfHashMap<MapData, u64, u64>,
@@ -346,8 +354,8 @@ impl AllocMaps {
         self.gpus.set(0, gpus, 0).map_err(map_error(CUDA_GPUS_MAP))
     }
 
-    /// Every environment's delta now: read before NVML is asked (see
-    /// [`Self::set_baselines`]).
+    /// Every environment's delta now: read before NVML is asked and after it answers
+    /// (see [`Self::set_baselines`]).
     pub fn deltas(&self) -> HashMap<EnvGpu, i64> {
         self.delta
             .iter()
@@ -355,29 +363,39 @@ impl AllocMaps {
             .collect::<HashMap<_, _>>()
     }
 
-    /// NVML's figures (`measured`; an environment and GPU absent there uses nothing),
-    /// paired with the deltas read before NVML was asked. Charges of processes NVML no
-    /// longer lists are dropped (its figure has let go of them already), so that their
-    /// exit is not taken off twice.
+    /// NVML's figures (`measured`; an environment and GPU absent there uses nothing)
+    /// become the baselines, each paired with the delta read before NVML was asked. An
+    /// account whose delta moved while NVML was being asked (an allocation or a free in
+    /// flight) keeps the baseline it had: NVML's figure may or may not hold that change,
+    /// so taking it would count it twice (and kill a process with room left under its
+    /// cap) or not at all. The probes' own count since stands for it until a poll with
+    /// nothing in flight. Charges of processes NVML no longer lists are dropped (its
+    /// figure has let go of them already), so that their exit is not taken off twice.
     pub fn set_baselines(
         &mut self,
-        deltas_before: &HashMap<EnvGpu, i64>,
+        deltas: DeltasAround<'_>,
         measured: &HashMap<EnvGpu, u64>,
         listed: &HashSet<u32>,
     ) -> Result<(), LoadError> {
-        let keys: HashSet<EnvGpu> = deltas_before
+        let keys: HashSet<EnvGpu> = deltas
+            .before
             .keys()
+            .chain(deltas.after.keys())
             .chain(measured.keys())
             .copied()
             .collect();
         let wanted = keys
             .into_iter()
-            .map(|key| {
+            .filter_map(|key| {
+                let before = deltas.before.get(&key).copied();
+                if before != deltas.after.get(&key).copied() {
+                    return self.base.get(&key, 0).ok().map(|kept| (key, kept));
+                }
                 let base = Baseline {
                     nvml_bytes: measured.get(&key).copied().unwrap_or(0),
-                    delta_at: deltas_before.get(&key).copied().unwrap_or(0),
+                    delta_at: before.unwrap_or(0),
                 };
-                (key, base)
+                Some((key, base))
             })
             .collect();
         super::policy_maps::sync_map(&mut self.base, wanted).map_err(map_error(ALLOC_BASE_MAP))?;

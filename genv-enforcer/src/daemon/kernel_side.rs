@@ -13,6 +13,7 @@ use super::memory_at_alloc::AllocSide;
 use super::status::Status;
 use crate::backends::devmap::DeviceMap;
 use crate::backends::{nvml, procfs};
+use crate::bpf::cuda::DeltasAround;
 use crate::bpf::lifecycle::EnvScan;
 use crate::bpf::policy_maps::DenyPolicy;
 use crate::bpf::{KernelPrograms, LoadError, LoadOptions, TierChoice, pins};
@@ -268,14 +269,15 @@ impl KernelSide {
         AllocSide::deltas(&mut self.programs)
     }
 
-    /// `--memory-at-alloc`: NVML's answer (the memory poll's) becomes the baselines.
+    /// `--memory-at-alloc`: NVML's answer (the memory poll's) becomes the baselines;
+    /// `deltas`: the accounting read before NVML was asked and after it answered.
     pub(super) fn rebase(
         &mut self,
-        before: &HashMap<EnvGpu, i64>,
+        deltas: DeltasAround<'_>,
         measured: &HashMap<EnvGpu, u64>,
         listed: &HashSet<u32>,
     ) {
-        AllocSide::rebase(&mut self.programs, before, measured, listed);
+        AllocSide::rebase(&mut self.programs, deltas, measured, listed);
     }
 
     /// A process started CUDA; `gpus`: NVML's devices, which its `CUDA_VISIBLE_DEVICES`

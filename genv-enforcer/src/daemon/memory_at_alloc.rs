@@ -14,7 +14,7 @@ use super::event_driven::Settings;
 use crate::backends::nvml::GpuInfo;
 use crate::backends::procfs;
 use crate::bpf::KernelPrograms;
-use crate::bpf::cuda::Library;
+use crate::bpf::cuda::{DeltasAround, Library};
 use crate::intake::OverCap;
 use crate::prevention::alloc::{Caps, names_a_uuid, ordinals};
 use crate::state::Env;
@@ -159,15 +159,16 @@ impl AllocSide {
         programs.alloc_mut().map(|maps| maps.deltas())
     }
 
-    /// NVML answered: its figures become the baselines.
+    /// NVML answered: its figures become the baselines, where no allocation or free
+    /// was in flight meanwhile (see `AllocMaps::set_baselines`).
     pub(super) fn rebase(
         programs: &mut KernelPrograms,
-        before: &HashMap<EnvGpu, i64>,
+        deltas: DeltasAround<'_>,
         measured: &HashMap<EnvGpu, u64>,
         listed: &HashSet<u32>,
     ) {
         if let Some(maps) = programs.alloc_mut() {
-            if let Err(e) = maps.set_baselines(before, measured, listed) {
+            if let Err(e) = maps.set_baselines(deltas, measured, listed) {
                 tracing::error!("Cannot update the memory baselines in the kernel: {e}");
             }
         }

@@ -21,6 +21,7 @@
 //!   (`null` reports NVML's "not available"). Like the real driver, a context disappears
 //!   when its process exits: pids that are gone or zombies are not reported.
 //! - `fail` makes the named entry point return the given `nvmlReturn_t` code.
+//! - `gate`: a path; while it exists, an enumeration waits (see `Config::gate`).
 //!
 //! A missing or unparsable configuration makes `nvmlInit` fail with
 //! `NVML_ERROR_DRIVER_NOT_LOADED`, as on a machine whose driver is not loaded.
@@ -62,6 +63,11 @@ struct Config {
     /// reported as its compute context as the driver would. Read at each enumeration.
     #[serde(default)]
     ledger: Option<String>,
+    /// While this file exists, an enumeration (`nvmlDeviceGetCount_v2`) waits before it
+    /// reads the ledger, having made `<gate>.waiting`: a test can hold the enforcer in
+    /// the middle of asking NVML, and act meanwhile.
+    #[serde(default)]
+    gate: Option<String>,
 }
 
 impl Config {
@@ -174,6 +180,9 @@ fn with_config(name: &str, body: impl FnOnce(&Config, &HashSet<u32>) -> NvmlRetu
         let Some(config) = load(&mut state) else {
             return ERROR_DRIVER_NOT_LOADED;
         };
+        if let (true, Some(gate)) = (name == "nvmlDeviceGetCount_v2", &config.gate) {
+            wait_at(gate);
+        }
         if name == "nvmlDeviceGetCount_v2" || state.live.is_none() || state.merged.is_none() {
             let merged = match &config.ledger {
                 Some(dir) => Arc::new(config.with_ledger(dir)),
@@ -194,6 +203,21 @@ fn with_config(name: &str, body: impl FnOnce(&Config, &HashSet<u32>) -> NvmlRetu
         return *code;
     }
     body(&config, &live)
+}
+
+/// Waits (a minute at most) while `gate` exists, `<gate>.waiting` saying so.
+fn wait_at(gate: &str) {
+    let gate = std::path::Path::new(gate);
+    if !gate.exists() {
+        return;
+    }
+    let waiting = format!("{}.waiting", gate.display());
+    let _ = std::fs::write(&waiting, b"");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while gate.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let _ = std::fs::remove_file(&waiting);
 }
 
 fn device(config: &Config, handle: DeviceHandle) -> Option<(u32, &DeviceConfig)> {

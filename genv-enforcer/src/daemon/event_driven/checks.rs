@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::time::Instant;
 
 use super::{Daemon, SETTLE, monotonic_ns};
+use crate::bpf::cuda::DeltasAround;
 use crate::cycle::{CycleSummary, Scope};
 use crate::daemon::kernel_side::KernelSide;
 use crate::prevention;
@@ -85,16 +86,17 @@ impl Daemon {
             return;
         }
         let settled = self.settled(Instant::now());
-        // Read before NVML is asked: an allocation meanwhile is then counted twice
-        // until the next poll, never missed.
+        // Read before NVML is asked and after it answers: an account that moved in
+        // between keeps its baseline (NVML may or may not have seen the change).
         let before = self.kernel.as_mut().and_then(KernelSide::alloc_deltas);
         let summary = self.enforcer.check(Scope::Memory, &settled);
-        if let (Some(kernel), Some(before), Some(processes)) =
-            (self.kernel.as_mut(), &before, &summary.measured)
+        let after = self.kernel.as_mut().and_then(KernelSide::alloc_deltas);
+        if let (Some(kernel), Some(before), Some(after), Some(processes)) =
+            (self.kernel.as_mut(), &before, &after, &summary.measured)
         {
             let usage = prevention::alloc::measured(processes);
             let listed = summary.gpu_pids.iter().copied().collect();
-            kernel.rebase(before, &usage, &listed);
+            kernel.rebase(DeltasAround { before, after }, &usage, &listed);
         }
         self.status.counts.memory_checks += 1;
         self.count(&summary);
