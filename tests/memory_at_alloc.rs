@@ -568,11 +568,61 @@ fn a_uuid_read_before_nvml_listed_any_gpu_is_resolved_once_it_does() {
     );
 }
 
+/// The fake NVML's gates: [`Self::hold`] makes the daemon's next call of an entry point
+/// wait, and returns once it waits; [`Self::release`] lets it go on.
+struct NvmlGates(std::path::PathBuf);
+
+/// Where an enumeration starts (before the fake reads its ledger), and a later call.
+const ENUMERATION: &str = "nvmlDeviceGetCount_v2";
+const PROCESSES: &str = "nvmlDeviceGetComputeRunningProcesses_v3";
+
+impl NvmlGates {
+    fn install(node: &Node) -> Self {
+        let gates = Self(node.dir.clone());
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(node.config_path()).unwrap()).unwrap();
+        config["gates"] = serde_json::json!({
+            ENUMERATION: gates.file(ENUMERATION),
+            PROCESSES: gates.file(PROCESSES),
+        });
+        node.write_nvml(config);
+        gates
+    }
+
+    fn file(&self, call: &str) -> std::path::PathBuf {
+        self.0.join(format!("gate-{call}"))
+    }
+
+    fn waiting(&self, call: &str, there: bool) {
+        let marker = self.0.join(format!("gate-{call}.waiting"));
+        let deadline = std::time::Instant::now() + DEATH;
+        while marker.exists() != there {
+            assert!(std::time::Instant::now() < deadline, "the gate at {call}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// The next call of `call` will wait (without waiting for it).
+    fn close(&self, call: &str) {
+        std::fs::write(self.file(call), b"").unwrap();
+    }
+
+    fn hold(&self, call: &str) {
+        self.close(call);
+        self.waiting(call, true);
+    }
+
+    fn release(&self, call: &str) {
+        std::fs::remove_file(self.file(call)).unwrap();
+        self.waiting(call, false);
+    }
+}
+
 /// An allocation made while a memory poll is asking NVML may or may not be in NVML's
 /// answer: that account keeps its last baseline until a poll with nothing in flight, so
 /// the allocation is counted once. (Taking NVML's figure with the delta read before the
 /// question counted it twice until the next poll, and killed a process with room left
-/// under its cap.) The fake NVML's gate holds the daemon in the middle of asking.
+/// under its cap.)
 #[test]
 fn an_allocation_while_nvml_is_asked_is_counted_once() {
     let _serial = serial();
@@ -580,38 +630,99 @@ fn an_allocation_while_nvml_is_asked_is_counted_once() {
         return;
     };
     user.ok("alloc 600");
-    let gate = node.dir.join("gate");
-    let waiting = node.dir.join("gate.waiting");
-    let held = |there: bool| {
-        let deadline = std::time::Instant::now() + DEATH;
-        while waiting.exists() != there {
-            assert!(std::time::Instant::now() < deadline, "the gate never held");
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    };
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(node.config_path()).unwrap()).unwrap();
-    config["gate"] = serde_json::json!(gate);
-    std::fs::write(&gate, b"").unwrap();
-    node.write_nvml(config);
-    held(true);
+    let gates = NvmlGates::install(&node);
+    gates.hold(ENUMERATION);
     // In flight for the poll that is asking: charged, and in the answer NVML will give.
     user.ok("alloc 300");
     // Let that poll answer, and hold the next one: the first has rebased by then.
-    std::fs::remove_file(&gate).unwrap();
-    held(false);
-    std::fs::write(&gate, b"").unwrap();
-    held(true);
+    gates.release(ENUMERATION);
+    gates.hold(ENUMERATION);
     // 950 MiB in all: under 1g (953 MiB).
     user.ok("alloc 50");
-    std::fs::remove_file(&gate).unwrap();
-    // A poll with nothing in flight takes NVML's 950 MiB; 100 more is past the cap.
+    gates.release(ENUMERATION);
+    past_the_cap_after_a_quiet_poll(&mut node, &daemon, &mut user, "pi 1101m");
+}
+
+/// The same with an allocation and its free, both in flight for one poll, NVML's
+/// answer made between them: the account's bytes are as they were, but it moved, and
+/// keeps its baseline. (Told by its bytes, the poll looked quiet, and the freed 300 MiB
+/// stayed counted.)
+#[test]
+fn an_allocation_and_its_free_while_nvml_is_asked_are_not_counted() {
+    let _serial = serial();
+    let Some((mut node, daemon, mut user)) = ready("kill", "rho") else {
+        return;
+    };
+    user.ok("alloc 600");
+    let gates = NvmlGates::install(&node);
+    gates.hold(ENUMERATION);
+    let pointer = user.ok("alloc 300");
+    // NVML reads what is held (900 MiB), then is held again before it answers.
+    gates.close(PROCESSES);
+    gates.release(ENUMERATION);
+    gates.waiting(PROCESSES, true);
+    user.ok(&format!("free {pointer}"));
+    gates.release(PROCESSES);
+    // The poll has answered once the next one is held.
+    gates.hold(ENUMERATION);
+    // 900 MiB in all: under 1g.
+    user.ok("alloc 300");
+    gates.release(ENUMERATION);
+    past_the_cap_after_a_quiet_poll(&mut node, &daemon, &mut user, "rho 1101m");
+}
+
+/// A process gone from NVML's list while its environment's account keeps its baseline
+/// (another process's allocation in flight) has its charges taken off that account, as
+/// at its exit: the kept baseline still holds them. (Dropped unaccounted, its 600 MiB
+/// stayed counted, and the other process was killed with room left under the cap.)
+#[test]
+fn a_process_gone_while_its_account_keeps_its_baseline_is_taken_off() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut first = capped(&mut node, &cuda_env, &daemon, "sigma", &[0]);
+    let mut second = CudaUser::start(&mut node, &cuda_env, "genv activate --id sigma");
+    first.init(&daemon, "0");
+    second.init(&daemon, "0");
+    first.ok("ctx 0");
+    second.ok("ctx 0");
+    first.ok("alloc 600");
     let polls = |s: &serde_json::Value| s["counts"]["memory_checks"].as_u64();
     let now = daemon.wait_status("a memory poll", polls);
     daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
-    let line = killed_at(&mut node, &daemon, &mut user, "alloc 100");
+    let gates = NvmlGates::install(&node);
+    gates.hold(ENUMERATION);
+    // Gone before NVML lists (its exit is read after the poll), and an allocation in
+    // flight for the same account.
+    unsafe { libc::kill(first.pid as i32, libc::SIGKILL) };
+    assert_eq!(node.wait_exit(first.pid, DEATH), Some(libc::SIGKILL));
+    second.ok("alloc 300");
+    gates.release(ENUMERATION);
+    gates.hold(ENUMERATION);
+    // The second holds 300 MiB; 600 more is 900, under 1g.
+    second.ok("alloc 600");
+    gates.release(ENUMERATION);
+    past_the_cap_after_a_quiet_poll(&mut node, &daemon, &mut second, "sigma 1101m");
+}
+
+/// Once a poll with nothing in flight has taken NVML's figure (held: 900 or 950 MiB),
+/// an allocation that takes the environment to 1050 MiB is killed, and the line says
+/// `env would_use`.
+fn past_the_cap_after_a_quiet_poll(
+    node: &mut Node,
+    daemon: &EventDaemon,
+    user: &mut CudaUser,
+    would_use: &str,
+) {
+    let polls = |s: &serde_json::Value| s["counts"]["memory_checks"].as_u64();
+    let now = daemon.wait_status("a memory poll", polls);
+    daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
+    let held: u64 = node.cuda_ledger().get(&(user.pid, 0)).copied().unwrap();
+    let line = killed_at(node, daemon, user, &format!("alloc {}", 1050 - held / MIB));
+    let (env, mb) = would_use.split_once(' ').unwrap();
     assert!(
-        line.starts_with("Environment pi would use 1101m on device 0 "),
+        line.starts_with(&format!("Environment {env} would use {mb} on device 0 ")),
         "{line}"
     );
 }

@@ -5,14 +5,16 @@
 //! `baseline.nvml_bytes + (delta - baseline.delta_at)`: NVML's figure at the daemon's
 //! last memory poll, plus what the probes saw allocated and freed since. `delta` only
 //! ever moves by atomic adds in the probes (and the daemon's subtraction when a process
-//! exits), so the daemon never writes it: it reads it before asking NVML and stores the
-//! pair, which is why a poll cannot lose an allocation made while it ran (it is counted
-//! twice until the next poll instead: the safe side).
+//! exits), so the daemon never writes it. It reads it before asking NVML and after the
+//! answer: an account whose [`Delta::moves`] did not change in between pairs NVML's
+//! figure with the delta read before; one that moved (an allocation or free in flight,
+//! which NVML's answer may or may not hold) keeps its baseline, so that nothing is
+//! counted twice.
 
 /// Environment ([`crate::env_id_hash`]) → its `gpu_memory` cap in bytes, for
 /// environments that have one.
 pub const ENV_MEMORY_MAP: &str = "ENV_MEMORY";
-/// [`EnvGpu`] → bytes allocated minus bytes freed, as the probes saw them (`i64`).
+/// [`EnvGpu`] → [`Delta`]: bytes allocated minus bytes freed, as the probes saw them.
 pub const ALLOC_DELTA_MAP: &str = "ALLOC_DELTA";
 /// [`EnvGpu`] → [`Baseline`], written by the daemon at each memory poll.
 pub const ALLOC_BASE_MAP: &str = "ALLOC_BASE";
@@ -66,6 +68,17 @@ pub struct EnvGpu {
     pub env: u64,
     pub gpu: u32,
     pub _pad: u32,
+}
+
+/// An environment's account on a GPU as the probes keep it, by atomic adds only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Delta {
+    /// Bytes allocated minus bytes freed.
+    pub bytes: i64,
+    /// How many times `bytes` moved: an allocation and a free of the same size leave
+    /// `bytes` as it was, not this.
+    pub moves: u64,
 }
 
 /// NVML's figure for an environment on a GPU, and the delta when it was asked.

@@ -374,6 +374,7 @@ mod pod {
     unsafe impl aya::Pod for super::ExeKey {}
     unsafe impl aya::Pod for super::alloc::EnvGpu {}
     unsafe impl aya::Pod for super::alloc::Baseline {}
+    unsafe impl aya::Pod for super::alloc::Delta {}
     unsafe impl aya::Pod for super::alloc::Charge {}
     unsafe impl aya::Pod for super::alloc::ProcGpu {}
     unsafe impl aya::Pod for super::alloc::Ordinals {}

@@ -4,7 +4,7 @@
 use aya_ebpf::helpers::{bpf_get_current_uid_gid, bpf_send_signal};
 use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
-use genv_ebpf_common::alloc::{Charge, EnvGpu, MAX_CHARGE, ProcGpu};
+use genv_ebpf_common::alloc::{Charge, Delta, EnvGpu, MAX_CHARGE, ProcGpu};
 use genv_ebpf_common::{AllocEvent, RawEvent, hook, identity, kind, policy, verdict};
 
 use super::context::{current_device, nvml_index};
@@ -110,7 +110,7 @@ pub fn cu_mem_alloc_ret(ctx: RetProbeContext) -> u32 {
                 gpu: p.gpu,
                 _pad: 0,
             }) {
-                add(delta, actual - bytes);
+                shift(delta, actual - bytes);
             }
             charge_process(pid, p.env, p.gpu, actual - bytes);
             bytes = actual;
@@ -219,9 +219,9 @@ fn charge(pid: u32, env: u64, gpu: u32, size: u64) -> bool {
         return false;
     };
     let size = size as i64; // at most MAX_CHARGE
-    add(delta, size);
+    shift(delta, size);
     // SAFETY: map memory, read after our own add: at least everything charged before.
-    let total = unsafe { core::ptr::read_volatile(delta) };
+    let total = unsafe { core::ptr::read_volatile(&raw const (*delta).bytes) };
     // SAFETY: a plain lookup; the value is copied out at once.
     let base = unsafe { ALLOC_BASE.get(&key) }.copied().unwrap_or_default();
     // Charges are bounded, so the delta since the baseline never wraps.
@@ -237,7 +237,7 @@ fn charge(pid: u32, env: u64, gpu: u32, size: u64) -> bool {
         // SAFETY: signals the current process; SIGKILL is delivered before the call
         // returns to user space, so the driver never sees it.
         if unsafe { bpf_send_signal(SIGKILL) } == 0 {
-            add(delta, -size);
+            shift(delta, -size);
             report(pid, env, gpu, usage, verdict::ALLOC_KILLED);
             return false;
         }
@@ -252,7 +252,7 @@ fn charge(pid: u32, env: u64, gpu: u32, size: u64) -> bool {
 #[inline(always)]
 fn uncharge(pid: u32, env: u64, gpu: u32, size: i64) {
     if let Some(delta) = ALLOC_DELTA.get_ptr_mut(EnvGpu { env, gpu, _pad: 0 }) {
-        add(delta, -size);
+        shift(delta, -size);
     }
     charge_process(pid, env, gpu, -size);
 }
@@ -279,12 +279,25 @@ fn charge_process(pid: u32, env: u64, gpu: u32, size: i64) {
 /// The environment's delta on a GPU, created at 0 (two CPUs creating it at once: one
 /// insert fails, both find the same entry).
 #[inline(always)]
-fn counter(key: &EnvGpu) -> Option<*mut i64> {
+fn counter(key: &EnvGpu) -> Option<*mut Delta> {
     if let Some(delta) = ALLOC_DELTA.get_ptr_mut(key) {
         return Some(delta);
     }
-    let _ = ALLOC_DELTA.insert(key, &0, BPF_NOEXIST);
+    let _ = ALLOC_DELTA.insert(key, &Delta::default(), BPF_NOEXIST);
     ALLOC_DELTA.get_ptr_mut(key)
+}
+
+/// Moves an account by `bytes`, the move counted first: a reader that sees the bytes
+/// changed sees the count changed too (the daemon tells a poll with an allocation or
+/// free in flight by the count).
+#[inline(always)]
+fn shift(delta: *mut Delta, bytes: i64) {
+    // SAFETY: map memory, two aligned 8-byte fields; `moves` only ever grows, and as a
+    // u64 it wraps as the i64 add does.
+    unsafe {
+        add((&raw mut (*delta).moves).cast::<i64>(), 1);
+        add(&raw mut (*delta).bytes, bytes);
+    }
 }
 
 /// An atomic add whose result is not used (BPF's `XADD`, on every kernel and CPU

@@ -24,7 +24,7 @@ use aya_ebpf::helpers::{bpf_get_current_uid_gid, bpf_probe_read_user};
 use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, LruHashMap};
 use genv_ebpf_common::alloc::{
-    Baseline, Charge, CtxStack, EnvGpu, MAX_ALLOCATIONS, MAX_CUDA_PROCESSES, MAX_ENV_GPUS,
+    Baseline, Charge, CtxStack, Delta, EnvGpu, MAX_ALLOCATIONS, MAX_CUDA_PROCESSES, MAX_ENV_GPUS,
     Ordinals, ProcGpu,
 };
 use genv_ebpf_common::{MAX_ENVS, RawEvent, cuda_call, hook, kind};
@@ -44,7 +44,7 @@ pub(super) const PROP_LOCATION: u64 = 8;
 #[map]
 pub(crate) static ENV_MEMORY: HashMap<u64, u64> = HashMap::with_max_entries(MAX_ENVS, 0);
 #[map]
-pub(crate) static ALLOC_DELTA: HashMap<EnvGpu, i64> = HashMap::with_max_entries(MAX_ENV_GPUS, 0);
+pub(crate) static ALLOC_DELTA: HashMap<EnvGpu, Delta> = HashMap::with_max_entries(MAX_ENV_GPUS, 0);
 #[map]
 pub(crate) static ALLOC_BASE: HashMap<EnvGpu, Baseline> =
     HashMap::with_max_entries(MAX_ENV_GPUS, 0);

@@ -1,21 +1,16 @@
 //! `--memory-at-alloc`'s half of the programs: the uprobes on libcuda's memory and
-//! context calls (`genv-ebpf/src/cuda.rs`), attached to every libcuda the daemon finds,
-//! and the handles of the accounting maps it keeps in step (caps, baselines, exits,
-//! device numbering). What those maps should hold is [`crate::prevention::alloc`]'s.
+//! context calls (`genv-ebpf/src/cuda.rs`), attached to every libcuda the daemon finds.
+//! Their accounting maps are [`super::alloc_maps`]'.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use aya::Ebpf;
-use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError};
 use aya::programs::UProbe;
 use aya::programs::uprobe::UProbeScope;
-use genv_ebpf_common::alloc::{
-    ALLOC_BASE_MAP, ALLOC_DELTA_MAP, Baseline, CUDA_GPUS_MAP, Charge, ENV_MEMORY_MAP, EnvGpu,
-    Ordinals, PROC_CHARGE_MAP, PROC_ORDINALS_MAP, ProcGpu,
-};
 
-use super::error::{LoadError, chain, map_error, program_error, take_map};
+use super::alloc_maps::AllocMaps;
+use super::error::{LoadError, chain, program_error};
 use super::loader::{Attached, program_mut};
 
 /// Allocations on the current context's device, with `(dptr, size, …)` arguments; the
@@ -299,164 +294,4 @@ fn ldconfig_libcuda() -> Vec<PathBuf> {
         .filter_map(|l| l.split("=> ").nth(1))
         .map(|p| PathBuf::from(p.trim()))
         .collect()
-}
-
-/// The accounting deltas of every environment and GPU, read just before NVML was asked
-/// and just after it answered.
-#[derive(Clone, Copy)]
-pub struct DeltasAround<'a> {
-    pub before: &'a HashMap<EnvGpu, i64>,
-    pub after: &'a HashMap<EnvGpu, i64>,
-}
-
-/// The accounting maps (see `genv_ebpf_common::alloc`).
-pub struct AllocMaps {
-    caps: BpfHashMap<MapData, u64, u64>,
-    delta: BpfHashMap<MapData, EnvGpu, i64>,
-    base: BpfHashMap<MapData, EnvGpu, Baseline>,
-    charges: BpfHashMap<MapData, ProcGpu, Charge>,
-    ordinals: BpfHashMap<MapData, u32, Ordinals>,
-    gpus: Array<MapData, u32>,
-}
-
-impl AllocMaps {
-    pub(super) fn take(ebpf: &mut Ebpf) -> Result<Self, LoadError> {
-        Ok(Self {
-            caps: take_map(ebpf, ENV_MEMORY_MAP)?,
-            delta: take_map(ebpf, ALLOC_DELTA_MAP)?,
-            base: take_map(ebpf, ALLOC_BASE_MAP)?,
-            charges: take_map(ebpf, PROC_CHARGE_MAP)?,
-            ordinals: take_map(ebpf, PROC_ORDINALS_MAP)?,
-            gpus: take_map(ebpf, CUDA_GPUS_MAP)?,
-        })
-    }
-
-    /// Makes the caps exactly `wanted` (environment identity → bytes), and drops the
-    /// accounts of environments that no longer have one.
-    pub fn sync_caps(&mut self, wanted: HashMap<u64, u64>) -> Result<(), LoadError> {
-        let ended = |key: &EnvGpu| !wanted.contains_key(&key.env);
-        let stale: Vec<EnvGpu> = self
-            .delta
-            .keys()
-            .filter_map(Result::ok)
-            .filter(ended)
-            .collect();
-        super::policy_maps::sync_map(&mut self.caps, wanted).map_err(map_error(ENV_MEMORY_MAP))?;
-        for key in stale {
-            remove(&mut self.delta, &key).map_err(map_error(ALLOC_DELTA_MAP))?;
-            remove(&mut self.base, &key).map_err(map_error(ALLOC_BASE_MAP))?;
-        }
-        Ok(())
-    }
-
-    /// The node's GPU count: device numbers at or past it are charged nowhere.
-    pub fn set_gpus(&mut self, gpus: u32) -> Result<(), LoadError> {
-        self.gpus.set(0, gpus, 0).map_err(map_error(CUDA_GPUS_MAP))
-    }
-
-    /// Every environment's delta now: read before NVML is asked and after it answers
-    /// (see [`Self::set_baselines`]).
-    pub fn deltas(&self) -> HashMap<EnvGpu, i64> {
-        self.delta
-            .iter()
-            .filter_map(Result::ok)
-            .collect::<HashMap<_, _>>()
-    }
-
-    /// NVML's figures (`measured`; an environment and GPU absent there uses nothing)
-    /// become the baselines, each paired with the delta read before NVML was asked. An
-    /// account whose delta moved while NVML was being asked (an allocation or a free in
-    /// flight) keeps the baseline it had: NVML's figure may or may not hold that change,
-    /// so taking it would count it twice (and kill a process with room left under its
-    /// cap) or not at all. The probes' own count since stands for it until a poll with
-    /// nothing in flight. Charges of processes NVML no longer lists are dropped (its
-    /// figure has let go of them already), so that their exit is not taken off twice.
-    pub fn set_baselines(
-        &mut self,
-        deltas: DeltasAround<'_>,
-        measured: &HashMap<EnvGpu, u64>,
-        listed: &HashSet<u32>,
-    ) -> Result<(), LoadError> {
-        let keys: HashSet<EnvGpu> = deltas
-            .before
-            .keys()
-            .chain(deltas.after.keys())
-            .chain(measured.keys())
-            .copied()
-            .collect();
-        let wanted = keys
-            .into_iter()
-            .filter_map(|key| {
-                let before = deltas.before.get(&key).copied();
-                if before != deltas.after.get(&key).copied() {
-                    return self.base.get(&key, 0).ok().map(|kept| (key, kept));
-                }
-                let base = Baseline {
-                    nvml_bytes: measured.get(&key).copied().unwrap_or(0),
-                    delta_at: before.unwrap_or(0),
-                };
-                Some((key, base))
-            })
-            .collect();
-        super::policy_maps::sync_map(&mut self.base, wanted).map_err(map_error(ALLOC_BASE_MAP))?;
-        let gone: Vec<ProcGpu> = self
-            .charges
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|key| !listed.contains(&key.tgid))
-            .collect();
-        for key in gone {
-            remove(&mut self.charges, &key).map_err(map_error(PROC_CHARGE_MAP))?;
-        }
-        Ok(())
-    }
-
-    /// A process exited: the driver freed what it held, so its charges come off its
-    /// environments (through the baseline, which only the daemon writes: the probes'
-    /// atomic adds to the delta are never raced); its device numbering goes.
-    pub fn process_exited(&mut self, pid: u32) {
-        let _ = remove(&mut self.ordinals, &pid);
-        let held: Vec<ProcGpu> = self
-            .charges
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|key| key.tgid == pid)
-            .collect();
-        for key in held {
-            let gpu = key.gpu;
-            let Ok(charge) = self.charges.get(&key, 0) else {
-                continue;
-            };
-            let _ = remove(&mut self.charges, &key);
-            let env_gpu = EnvGpu {
-                env: charge.env,
-                gpu,
-                _pad: 0,
-            };
-            let mut base = self.base.get(&env_gpu, 0).unwrap_or_default();
-            base.delta_at = base.delta_at.saturating_add(charge.bytes);
-            if let Err(e) = self.base.insert(env_gpu, base, 0) {
-                tracing::warn!("Cannot take process {pid}'s memory off its environment: {e}");
-            }
-        }
-    }
-
-    /// The process's CUDA device numbers (`None`: CUDA's own, unmapped).
-    pub fn set_ordinals(&mut self, pid: u32, map: Option<Ordinals>) -> Result<(), LoadError> {
-        match map {
-            Some(map) => self.ordinals.insert(pid, map, 0),
-            None => remove(&mut self.ordinals, &pid),
-        }
-        .map_err(map_error(PROC_ORDINALS_MAP))
-    }
-}
-
-fn remove<K: aya::Pod, V: aya::Pod>(
-    map: &mut BpfHashMap<MapData, K, V>,
-    key: &K,
-) -> Result<(), MapError> {
-    match map.remove(key) {
-        Err(MapError::KeyNotFound) => Ok(()),
-        other => other,
-    }
 }

@@ -14,8 +14,9 @@ use genv_ebpf_common::{
     EVENTS_MAP, GPU_NODES_MAP, LOST_MAP, MAX_GPU_NODES, OFFSETS_GLOBAL, PROC_ENV_MAP,
 };
 
+use super::alloc_maps::AllocMaps;
 use super::btf::Btf;
-use super::cuda::{self, AllocMaps, Attachment};
+use super::cuda::{self, Attachment};
 use super::error::{LoadError, chain, map_error, program_error, take_map};
 use super::fmod_ret;
 use super::lifecycle::{self, EnvScan};

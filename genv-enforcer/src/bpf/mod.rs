@@ -7,6 +7,7 @@
 //! ([`cuda`]). What those maps should hold is [`crate::prevention`]'s business; the
 //! events the programs emit are read by [`crate::intake`].
 
+pub mod alloc_maps;
 pub mod btf;
 pub mod cuda;
 pub mod error;

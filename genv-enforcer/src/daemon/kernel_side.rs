@@ -6,14 +6,14 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use genv_ebpf_common::alloc::EnvGpu;
+use genv_ebpf_common::alloc::{Delta, EnvGpu};
 
 use super::event_driven::Settings;
 use super::memory_at_alloc::AllocSide;
 use super::status::Status;
 use crate::backends::devmap::DeviceMap;
 use crate::backends::{nvml, procfs};
-use crate::bpf::cuda::DeltasAround;
+use crate::bpf::alloc_maps::DeltasAround;
 use crate::bpf::lifecycle::EnvScan;
 use crate::bpf::policy_maps::DenyPolicy;
 use crate::bpf::{KernelPrograms, LoadError, LoadOptions, TierChoice, pins};
@@ -264,7 +264,7 @@ impl KernelSide {
     }
 
     /// `--memory-at-alloc`: the accounting deltas, read before NVML is asked.
-    pub(super) fn alloc_deltas(&mut self) -> Option<HashMap<EnvGpu, i64>> {
+    pub(super) fn alloc_deltas(&mut self) -> Option<HashMap<EnvGpu, Delta>> {
         self.alloc.as_ref()?;
         AllocSide::deltas(&mut self.programs)
     }

@@ -8,13 +8,14 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use genv_ebpf_common::alloc::EnvGpu;
+use genv_ebpf_common::alloc::{Delta, EnvGpu};
 
 use super::event_driven::Settings;
 use crate::backends::nvml::GpuInfo;
 use crate::backends::procfs;
 use crate::bpf::KernelPrograms;
-use crate::bpf::cuda::{DeltasAround, Library};
+use crate::bpf::alloc_maps::DeltasAround;
+use crate::bpf::cuda::Library;
 use crate::intake::OverCap;
 use crate::prevention::alloc::{Caps, names_a_uuid, ordinals};
 use crate::state::Env;
@@ -155,7 +156,7 @@ impl AllocSide {
     }
 
     /// The deltas, read before NVML is asked (see `set_baselines`).
-    pub(super) fn deltas(programs: &mut KernelPrograms) -> Option<HashMap<EnvGpu, i64>> {
+    pub(super) fn deltas(programs: &mut KernelPrograms) -> Option<HashMap<EnvGpu, Delta>> {
         programs.alloc_mut().map(|maps| maps.deltas())
     }
 

@@ -21,7 +21,8 @@
 //!   (`null` reports NVML's "not available"). Like the real driver, a context disappears
 //!   when its process exits: pids that are gone or zombies are not reported.
 //! - `fail` makes the named entry point return the given `nvmlReturn_t` code.
-//! - `gate`: a path; while it exists, an enumeration waits (see `Config::gate`).
+//! - `gates`: entry point → a path; while the path exists, that call waits (see
+//!   `Config::gates`).
 //!
 //! A missing or unparsable configuration makes `nvmlInit` fail with
 //! `NVML_ERROR_DRIVER_NOT_LOADED`, as on a machine whose driver is not loaded.
@@ -63,11 +64,12 @@ struct Config {
     /// reported as its compute context as the driver would. Read at each enumeration.
     #[serde(default)]
     ledger: Option<String>,
-    /// While this file exists, an enumeration (`nvmlDeviceGetCount_v2`) waits before it
-    /// reads the ledger, having made `<gate>.waiting`: a test can hold the enforcer in
-    /// the middle of asking NVML, and act meanwhile.
+    /// Entry point → a file: while the file exists, a call of that entry point waits
+    /// (a minute at most), having made `<file>.waiting`, so that a test can hold the
+    /// enforcer in the middle of asking NVML and act meanwhile. An enumeration
+    /// (`nvmlDeviceGetCount_v2`) waits before it reads the ledger.
     #[serde(default)]
-    gate: Option<String>,
+    gates: HashMap<String, String>,
 }
 
 impl Config {
@@ -180,7 +182,7 @@ fn with_config(name: &str, body: impl FnOnce(&Config, &HashSet<u32>) -> NvmlRetu
         let Some(config) = load(&mut state) else {
             return ERROR_DRIVER_NOT_LOADED;
         };
-        if let (true, Some(gate)) = (name == "nvmlDeviceGetCount_v2", &config.gate) {
+        if let Some(gate) = config.gates.get(name) {
             wait_at(gate);
         }
         if name == "nvmlDeviceGetCount_v2" || state.live.is_none() || state.merged.is_none() {

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::time::Instant;
 
 use super::{Daemon, SETTLE, monotonic_ns};
-use crate::bpf::cuda::DeltasAround;
+use crate::bpf::alloc_maps::DeltasAround;
 use crate::cycle::{CycleSummary, Scope};
 use crate::daemon::kernel_side::KernelSide;
 use crate::prevention;
