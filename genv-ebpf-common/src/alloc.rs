@@ -4,12 +4,12 @@
 //! An environment's usage on a GPU, as the probes judge it, is
 //! `baseline.nvml_bytes + (delta - baseline.delta_at)`: NVML's figure at the daemon's
 //! last memory poll, plus what the probes saw allocated and freed since. `delta` only
-//! ever moves by atomic adds in the probes (and the daemon's subtraction when a process
-//! exits), so the daemon never writes it. It reads it before asking NVML and after the
-//! answer: an account whose [`Delta::moves`] did not change in between pairs NVML's
-//! figure with the delta read before; one that moved (an allocation or free in flight,
-//! which NVML's answer may or may not hold) keeps its baseline, so that nothing is
-//! counted twice.
+//! ever moves by atomic adds in the probes; the daemon writes baselines alone (a process's
+//! exit comes off through `delta_at`). It reads the deltas before asking NVML and after
+//! the answer: an account that did not move in between pairs NVML's figure with the
+//! delta read before; one that moved (an allocation or free in flight, which NVML's
+//! answer may or may not hold) keeps its baseline, so that nothing is counted twice, for
+//! a few polls in a row at most (then NVML's figure is taken with the delta read after).
 
 /// Environment ([`crate::env_id_hash`]) → its `gpu_memory` cap in bytes, for
 /// environments that have one.
@@ -106,6 +106,17 @@ pub struct Charge {
     pub bytes: i64,
     pub gpu: u32,
     pub _pad: u32,
+}
+
+impl Charge {
+    /// The account (environment and GPU) it is charged to.
+    pub fn account(&self) -> EnvGpu {
+        EnvGpu {
+            env: self.env,
+            gpu: self.gpu,
+            _pad: 0,
+        }
+    }
 }
 
 /// A process's CUDA device numbers: `index[ordinal]` is the NVML index, or [`NO_GPU`].

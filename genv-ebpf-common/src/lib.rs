@@ -392,6 +392,7 @@ mod tests {
         assert_eq!(size_of::<AllocEvent>(), 56);
         assert_eq!(size_of::<alloc::EnvGpu>(), 16);
         assert_eq!(size_of::<alloc::Baseline>(), 16);
+        assert_eq!(size_of::<alloc::Delta>(), 16);
         assert_eq!(size_of::<alloc::Charge>(), 24);
         assert_eq!(size_of::<alloc::Ordinals>(), alloc::MAX_ORDINALS);
         assert_eq!(size_of::<alloc::CtxStack>(), 40);

@@ -27,6 +27,9 @@ pub struct DeltasAround<'a> {
 /// stale for ever by a process that never stops allocating.
 const KEPT_POLLS: u32 = 3;
 
+/// Accounts that kept their baseline, and for how many polls in a row.
+type KeptPolls = HashMap<EnvGpu, u32>;
+
 /// The accounting maps (see `genv_ebpf_common::alloc`).
 pub struct AllocMaps {
     caps: BpfHashMap<MapData, u64, u64>,
@@ -35,8 +38,8 @@ pub struct AllocMaps {
     charges: BpfHashMap<MapData, ProcGpu, Charge>,
     ordinals: BpfHashMap<MapData, u32, Ordinals>,
     gpus: Array<MapData, u32>,
-    /// Accounts that kept their baseline at the last polls, and for how many in a row.
-    kept: HashMap<EnvGpu, u32>,
+    /// Accounts that kept their baseline at the last polls.
+    kept: KeptPolls,
 }
 
 impl AllocMaps {
@@ -104,6 +107,39 @@ impl AllocMaps {
         measured: &HashMap<EnvGpu, u64>,
         listed: &HashSet<u32>,
     ) -> Result<(), LoadError> {
+        let (mut wanted, kept) = self.plan_baselines(deltas, measured)?;
+        // Off NVML's list: gone, or too new to be on it yet. On an account that took
+        // NVML's figure the charges go (that figure has let go of them, or never held
+        // them); on one that kept its baseline, which still holds them, a dead process's
+        // come off it now, as at an exit, and a live one's stay for its exit.
+        let gone: Vec<(ProcGpu, Charge)> = self
+            .charges
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(key, _)| !listed.contains(&key.tgid))
+            .filter(|(key, charge)| !kept.contains_key(&charge.account()) || dead(key.tgid))
+            .collect();
+        for (_, charge) in &gone {
+            if kept.contains_key(&charge.account()) {
+                let base = wanted.entry(charge.account()).or_default();
+                base.delta_at = base.delta_at.saturating_add(charge.bytes);
+            }
+        }
+        super::policy_maps::sync_map(&mut self.base, wanted).map_err(map_error(ALLOC_BASE_MAP))?;
+        self.kept = kept;
+        for (key, _) in gone {
+            remove(&mut self.charges, &key).map_err(map_error(PROC_CHARGE_MAP))?;
+        }
+        Ok(())
+    }
+
+    /// Each account's new baseline, and the accounts that kept theirs (with how many
+    /// polls in a row); an account that kept none yet has no entry.
+    fn plan_baselines(
+        &self,
+        deltas: DeltasAround<'_>,
+        measured: &HashMap<EnvGpu, u64>,
+    ) -> Result<(HashMap<EnvGpu, Baseline>, KeptPolls), LoadError> {
         let keys: HashSet<EnvGpu> = deltas
             .before
             .keys()
@@ -115,23 +151,23 @@ impl AllocMaps {
         let mut kept = HashMap::new();
         for key in keys {
             let (before, after) = (deltas.before.get(&key), deltas.after.get(&key));
-            let moved = before.map(|d| d.moves) != after.map(|d| d.moves);
+            // Both fields: a read of the map is no atomic copy of them.
+            let moved = before != after;
             let in_a_row = self.kept.get(&key).copied().unwrap_or(0);
             let paired = match (moved, in_a_row < KEPT_POLLS) {
                 (false, _) => before,
-                (true, true) => match self.base.get(&key, 0) {
-                    Ok(base) => {
-                        kept.insert(key, in_a_row + 1);
-                        wanted.insert(key, base);
-                        continue;
+                (true, true) => {
+                    kept.insert(key, in_a_row + 1);
+                    match self.base.get(&key, 0) {
+                        Ok(base) => {
+                            wanted.insert(key, base);
+                        }
+                        // No baseline yet: the probes' own count is all there is.
+                        Err(MapError::KeyNotFound) => {}
+                        Err(e) => return Err(map_error(ALLOC_BASE_MAP)(e)),
                     }
-                    // No baseline yet: the probes' own count is all there is.
-                    Err(MapError::KeyNotFound) => {
-                        kept.insert(key, in_a_row + 1);
-                        continue;
-                    }
-                    Err(e) => return Err(map_error(ALLOC_BASE_MAP)(e)),
-                },
+                    continue;
+                }
                 // Kept long enough: NVML's figure, with what moved counted as NVML saw it.
                 (true, false) => after,
             };
@@ -141,28 +177,7 @@ impl AllocMaps {
             };
             wanted.insert(key, base);
         }
-        let gone: Vec<(ProcGpu, Charge)> = self
-            .charges
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(key, _)| !listed.contains(&key.tgid))
-            .collect();
-        for (_, charge) in &gone {
-            let key = EnvGpu {
-                env: charge.env,
-                gpu: charge.gpu,
-                _pad: 0,
-            };
-            if let (true, Some(base)) = (kept.contains_key(&key), wanted.get_mut(&key)) {
-                base.delta_at = base.delta_at.saturating_add(charge.bytes);
-            }
-        }
-        super::policy_maps::sync_map(&mut self.base, wanted).map_err(map_error(ALLOC_BASE_MAP))?;
-        self.kept = kept;
-        for (key, _) in gone {
-            remove(&mut self.charges, &key).map_err(map_error(PROC_CHARGE_MAP))?;
-        }
-        Ok(())
+        Ok((wanted, kept))
     }
 
     /// A process exited: the driver freed what it held, so its charges come off its
@@ -203,6 +218,11 @@ impl AllocMaps {
         }
         .map_err(map_error(PROC_ORDINALS_MAP))
     }
+}
+
+/// Whether process `pid` is gone (or a zombie, whose GPU memory the driver has freed).
+fn dead(pid: u32) -> bool {
+    crate::backends::procfs::stat(pid).map_or(true, |stat| stat.is_zombie())
 }
 
 fn remove<K: aya::Pod, V: aya::Pod>(
