@@ -706,6 +706,41 @@ fn a_process_gone_while_its_account_keeps_its_baseline_is_taken_off() {
     past_the_cap_after_a_quiet_poll(&mut node, &daemon, &mut second, "sigma 1101m");
 }
 
+/// An account with something in flight at every poll keeps its baseline three polls in
+/// a row at most: the fourth takes NVML's figure anyway, so memory only NVML sees (here
+/// another process of the environment, which never calls libcuda) is not left out for
+/// as long as the environment keeps allocating. (Like every test of the gates, it
+/// counts on the daemon asking NVML only for its memory polls: no GPU node is opened
+/// meanwhile, which would make it ask for an open check too.)
+#[test]
+fn an_account_always_in_flight_takes_nvmls_figure_at_the_fourth_poll() {
+    let _serial = serial();
+    let Some((mut node, daemon, mut user)) = ready("kill", "tau") else {
+        return;
+    };
+    user.ok("alloc 300");
+    let other = node.spawn(Some("tau"), &[]);
+    let polls = |s: &serde_json::Value| s["counts"]["memory_checks"].as_u64();
+    let now = daemon.wait_status("a memory poll", polls);
+    daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
+    let gates = NvmlGates::install(&node);
+    // 500 MiB that NVML lists and the probes never see.
+    let ledger = node.cuda_ledger_dir().unwrap();
+    std::fs::write(ledger.join(format!("{other}-0")), (500 * MIB).to_string()).unwrap();
+    for _ in 0..4 {
+        gates.hold(ENUMERATION);
+        user.ok("alloc 1");
+        gates.release(ENUMERATION);
+    }
+    // The fourth has rebased once the next is held: 304 + 500 MiB, and 200 more is
+    // past 1g (953 MiB).
+    gates.hold(ENUMERATION);
+    assert_eq!(user.call("alloc 200"), None, "the 500 MiB were left out");
+    gates.release(ENUMERATION);
+    assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
+    daemon.expect(&format!("killed process {} at the allocation", user.pid));
+}
+
 /// Once a poll with nothing in flight has taken NVML's figure (held: 900 or 950 MiB),
 /// an allocation that takes the environment to 1050 MiB is killed, and the line says
 /// `env would_use`.
