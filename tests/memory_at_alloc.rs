@@ -558,14 +558,20 @@ fn a_uuid_read_before_nvml_listed_any_gpu_is_resolved_once_it_does() {
         2,
     );
     // A memory poll since: NVML's 600 MiB on GPU 1 is the baseline.
-    let polls = |s: &serde_json::Value| s["counts"]["memory_checks"].as_u64();
-    let now = daemon.wait_status("a memory poll", polls);
-    daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
+    two_memory_polls(&daemon);
     let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
     assert!(
         line.starts_with("Environment xi would use 1258m on device 1 "),
         "{line}"
     );
+}
+
+/// Returns once the daemon has made two memory polls more (the status it publishes,
+/// at most a second old, shows one at least: two make sure one began after the call).
+fn two_memory_polls(daemon: &EventDaemon) {
+    let polls = |s: &serde_json::Value| s["counts"]["memory_checks"].as_u64();
+    let now = daemon.wait_status("a memory poll", polls);
+    daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
 }
 
 /// The fake NVML's gates: [`Self::hold`] makes the daemon's next call of an entry point
@@ -688,9 +694,7 @@ fn a_process_gone_while_its_account_keeps_its_baseline_is_taken_off() {
     first.ok("ctx 0");
     second.ok("ctx 0");
     first.ok("alloc 600");
-    let polls = |s: &serde_json::Value| s["counts"]["memory_checks"].as_u64();
-    let now = daemon.wait_status("a memory poll", polls);
-    daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
+    two_memory_polls(&daemon);
     let gates = NvmlGates::install(&node);
     gates.hold(ENUMERATION);
     // Gone before NVML lists (its exit is read after the poll), and an allocation in
@@ -720,9 +724,7 @@ fn an_account_always_in_flight_takes_nvmls_figure_at_the_fourth_poll() {
     };
     user.ok("alloc 300");
     let other = node.spawn(Some("tau"), &[]);
-    let polls = |s: &serde_json::Value| s["counts"]["memory_checks"].as_u64();
-    let now = daemon.wait_status("a memory poll", polls);
-    daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
+    two_memory_polls(&daemon);
     let gates = NvmlGates::install(&node);
     // 500 MiB that NVML lists and the probes never see.
     let ledger = node.cuda_ledger_dir().unwrap();
@@ -750,9 +752,7 @@ fn past_the_cap_after_a_quiet_poll(
     user: &mut CudaUser,
     would_use: &str,
 ) {
-    let polls = |s: &serde_json::Value| s["counts"]["memory_checks"].as_u64();
-    let now = daemon.wait_status("a memory poll", polls);
-    daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
+    two_memory_polls(daemon);
     let held: u64 = node.cuda_ledger().get(&(user.pid, 0)).copied().unwrap();
     let line = killed_at(node, daemon, user, &format!("alloc {}", 1050 - held / MIB));
     let (env, mb) = would_use.split_once(' ').unwrap();
