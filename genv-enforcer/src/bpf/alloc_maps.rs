@@ -192,16 +192,11 @@ impl AllocMaps {
             .filter(|key| key.tgid == pid)
             .collect();
         for key in held {
-            let gpu = key.gpu;
             let Ok(charge) = self.charges.get(&key, 0) else {
                 continue;
             };
             let _ = remove(&mut self.charges, &key);
-            let env_gpu = EnvGpu {
-                env: charge.env,
-                gpu,
-                _pad: 0,
-            };
+            let env_gpu = charge.account();
             let mut base = self.base.get(&env_gpu, 0).unwrap_or_default();
             base.delta_at = base.delta_at.saturating_add(charge.bytes);
             if let Err(e) = self.base.insert(env_gpu, base, 0) {
