@@ -26,7 +26,19 @@ fn xtask(args: &[&str], root: &Path) {
 fn install(node: &Node) -> PathBuf {
     let root = node.dir.join("root");
     let binary = artefact("genv-enforcer");
-    xtask(&["install", "--binary", binary.to_str().unwrap()], &root);
+    // The front runs the binary where this install put it (by default it names the
+    // node's /usr/local/bin/genv-enforcer, whatever --root is).
+    let installed = root.join("usr/local/bin/genv-enforcer");
+    xtask(
+        &[
+            "install",
+            "--binary",
+            binary.to_str().unwrap(),
+            "--enforcer-path",
+            installed.to_str().unwrap(),
+        ],
+        &root,
+    );
     root
 }
 

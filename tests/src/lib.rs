@@ -425,7 +425,8 @@ impl Drop for Node {
     }
 }
 
-pub(crate) fn unique() -> u64 {
+/// A number no other call in this process returns (scratch names).
+pub fn unique() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
     NEXT.fetch_add(1, Ordering::Relaxed)

@@ -12,6 +12,10 @@
 //!   (the admin's is kept);
 //! - `usr/local/share/doc/genv-enforcer/README.md`.
 //!
+//! The front runs the binary by its path on the node (`--enforcer-path`, default
+//! `/usr/local/bin/genv-enforcer`), never by its path under `--root`: a staged
+//! package copied to a node must not name a staging directory anyone could create.
+//!
 //! Installing again replaces what it laid down and nothing else. `uninstall` removes
 //! it all (the configuration only if it is still the one installed), and the pinned
 //! programs (`genv-enforcer unpin`) when `--root` is `/`.
@@ -33,12 +37,17 @@ const CONFIG: &str = "etc/genv-enforcer/config.toml";
 struct Options {
     root: PathBuf,
     binary: Option<PathBuf>,
+    /// The binary's path on the running node, which the front runs: `/usr/local/bin/
+    /// genv-enforcer` whatever `--root` is. A front that named the staging root would
+    /// run whatever any user put there once the package is copied to a node.
+    enforcer_path: PathBuf,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
     let mut options = Options {
         root: PathBuf::from("/"),
         binary: None,
+        enforcer_path: Path::new("/").join(BINARY),
     };
     let mut args = args.iter();
     while let Some(arg) = args.next() {
@@ -50,11 +59,20 @@ fn parse(args: &[String]) -> Result<Options> {
         match arg.as_str() {
             "--root" => options.root = value("--root")?,
             "--binary" => options.binary = Some(value("--binary")?),
-            other => bail!("unknown flag {other:?} (--root DIR, --binary PATH)"),
+            "--enforcer-path" => options.enforcer_path = value("--enforcer-path")?,
+            other => {
+                bail!("unknown flag {other:?} (--root DIR, --binary PATH, --enforcer-path PATH)")
+            }
         }
     }
     if !options.root.is_absolute() {
         bail!("--root {}: give an absolute path", options.root.display());
+    }
+    if !options.enforcer_path.is_absolute() {
+        bail!(
+            "--enforcer-path {}: give the absolute path the binary has on the node",
+            options.enforcer_path.display()
+        );
     }
     Ok(options)
 }
@@ -78,9 +96,8 @@ pub fn install(args: &[String]) -> Result<()> {
     let repo = crate::root();
     put(&binary, &root.join(BINARY), 0o755)?;
     let front = std::fs::read_to_string(repo.join("deploy/genv"))?;
-    let enforcer = root.join(BINARY);
-    let enforcer = enforcer.to_str().filter(|p| !p.contains('\''));
-    let enforcer = enforcer.context("--root: a path the front can quote (no ')")?;
+    let enforcer = options.enforcer_path.to_str().filter(|p| !p.contains('\''));
+    let enforcer = enforcer.context("--enforcer-path: a path the front can quote (no ')")?;
     let front = front.replacen(
         "installed_enforcer=genv-enforcer\n",
         &format!("installed_enforcer='{enforcer}'\n"),
