@@ -48,6 +48,7 @@ impl Caps {
     pub fn of(envs: &[Env]) -> Self {
         let by_identity = envs
             .iter()
+            .filter(|env| !env.key_lost)
             .filter_map(|env| {
                 let cap = env.config.gpu_memory.clone()?;
                 Some((env_id_hash(env.eid.as_bytes()), (env.eid.clone(), cap)))

@@ -29,6 +29,9 @@ pub fn env_entries(envs: &[Env], devices: &[Device], dropped: &[DroppedEnv]) -> 
     let confirmed = envs.iter().filter(|e| e.verified);
     let others = envs.iter().filter(|e| !e.verified);
     for env in confirmed.chain(others) {
+        if env.key_lost {
+            continue; // another environment has its key (`snapshot::owners` said so)
+        }
         if env.eid.len() > MAX_ENV_ID {
             mirror.too_long.push(env.eid.clone());
             continue;

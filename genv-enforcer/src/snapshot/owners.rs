@@ -13,6 +13,8 @@
 
 use std::collections::{HashMap, HashSet};
 
+use genv_ebpf_common::{MAX_ENV_ID, env_id_hash};
+
 use super::Warning;
 use crate::backends::procfs;
 use crate::state::{Device, Env, StateError, drop_inactive};
@@ -46,6 +48,7 @@ impl StateGuard {
         match read {
             Ok(envs) => {
                 let mut envs = first_of_each(self.verify(envs), warnings);
+                self.one_per_kernel_key(&mut envs, warnings);
                 self.pin_owners(&mut envs, warnings);
                 self.last_envs = Some(envs.clone());
                 Some(envs)
@@ -118,6 +121,54 @@ impl StateGuard {
         envs
     }
 
+    /// Of environments whose ids share a kernel key ([`env_id_hash`], FNV-1a: not
+    /// collision-resistant, so a user can make an id that collides with another user's
+    /// on purpose), one keeps the key: one whose owner is pinned already (it held the
+    /// key first), else a confirmed one, else the first in the file. The others are
+    /// marked [`Env::key_lost`] and named: the kernel cannot tell their processes apart,
+    /// and a newcomer must never take over the maps' entry (attached GPUs, memory cap)
+    /// of an environment already there.
+    fn one_per_kernel_key(&self, envs: &mut [Env], warnings: &mut Vec<Warning>) {
+        let mut holders: HashMap<u64, usize> = HashMap::new();
+        let rank = |env: &Env| {
+            let pinned = self.pins.get(&env.eid).is_some_and(|p| p.uid == env.uid);
+            (pinned, env.verified)
+        };
+        for i in 0..envs.len() {
+            envs[i].key_lost = false;
+            if envs[i].eid.len() > MAX_ENV_ID {
+                continue; // never in the kernel's maps: nothing to share
+            }
+            let key = env_id_hash(envs[i].eid.as_bytes());
+            let Some(&holder) = holders.get(&key) else {
+                holders.insert(key, i);
+                continue;
+            };
+            let loser = if rank(&envs[i]) > rank(&envs[holder]) {
+                holders.insert(key, i);
+                holder
+            } else {
+                i
+            };
+            let winner = holders[&key];
+            envs[loser].key_lost = true;
+            warnings.push(warning!(
+                "environments {} and {} have ids with the same kernel key (FNV-1a): {} keeps \
+                 it ({}); {} is left out of the kernel's maps, and its processes count as \
+                 outside any environment",
+                envs[winner].eid,
+                envs[loser].eid,
+                envs[winner].eid,
+                match rank(&envs[winner]) {
+                    (true, _) => "it was there first",
+                    (false, true) => "its owner is confirmed",
+                    (false, false) => "it comes first in envs.json",
+                },
+                envs[loser].eid
+            ));
+        }
+    }
+
     fn pin_owners(&mut self, envs: &mut [Env], warnings: &mut Vec<Warning>) {
         // A pin lasts while a shell that activated the environment lives: after that,
         // genv itself would drop the environment, and its id may be reused.
@@ -139,7 +190,9 @@ impl StateGuard {
                     env.uid = pin.uid;
                 }
                 Some(_) => {}
-                None if !env.verified || self.pins.len() >= MAX_PINS => {}
+                // An environment that lost its kernel key is not pinned: the pin is
+                // what keeps a key with the environment that held it first.
+                None if !env.verified || env.key_lost || self.pins.len() >= MAX_PINS => {}
                 None => {
                     let pin = Pin {
                         uid: env.uid,
@@ -318,5 +371,93 @@ mod tests {
         assert_eq!(kept.len(), 1, "an environment whose shells are gone ended");
         assert_eq!(kept[0].eid, "live");
         assert!(warnings[0].0.contains("last good contents"), "{warnings:?}");
+    }
+
+    /// Two ids with one FNV-1a hash (found by a cycle search over 16-hex-digit ids).
+    const COLLIDING: (&str, &str) = ("c5bde799c2362419", "a1a9a9bf38687075");
+
+    /// The kernel's entry for an id's key, as the mirror would write it.
+    fn kernel_owner(envs: &[Env], eid: &str) -> Option<u32> {
+        let mirror = crate::prevention::mirror::env_entries(envs, &[], &[]);
+        mirror
+            .entries
+            .get(&env_id_hash(eid.as_bytes()))
+            .map(|e| e.uid)
+    }
+
+    #[test]
+    fn an_id_made_to_collide_never_takes_the_kernel_key_of_one_already_there() {
+        let (victims, forged) = COLLIDING;
+        assert_ne!(victims, forged);
+        assert_eq!(
+            env_id_hash(victims.as_bytes()),
+            env_id_hash(forged.as_bytes())
+        );
+        let mut victim = shell_of(64_510);
+        let mut attacker = shell_of(64_511);
+        let mut guard = StateGuard::default();
+        let mut warnings = Vec::new();
+        let first = guard
+            .envs(
+                Ok(vec![env(victims, 64_510, victim.id() as i32)]),
+                &mut warnings,
+            )
+            .unwrap();
+        assert_eq!(kernel_owner(&first, victims), Some(64_510));
+        // The attacker activates an environment with the colliding id, confirmed (their
+        // own shell), before and after the victim's in the file.
+        for order in [[0, 1], [1, 0]] {
+            let mut capped = env(forged, 64_511, attacker.id() as i32);
+            capped.config.gpu_memory =
+                Some(serde_json::from_value(serde_json::json!("1m")).unwrap());
+            let entries = [env(victims, 64_510, victim.id() as i32), capped];
+            let envs = guard
+                .envs(
+                    Ok(order.map(|i| entries[i].clone()).to_vec()),
+                    &mut warnings,
+                )
+                .unwrap();
+            assert_eq!(
+                kernel_owner(&envs, victims),
+                Some(64_510),
+                "the kernel's entry for the victim's key stays the victim's ({order:?})"
+            );
+            // Nor does the forged environment's memory cap reach the key (ENV_MEMORY):
+            // the victim's allocations would be killed at it.
+            let caps = crate::prevention::alloc::Caps::of(&envs);
+            assert!(
+                !caps
+                    .by_identity
+                    .contains_key(&env_id_hash(victims.as_bytes())),
+                "{caps:?}"
+            );
+            let said = warnings.iter().map(|w| w.0.as_str()).collect::<Vec<_>>();
+            assert!(
+                said.iter().any(|w| w.contains("same kernel key")
+                    && w.contains(&format!("{victims} keeps it (it was there first)"))),
+                "{said:?}"
+            );
+            warnings.clear();
+        }
+        // Neither confirmed nor pinned: the first in the file keeps it, and says so.
+        let mut fresh = StateGuard::default();
+        let envs = fresh
+            .envs(
+                Ok(vec![
+                    env(forged, 64_512, alive()),
+                    env(victims, 64_513, alive()),
+                ]),
+                &mut warnings,
+            )
+            .unwrap();
+        assert_eq!(kernel_owner(&envs, forged), Some(64_512));
+        assert!(
+            warnings[0].0.contains("comes first in envs.json"),
+            "{warnings:?}"
+        );
+        for mut shell in [victim, attacker] {
+            shell.kill().unwrap();
+            shell.wait().unwrap();
+        }
     }
 }

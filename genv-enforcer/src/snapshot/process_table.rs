@@ -216,7 +216,9 @@ fn claim_of_identity(identity: u64, envs: Option<&[Env]>) -> Option<Option<Strin
         kernel::NO_ENV => Some(None),
         hash => envs?
             .iter()
-            .find(|e| e.eid.len() <= MAX_ENV_ID && env_id_hash(e.eid.as_bytes()) == hash)
+            .find(|e| {
+                !e.key_lost && e.eid.len() <= MAX_ENV_ID && env_id_hash(e.eid.as_bytes()) == hash
+            })
             .map(|e| Some(e.eid.clone())),
     }
 }

@@ -168,6 +168,7 @@ pub(crate) fn env() -> impl Strategy<Value = Env> {
             pids,
             kernel_ids,
             verified: false,
+            key_lost: false,
         },
     )
 }

@@ -29,6 +29,13 @@ pub struct Env {
     /// Never read from or written to the file (`snapshot::owners` decides it).
     #[serde(skip)]
     pub verified: bool,
+    /// Another active environment's id has the same kernel key (its FNV-1a hash, which
+    /// a user can collide on purpose) and keeps it: the kernel cannot tell this one's
+    /// processes from that one's, so nothing of it goes into the kernel's maps and its
+    /// processes' kernel identity names the other. Never in the file
+    /// (`snapshot::owners` decides it).
+    #[serde(skip)]
+    pub key_lost: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
