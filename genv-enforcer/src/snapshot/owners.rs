@@ -393,8 +393,8 @@ mod tests {
             env_id_hash(victims.as_bytes()),
             env_id_hash(forged.as_bytes())
         );
-        let mut victim = shell_of(64_510);
-        let mut attacker = shell_of(64_511);
+        let victim = shell_of(64_510);
+        let attacker = shell_of(64_511);
         let mut guard = StateGuard::default();
         let mut warnings = Vec::new();
         let first = guard
