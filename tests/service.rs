@@ -57,6 +57,23 @@ fn unit_capabilities(root: &Path) -> String {
     format!("-all,{}", caps.join(","))
 }
 
+/// A script that runs `program` with the bounding set `bounding` (`setpriv`'s form) and
+/// nothing inheritable: root with those capabilities alone.
+fn with_capabilities(node: &Node, bounding: &str, program: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let script = node.dir.join("with-capabilities");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nexec setpriv --bounding-set={bounding} --inh-caps=-all {} \"$@\"\n",
+            program.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    script
+}
+
 /// PATH with the installed front first, then the installed binary, then genv's own.
 fn front_path(root: &Path) -> String {
     format!(
@@ -93,23 +110,11 @@ fn genv_enforce_event_driven_runs_through_the_front_beside_genvs_own_commands() 
     let path = front_path(&root);
     // The daemon as the unit starts it: `genv enforce …` through the front, with the
     // unit's capabilities and no others.
-    let as_unit = node.dir.join("as-the-unit");
-    std::fs::write(
-        &as_unit,
-        format!(
-            "#!/bin/sh\nexec setpriv --bounding-set={} --inh-caps=-all {} \"$@\"\n",
-            unit_capabilities(&root),
-            root.join("usr/local/lib/genv-enforcer/front/genv")
-                .display()
-        ),
-    )
-    .unwrap();
-    Command::new("chmod")
-        .arg("755")
-        .arg(&as_unit)
-        .status()
-        .unwrap();
-    node.enforcer_binary = Some(as_unit);
+    node.enforcer_binary = Some(with_capabilities(
+        &node,
+        &unit_capabilities(&root),
+        &root.join("usr/local/lib/genv-enforcer/front/genv"),
+    ));
     node.enforcer_env.push(("PATH".into(), path.clone()));
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
@@ -485,7 +490,88 @@ fn the_metrics_endpoint_counts_what_a_scenario_caused() {
     assert_eq!(String::from_utf8_lossy(&other.stdout), "404");
 }
 
-/// The DaemonSet (and its namespace and ConfigMap) against Kubernetes' own schema, strict:
+/// A free port on 127.0.0.1, as `--metrics-addr` takes it.
+fn local_metrics_addr() -> String {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", probe.local_addr().unwrap().port())
+}
+
+/// `GET /metrics` on a connection of its own; its answer must come within `within`
+/// (every read has what is left of it as its timeout), else the test fails.
+fn scrape_within(addr: &str, within: Duration) -> String {
+    use std::io::{Read, Write};
+    let deadline = std::time::Instant::now() + within;
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: scraper\r\nAccept: */*\r\n\r\n")
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let left = deadline
+            .checked_duration_since(std::time::Instant::now())
+            .filter(|left| !left.is_zero())
+            .unwrap_or_else(|| panic!("no whole answer within {within:?}: {answer:?}"));
+        stream.set_read_timeout(Some(left)).unwrap();
+        match stream.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => answer.extend_from_slice(&chunk[..n]),
+            Err(e) => panic!(
+                "no whole answer within {within:?} ({e}): {:?}",
+                String::from_utf8_lossy(&answer)
+            ),
+        }
+    }
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// The issue's attack on the endpoint: idle sockets, opened again and again, left
+/// silent or with half a request. With more of them open than it serves at once, each
+/// scrape still gets its 200 within 1 s, and the daemon closes the idle ones itself.
+#[test]
+fn a_scrape_is_answered_past_idle_connections() {
+    use std::io::{Read, Write};
+    let node = Node::new(1);
+    let addr = local_metrics_addr();
+    let Some(_daemon) =
+        EventDaemon::start(&node, &["--non-env-processes", "--metrics-addr", &addr])
+    else {
+        return;
+    };
+    for round in 0..4 {
+        let idle: Vec<std::net::TcpStream> = (0..80)
+            .map(|i| {
+                let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+                if i % 2 == 1 {
+                    stream
+                        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                        .unwrap();
+                }
+                stream
+            })
+            .collect();
+        let answer = scrape_within(&addr, Duration::from_secs(1));
+        assert!(
+            answer.starts_with("HTTP/1.1 200 OK\r\n") && answer.contains("genv_enforcer_tier"),
+            "round {round}, 80 idle connections open: {answer:?}"
+        );
+        // Not held: each idle connection is closed by the daemon (its end, or a reset
+        // where half a request was left unread), well before this bound.
+        for mut stream in idle {
+            stream
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            match stream.read(&mut [0u8; 64]) {
+                Ok(0) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+                other => panic!("round {round}: an idle connection was held: {other:?}"),
+            }
+        }
+    }
+}
+
+/// The DaemonSet (and its namespace, ConfigMap and NetworkPolicy) against Kubernetes' own
+/// schema, strict:
 /// `kubernetes-validate` (PyPI, with the schemas of each release) in a venv of its own.
 #[test]
 fn the_kubernetes_manifest_is_valid_against_the_schema() {
@@ -512,7 +598,7 @@ fn the_kubernetes_manifest_is_valid_against_the_schema() {
     let said =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{said}");
-    for kind in ["namespace", "configmap", "daemonset"] {
+    for kind in ["namespace", "configmap", "daemonset", "networkpolicy"] {
         assert!(
             said.contains(&format!("passed for resource {kind}/genv-enforcer")),
             "{said}"
@@ -531,6 +617,201 @@ fn the_kubernetes_manifest_is_valid_against_the_schema() {
         .unwrap();
     let _ = std::fs::remove_file(&bad);
     assert!(!out.status.success(), "a broken manifest passed");
+}
+
+fn daemonset() -> String {
+    let manifest = genv_enforcer_tests::workspace_root().join("deploy/kubernetes/daemonset.yaml");
+    std::fs::read_to_string(manifest).unwrap()
+}
+
+/// The container's added capabilities, as `setpriv --bounding-set` takes them.
+fn daemonset_capabilities(manifest: &str) -> String {
+    let listed = manifest
+        .split("capabilities:")
+        .nth(1)
+        .and_then(|rest| rest.split("add:").nth(1))
+        .expect("the DaemonSet adds capabilities");
+    let caps: Vec<String> = listed
+        .lines()
+        .skip(1)
+        .map_while(|l| l.trim().strip_prefix("- "))
+        .map(|c| format!("+{}", c.to_lowercase()))
+        .collect();
+    format!("-all,{}", caps.join(","))
+}
+
+/// The ConfigMap's `config.toml`.
+fn configmap_toml(manifest: &str) -> String {
+    let block = manifest.split("config.toml: |\n").nth(1).unwrap();
+    let block = block.split("\n---").next().unwrap();
+    block
+        .lines()
+        .map(|l| l.strip_prefix("    ").unwrap_or(l).to_owned() + "\n")
+        .collect()
+}
+
+/// The `exec` command of the container's `probe` (`livenessProbe`, `startupProbe`): a
+/// YAML flow sequence of quoted strings, which JSON reads.
+fn probe_command(manifest: &str, probe: &str) -> Vec<String> {
+    let after = manifest
+        .split(&format!("{probe}:"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no {probe}"));
+    let line = after
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("command: "))
+        .unwrap_or_else(|| panic!("{probe} runs no command"));
+    serde_json::from_str(line).unwrap()
+}
+
+/// Runs a probe's command here: the built binary for the image's, on `run_dir`.
+fn run_probe(command: &[String], run_dir: &Path) -> (Option<i32>, String) {
+    assert_eq!(command[0], "/usr/local/bin/genv-enforcer", "{command:?}");
+    let out = Command::new(artefact("genv-enforcer"))
+        .args(&command[1..])
+        .env("GENV_ENFORCER_RUN_DIR", run_dir)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// Removes a test's pins however it ends: left behind, they would go on deciding.
+struct Pins(PathBuf);
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// bpffs at /sys/fs/bpf, as systemd mounts it on a node and the DaemonSet mounts the
+/// host's into the pod (a daemon without CAP_SYS_ADMIN cannot mount it itself). Left
+/// mounted, as a daemon that mounts it leaves it; tracefs is already at
+/// /sys/kernel/tracing here.
+fn host_mounts_bpffs() {
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    #[allow(clippy::unnecessary_cast)]
+    let mounted =
+        rustix::fs::statfs("/sys/fs/bpf").is_ok_and(|fs| fs.f_type as i64 == BPF_FS_MAGIC);
+    if !mounted {
+        let status = Command::new("mount")
+            .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
+            .status()
+            .unwrap();
+        assert!(status.success(), "mount -t bpf bpf /sys/fs/bpf: {status}");
+    }
+}
+
+/// Continues a process the test stopped, however the test ends.
+struct Stopped(u32);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
+    }
+}
+
+/// Waits (generously) until `probe` exits with `code`; returns what it said.
+fn probe_until(code: i32, probe: impl Fn() -> (Option<i32>, String)) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (exit, said) = probe();
+        if exit == Some(code) {
+            return said;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no exit {code} within 60 s; last {exit:?}: {said}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// The DaemonSet's pod as near as this host gets: its ConfigMap's configuration (the
+/// pins, the metrics port and NVML moved to the test's), its capabilities and no
+/// others (no CAP_SYS_ADMIN), started twice as after a restart (the second takes over
+/// the first's pins), and its probes, which pass while it runs, fail when it is gone,
+/// and fail when it is stuck (SIGSTOP) until it goes on.
+#[test]
+fn the_daemonsets_pod_runs_with_its_capabilities_and_its_probes_see_it_stuck() {
+    let manifest = daemonset();
+    let bounding = daemonset_capabilities(&manifest);
+    assert!(!bounding.contains("sys_admin"), "{bounding}");
+    let mut node = Node::new(1);
+    node.enforcer_binary = Some(with_capabilities(
+        &node,
+        &bounding,
+        &artefact("genv-enforcer"),
+    ));
+    let config = node.dir.join("config.toml");
+    std::fs::write(&config, configmap_toml(&manifest)).unwrap();
+    host_mounts_bpffs();
+    let pins = Pins(PathBuf::from(format!(
+        "/sys/fs/bpf/genv-enforcer-daemonset-{}",
+        std::process::id()
+    )));
+    let (addr, nvml) = (local_metrics_addr(), artefact("libnvidia_ml_fake.so"));
+    let args = [
+        "--config",
+        config.to_str().unwrap(),
+        "--pin-dir",
+        pins.0.to_str().unwrap(),
+        "--metrics-addr",
+        &addr,
+        "--nvml-lib",
+        nvml.to_str().unwrap(),
+    ];
+    let Some(mut first) = EventDaemon::start(&node, &args) else {
+        return;
+    };
+    first.expect("pinned under");
+    let gpu = events::make_gpu_node(&node.dir.join("gpu0"));
+    let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
+    first.expect(&format!(
+        "Process {rogue} is not running in a GPU environment"
+    ));
+    assert_eq!(node.wait_exit(rogue, DEATH), Some(libc::SIGTERM));
+    let (startup, liveness) = (
+        probe_command(&manifest, "startupProbe"),
+        probe_command(&manifest, "livenessProbe"),
+    );
+    let run_dir = first.run_dir.clone();
+    for probe in [&startup, &liveness] {
+        let (code, said) = run_probe(probe, &run_dir);
+        assert_eq!(code, Some(0), "{probe:?}: {said}");
+    }
+    assert!(first.daemon.stop(DEATH).unwrap().success());
+    let (code, said) = run_probe(&liveness, &run_dir);
+    assert_eq!(code, Some(3), "{said}");
+
+    let second = EventDaemon::start(&node, &args).expect("it started the first time");
+    second.expect("Took over from an earlier run's pinned programs");
+    probe_until(0, || run_probe(&liveness, &run_dir));
+    // Stuck: the status ages past --max-age (20 here, the least it takes; the pod's
+    // is 60), and the probe says so.
+    let _stopped = Stopped(second.daemon.pid());
+    unsafe { libc::kill(second.daemon.pid() as i32, libc::SIGSTOP) };
+    let stuck = || {
+        run_probe(
+            &[
+                liveness[0].clone(),
+                "status".into(),
+                "--max-age".into(),
+                "20".into(),
+            ],
+            &run_dir,
+        )
+    };
+    let said = probe_until(4, stuck);
+    assert!(
+        said.contains(&format!("pid {} is stuck", second.daemon.pid())),
+        "{said}"
+    );
+    unsafe { libc::kill(second.daemon.pid() as i32, libc::SIGCONT) };
+    probe_until(0, stuck);
 }
 
 /// Where the node keeps NVML outside the loader's path (`/usr/local/nvidia/lib64` on the

@@ -42,6 +42,11 @@ pub enum Command {
         /// The running enforcer's runtime directory.
         #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_RUN_DIR", default_value = DEFAULT_RUN_DIR)]
         run_dir: PathBuf,
+        /// Exit 4 when the status was last written longer ago than this: the daemon's
+        /// loop is stuck (it rewrites the file every 10 s at least). For a liveness
+        /// probe; 20 at least.
+        #[arg(long, value_name = "SECONDS", value_parser = status_max_age)]
+        max_age: Option<u64>,
     },
     /// Remove the programs and maps an enforcer left pinned (--keep-pinned): the kernel
     /// stops deciding about GPU opens until an enforcer runs again.
@@ -306,6 +311,19 @@ pub(super) fn positive_seconds(text: &str) -> Result<f64, String> {
     }
 }
 
+/// `status --max-age`: long enough that an idle daemon's status (rewritten every
+/// [`HEARTBEAT`](crate::daemon::status::HEARTBEAT)) is never taken for a stuck one.
+fn status_max_age(text: &str) -> Result<u64, String> {
+    let least = 2 * crate::daemon::status::HEARTBEAT.as_secs();
+    match text.parse::<u64>() {
+        Ok(s) if (least..=MAX_SECONDS as u64).contains(&s) => Ok(s),
+        _ => Err(format!(
+            "{text:?} is not a whole number of seconds from {least} (the daemon rewrites its status every {} s when idle) up to {MAX_SECONDS}",
+            least / 2
+        )),
+    }
+}
+
 fn ring_bytes(text: &str) -> Result<u32, String> {
     match text.parse::<u32>() {
         Ok(n) if n >= 4096 && n.is_power_of_two() => Ok(n),
@@ -390,5 +408,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("--max-devices-per-user"), "{err}");
+    }
+
+    /// Shorter than twice the idle daemon's rewrite period, a liveness probe would
+    /// restart a healthy daemon.
+    #[test]
+    fn status_max_age_is_twice_the_heartbeat_at_least() {
+        let status = |age: &str| Cli::try_parse_from(["genv-enforcer", "status", "--max-age", age]);
+        let err = status("19").unwrap_err().to_string();
+        assert!(
+            err.contains("--max-age") && err.contains("from 20"),
+            "{err}"
+        );
+        let Command::Status { max_age, .. } = status("20").unwrap().command else {
+            unreachable!()
+        };
+        assert_eq!(max_age, Some(20));
     }
 }

@@ -51,7 +51,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     logging::init(cli.log_format);
     match cli.command {
         Command::Enforce(args) => enforce(args),
-        Command::Status { run_dir } => daemon::status::show(&run_dir),
+        Command::Status { run_dir, max_age } => daemon::status::show(&run_dir, max_age),
         Command::Remote(args) => remote::run(args),
         Command::Usage(UsageCommand::Watch {
             poll_interval,

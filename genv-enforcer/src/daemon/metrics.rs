@@ -8,9 +8,9 @@
 //! file already keeps are carried over from it as it is published (every second at
 //! most); the timings are observed where they are measured.
 //!
-//! The endpoint answers one request per connection, 8 connections at a time (more are
-//! closed unanswered), reads at most 8 KiB of each within 2 s, and serves nothing but
-//! `/metrics`: bind it to an address only the scraper reaches.
+//! The endpoint ([`endpoint`]) answers one request per connection and serves nothing but
+//! `/metrics`; idle or slow clients cannot keep a scrape out. Bind it to an address only
+//! the scraper reaches all the same.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -21,16 +21,12 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::status::Counts;
 
-type Labels = Vec<(String, String)>;
+mod endpoint;
 
-/// Connections served at once.
-const CONNECTIONS: usize = 8;
-/// How long one may take, request and answer.
-const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+type Labels = Vec<(String, String)>;
 
 pub struct Metrics {
     registry: Registry,
@@ -206,78 +202,15 @@ impl Metrics {
     }
 }
 
-/// New metrics, served at `--metrics-addr`.
+/// New metrics, served at `--metrics-addr` (an error naming it if it cannot be bound).
 pub fn serve(addr: std::net::SocketAddr) -> anyhow::Result<Arc<Metrics>> {
-    let metrics = Metrics::new();
-    start(addr, Arc::clone(&metrics))?;
-    Ok(metrics)
-}
-
-/// Binds `--metrics-addr` (an error naming it if it cannot) and serves it.
-fn start(addr: std::net::SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<()> {
     use anyhow::Context;
     let listener = std::net::TcpListener::bind(addr)
         .with_context(|| format!("--metrics-addr {addr}: cannot listen there"))?;
-    listener.set_nonblocking(true)?;
-    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let metrics = Metrics::new();
+    endpoint::start(listener, Arc::clone(&metrics))?;
     tracing::info!("Metrics at http://{addr}/metrics");
-    // A few scrapers at once; past that, connections are closed unanswered, so that
-    // idle ones cannot hold the daemon's memory or its single thread.
-    let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS));
-    tokio::spawn(async move {
-        loop {
-            let stream = match listener.accept().await {
-                Ok((stream, _)) => stream,
-                // Out of descriptors, mostly: wait rather than spin.
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-                continue;
-            };
-            let metrics = Arc::clone(&metrics);
-            tokio::spawn(async move {
-                let _ = tokio::time::timeout(ANSWER_WITHIN, answer(stream, &metrics)).await;
-                drop(slot);
-            });
-        }
-    });
-    Ok(())
-}
-
-async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) -> std::io::Result<()> {
-    let mut request = Vec::new();
-    let mut chunk = [0u8; 1024];
-    while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            break;
-        }
-        request.extend_from_slice(&chunk[..n]);
-    }
-    let line = request.split(|b| *b == b'\n').next().unwrap_or_default();
-    let wanted = line.starts_with(b"GET /metrics ") || line.starts_with(b"GET /metrics?");
-    let (status, body, kind) = match wanted {
-        true => (
-            "200 OK",
-            metrics.text(),
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        ),
-        false => (
-            "404 Not Found",
-            "only /metrics is here\n".to_owned(),
-            "text/plain",
-        ),
-    };
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
+    Ok(metrics)
 }
 
 #[cfg(test)]

@@ -11,6 +11,12 @@ use crate::bpf::ProgramStats;
 use crate::snapshot::Orphan;
 
 pub const FILE: &str = "status.json";
+/// How often an idle daemon rewrites the file at least.
+pub use super::instance::HEARTBEAT;
+/// `status`'s exit codes, as an LSB init script's `status`: not running, and running
+/// but stuck (its status not written for longer than `--max-age`).
+const NOT_RUNNING: u8 = 3;
+const STUCK: u8 = 4;
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Status {
@@ -107,8 +113,9 @@ pub struct Counts {
     pub reported_at_alloc: u64,
 }
 
-/// `genv-enforcer status`.
-pub fn show(run_dir: &Path) -> Result<ExitCode> {
+/// `genv-enforcer status`; with `max_age`, a status older than that many seconds is a
+/// stuck daemon's.
+pub fn show(run_dir: &Path, max_age: Option<u64>) -> Result<ExitCode> {
     let path = run_dir.join(FILE);
     let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
@@ -117,7 +124,7 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
                 "genv-enforcer is not running in event-driven mode (no {})",
                 path.display()
             );
-            return Ok(ExitCode::from(3));
+            return Ok(ExitCode::from(NOT_RUNNING));
         }
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
@@ -129,10 +136,26 @@ pub fn show(run_dir: &Path) -> Result<ExitCode> {
             path.display(),
             status.pid
         );
-        return Ok(ExitCode::from(3));
+        return Ok(ExitCode::from(NOT_RUNNING));
+    }
+    let age = unix_now().saturating_sub(status.updated);
+    if let Some(max_age) = max_age.filter(|max_age| age > *max_age) {
+        println!(
+            "genv-enforcer pid {} is stuck: it last wrote {} {age} s ago (more than --max-age {max_age}; it rewrites it every {} s at least)",
+            status.pid,
+            path.display(),
+            HEARTBEAT.as_secs()
+        );
+        return Ok(ExitCode::from(STUCK));
     }
     print(&status);
     Ok(ExitCode::SUCCESS)
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn print(status: &Status) {
@@ -210,4 +233,40 @@ fn print_rest(status: &Status) {
         "in the kernel: {} refused, {} killed ({} and {} reported as events)",
         c.refused_in_kernel, c.killed_in_kernel, c.refused, c.killed
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run directory whose status file says `pid`, written `age` seconds ago.
+    fn run_dir(name: &str, pid: u32, age: u64) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("genv-status-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let status = Status {
+            pid,
+            updated: unix_now() - age,
+            ..Status::default()
+        };
+        std::fs::write(dir.join(FILE), serde_json::to_string(&status).unwrap()).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_status_older_than_max_age_is_a_stuck_daemons() {
+        let me = std::process::id();
+        let old = run_dir("old", me, 100);
+        assert_eq!(show(&old, Some(60)).unwrap(), ExitCode::from(STUCK));
+        assert_eq!(show(&old, Some(120)).unwrap(), ExitCode::SUCCESS);
+        // Without --max-age, any age will do.
+        assert_eq!(show(&old, None).unwrap(), ExitCode::SUCCESS);
+        let fresh = run_dir("fresh", me, 0);
+        assert_eq!(show(&fresh, Some(20)).unwrap(), ExitCode::SUCCESS);
+        // A dead daemon's file: not running, however fresh.
+        let dead = run_dir("dead", i32::MAX.unsigned_abs(), 0);
+        assert_eq!(show(&dead, Some(20)).unwrap(), ExitCode::from(NOT_RUNNING));
+        for dir in [old, fresh, dead] {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }

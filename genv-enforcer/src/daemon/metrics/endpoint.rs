@@ -1,0 +1,191 @@
+//! The `/metrics` endpoint's connections. Any process that reaches the port can open
+//! some, so idle or slow ones must not keep a scrape out (a few idle sockets once held
+//! every slot, 2 s each, and the scrapes failed):
+//! - a connection delivers its whole request, at most [`REQUEST_BYTES`], within
+//!   [`READ_WITHIN`] of its accept, and takes its answer within [`WRITE_WITHIN`]; else
+//!   it is closed;
+//! - at most [`PER_PEER`] are open from one address (an IPv6 one counted by its /64)
+//!   and [`CONNECTIONS`] in all. A connection past either bound is served, and the
+//!   oldest of those it counts against is closed instead: idle ones are the oldest, a
+//!   scraper's is the newest and is answered as soon as its request is read.
+//!
+//! So keeping a scrape out takes opening [`PER_PEER`] connections from the scraper's own
+//! address, or [`CONNECTIONS`] in all, between its connect and its request: a flood.
+
+use std::collections::VecDeque;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::task::AbortHandle;
+use tokio::time::{Instant, timeout, timeout_at};
+
+use super::Metrics;
+
+/// Connections open at once, in all.
+const CONNECTIONS: usize = 64;
+/// Connections open at once from one peer ([`peer_of`]).
+const PER_PEER: usize = 8;
+/// From the accept to the end of the request's headers.
+const READ_WITHIN: Duration = Duration::from_millis(500);
+/// To write the answer, once the request is read.
+const WRITE_WITHIN: Duration = Duration::from_secs(1);
+/// The request line and headers; a scraper's are a few hundred bytes.
+const REQUEST_BYTES: usize = 4096;
+
+/// Serves `listener` on the daemon's runtime.
+pub(super) fn start(listener: std::net::TcpListener, metrics: Arc<Metrics>) -> std::io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    tokio::spawn(async move {
+        let mut open = Connections::default();
+        loop {
+            let (stream, peer) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                // Out of descriptors, mostly: wait rather than spin.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let accepted = Instant::now();
+            let peer = peer_of(peer);
+            if let Some(oldest) = open.make_room(peer) {
+                oldest.abort();
+            }
+            let task = tokio::spawn(serve(stream, accepted, Arc::clone(&metrics)));
+            open.add(peer, task.abort_handle());
+            // Let the new connection read what its client already sent before the next
+            // accept can count against it.
+            tokio::task::yield_now().await;
+        }
+    });
+    Ok(())
+}
+
+/// Whom a connection counts against: its address; an IPv4-mapped one as IPv4, an IPv6
+/// one by its /64 (one host may hold all of it).
+fn peer_of(addr: SocketAddr) -> IpAddr {
+    match addr.ip() {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & (u128::MAX << 64))),
+        },
+        v4 => v4,
+    }
+}
+
+/// The connections being served, oldest first.
+#[derive(Default)]
+struct Connections(VecDeque<(IpAddr, AbortHandle)>);
+
+impl Connections {
+    /// Before a connection from `peer` is added: forgets those that ended, and takes
+    /// out the one to close, if any: `peer`'s oldest when it has [`PER_PEER`], else the
+    /// oldest of all when there are [`CONNECTIONS`].
+    fn make_room(&mut self, peer: IpAddr) -> Option<AbortHandle> {
+        self.0.retain(|(_, task)| !task.is_finished());
+        let from_peer = self.0.iter().filter(|(p, _)| *p == peer).count();
+        let index = if from_peer >= PER_PEER {
+            self.0.iter().position(|(p, _)| *p == peer)
+        } else if self.0.len() >= CONNECTIONS {
+            Some(0)
+        } else {
+            None
+        };
+        index.and_then(|i| self.0.remove(i)).map(|(_, task)| task)
+    }
+
+    fn add(&mut self, peer: IpAddr, task: AbortHandle) {
+        self.0.push_back((peer, task));
+    }
+}
+
+/// What a client asked for.
+#[derive(Debug, PartialEq)]
+enum Request {
+    Metrics,
+    Other,
+    TooLarge,
+}
+
+async fn serve(mut stream: TcpStream, accepted: Instant, metrics: Arc<Metrics>) {
+    let request = match timeout_at(accepted + READ_WITHIN, read_request(&mut stream)).await {
+        Ok(Ok(request)) => request,
+        _ => return,
+    };
+    let answer = answer(&request, &metrics);
+    let _ = timeout(WRITE_WITHIN, async {
+        stream.write_all(&answer).await?;
+        stream.shutdown().await
+    })
+    .await;
+}
+
+/// Reads up to the end of the headers (a blank line), or of what the client sends
+/// before it closes its side, at most [`REQUEST_BYTES`].
+async fn read_request(stream: &mut TcpStream) -> std::io::Result<Request> {
+    let mut request = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    let most = chunk.len();
+    loop {
+        if let Some(end) = head_end(&request) {
+            return Ok(route(&request[..end]));
+        }
+        let room = REQUEST_BYTES - request.len();
+        if room == 0 {
+            return Ok(Request::TooLarge);
+        }
+        let n = stream.read(&mut chunk[..room.min(most)]).await?;
+        if n == 0 {
+            return Ok(route(&request));
+        }
+        request.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Where the headers end: the first blank line (CRLF, or a bare LF as lenient clients
+/// send).
+fn head_end(request: &[u8]) -> Option<usize> {
+    let crlf = request.windows(4).position(|w| w == b"\r\n\r\n");
+    let lf = request.windows(2).position(|w| w == b"\n\n");
+    crlf.into_iter().chain(lf).min()
+}
+
+fn route(head: &[u8]) -> Request {
+    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
+    match line.starts_with(b"GET /metrics ") || line.starts_with(b"GET /metrics?") {
+        true => Request::Metrics,
+        false => Request::Other,
+    }
+}
+
+fn answer(request: &Request, metrics: &Metrics) -> Vec<u8> {
+    let (status, body, kind) = match request {
+        Request::Metrics => (
+            "200 OK",
+            metrics.text(),
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        ),
+        Request::Other => (
+            "404 Not Found",
+            "only /metrics is here\n".to_owned(),
+            "text/plain",
+        ),
+        Request::TooLarge => (
+            "431 Request Header Fields Too Large",
+            format!("at most {REQUEST_BYTES} bytes of request line and headers\n"),
+            "text/plain",
+        ),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    [head.into_bytes(), body.into_bytes()].concat()
+}
+
+#[cfg(test)]
+mod tests;
