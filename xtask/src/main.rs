@@ -29,6 +29,7 @@ mod demo;
 mod gpu_check;
 mod install;
 mod sim;
+mod timings;
 mod toolchain;
 mod vm;
 
@@ -116,19 +117,35 @@ fn test(extra: &[String]) -> Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("the test suite needs root (mknod, other uids): run `sudo -E cargo xtask test`");
     }
-    ensure_python_venv()?;
-    ensure_openssh()?;
-    toolchain::ensure_ebpf_toolchain()?;
-    run(&mut cargo(&["fmt", "--all", "--", "--check"]))?;
-    run(&mut cargo(&[
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ]))?;
-    run(&mut cargo(&["build", "--workspace"]))?;
+    let result = test_phases(extra);
+    let table = timings::table();
+    eprintln!("xtask: where the time went:{table}");
+    if let Ok(dir) = target_dir() {
+        let _ = std::fs::write(dir.join("test-timings.md"), &table);
+    }
+    result
+}
+
+fn test_phases(extra: &[String]) -> Result<()> {
+    timings::phase("install tools", || {
+        ensure_python_venv()?;
+        ensure_openssh()?;
+        toolchain::ensure_ebpf_toolchain()
+    })?;
+    timings::phase("fmt", || {
+        run(&mut cargo(&["fmt", "--all", "--", "--check"]))
+    })?;
+    timings::phase("clippy", || {
+        run(&mut cargo(&[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))
+    })?;
+    timings::phase("build", || run(&mut cargo(&["build", "--workspace"])))?;
     // The host runs the tier-dependent suites on the tracepoint tier (the one this
     // machine's kernel loads); the VM runs them on the others, on every kernel.
     let mut test = cargo(&["test", "--workspace"]);
@@ -136,21 +153,21 @@ fn test(extra: &[String]) -> Result<()> {
     if std::env::var_os("GENV_TEST_BPF_TIER").is_none() {
         test.env("GENV_TEST_BPF_TIER", "tracepoint");
     }
-    run(&mut test)?;
+    timings::cargo_test_by_suite("host tests", &mut test)?;
     if !extra.is_empty() {
         eprintln!("xtask: test arguments given: the VM suites were not run (cargo xtask vm-test)");
         return Ok(());
     }
     // Every kernel, every VM tier.
-    let outcome = vm::test(&root(), &vm::Options::parse(&[])?)?;
+    let outcome = timings::phase("vm suites", || vm::test(&root(), &vm::Options::parse(&[])?))?;
     if !outcome.passed() {
         bail!(
             "the VM suites failed: {} (see their output above)",
             outcome.failures().join("; ")
         );
     }
-    vm::refusal_check(&root())?;
-    systemd_check()?;
+    timings::phase("vm refusal check", || vm::refusal_check(&root()))?;
+    timings::phase("vm systemd", systemd_check)?;
     let kernels: Vec<&str> = vm::KERNELS.iter().map(|k| k.version).collect();
     eprintln!(
         "xtask: all passed: the tier suites on tracepoint (host), on {} in the VM on \

@@ -247,6 +247,7 @@ fn test_on(
         let again = boot(guest, series, kernel, options, &left)?;
         let earlier_failed = console.tiers.iter().any(|(_, passed, _)| !passed);
         console.lines.extend(again.lines);
+        console.suites.extend(again.suites);
         console.tiers.extend(again.tiers);
         console.total += again.total;
         console.status = again
@@ -260,6 +261,14 @@ fn test_on(
             console.total
         );
     };
+    crate::timings::record("vm boot", version, "-", "(boot)", booted);
+    for (tier, suite, took) in &console.suites {
+        crate::timings::record("vm", version, tier, suite, *took);
+    }
+    for (tier, _, took) in &console.tiers {
+        crate::timings::record("vm", version, tier, "(tier)", *took);
+    }
+    crate::timings::record("vm", version, "-", "(boot to exit)", console.total);
     Ok(Run {
         kernel: series,
         package: kernel.package.clone(),
@@ -427,8 +436,10 @@ fn guest_script(
                 }
             }
             script.push_str(&format!(
-                "GENV_TEST_BPF_TIER={tier} {} --color=never {args} \
-                 || {{ status=FAILED; echo '{marker}: suite {name} failed'; }}\n",
+                "echo '{marker}: suite {name} start'\n\
+                 GENV_TEST_BPF_TIER={tier} {} --color=never {args} \
+                 || {{ status=FAILED; echo '{marker}: suite {name} failed'; }}\n\
+                 echo '{marker}: suite {name} end'\n",
                 quote(&suite.display().to_string()),
             ));
         }

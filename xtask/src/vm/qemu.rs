@@ -94,6 +94,11 @@ pub struct Console {
     tier: Option<(String, Instant)>,
     /// Each tier that ended: (tier, passed, how long it took).
     pub tiers: Vec<(String, bool, Duration)>,
+    /// The suite running, and since when.
+    suite: Option<(String, Instant)>,
+    /// Each suite that ended: (tier, suite, how long it took), timed here as the
+    /// guest's marker lines arrive.
+    pub suites: Vec<(String, String, Duration)>,
     /// From QEMU's start to its exit.
     pub total: Duration,
 }
@@ -108,6 +113,8 @@ impl Console {
             booted: None,
             tier: None,
             tiers: Vec::new(),
+            suite: None,
+            suites: Vec::new(),
             total: Duration::ZERO,
         }
     }
@@ -123,6 +130,15 @@ impl Console {
         {
             match what {
                 "start" => self.tier = Some((tier.to_owned(), Instant::now())),
+                suite if suite.starts_with("suite ") && suite.ends_with(" start") => {
+                    let name = &suite["suite ".len()..suite.len() - " start".len()];
+                    self.suite = Some((name.to_owned(), Instant::now()));
+                }
+                suite if suite.starts_with("suite ") && suite.ends_with(" end") => {
+                    if let Some((name, at)) = self.suite.take() {
+                        self.suites.push((tier.to_owned(), name, at.elapsed()));
+                    }
+                }
                 "passed" | "FAILED" => {
                     let took = self
                         .tier
