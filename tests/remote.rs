@@ -109,18 +109,26 @@ impl Running {
 
 /// alice holds device 0 on the first host and devices 0 and 1 on the second, a process
 /// on each: three devices, one more than `--max-devices-per-user 2` allows. genv counts
-/// across hosts and detaches the first host's device first.
+/// across hosts and detaches the first host's device first. Her environments are
+/// activated by shells of hers (her uid differs from host to host), so that hosts running
+/// genv-enforcer name her as their user databases do.
 fn alice_on_two_hosts(fleet: &mut SshFleet) -> [u32; 3] {
     let mut pids = [0; 3];
-    let shell = fleet.hosts[0].node.shell();
+    let (shell, uid) = (
+        fleet.hosts[0].shell_of("alice"),
+        fleet.hosts[0].uid("alice"),
+    );
     fleet.hosts[0].node.write_state(
-        json!([env_record("a1", 0, "alice", None, shell)]),
+        json!([env_record("a1", uid, "alice", None, shell)]),
         json!([device_record(0, &["a1"]), device_record(1, &[])]),
     );
     pids[0] = fleet.hosts[0].node.spawn(Some("a1"), &[(0, 100)]);
-    let shell = fleet.hosts[1].node.shell();
+    let (shell, uid) = (
+        fleet.hosts[1].shell_of("alice"),
+        fleet.hosts[1].uid("alice"),
+    );
     fleet.hosts[1].node.write_state(
-        json!([env_record("a2", 0, "alice", None, shell)]),
+        json!([env_record("a2", uid, "alice", None, shell)]),
         json!([device_record(0, &["a2"]), device_record(1, &["a2"])]),
     );
     pids[1] = fleet.hosts[1].node.spawn(Some("a2"), &[(0, 100)]);
@@ -331,14 +339,20 @@ fn malformed_or_inconsistent_snapshots_are_refused_and_never_acted_on() {
 #[test]
 fn with_usage_watch_a_violation_is_acted_on_without_waiting_for_the_interval() {
     let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
-    let shell = fleet.hosts[0].node.shell();
+    let (shell, uid) = (
+        fleet.hosts[0].shell_of("alice"),
+        fleet.hosts[0].uid("alice"),
+    );
     fleet.hosts[0].node.write_state(
-        json!([env_record("a1", 0, "alice", None, shell)]),
+        json!([env_record("a1", uid, "alice", None, shell)]),
         json!([device_record(0, &["a1"]), device_record(1, &[])]),
     );
     let victim = fleet.hosts[0].node.spawn(Some("a1"), &[(0, 100)]);
-    let shell = fleet.hosts[1].node.shell();
-    let envs = json!([env_record("a2", 0, "alice", None, shell)]);
+    let (shell, uid) = (
+        fleet.hosts[1].shell_of("alice"),
+        fleet.hosts[1].uid("alice"),
+    );
+    let envs = json!([env_record("a2", uid, "alice", None, shell)]);
     fleet.hosts[1].node.write_state(
         envs.clone(),
         json!([device_record(0, &[]), device_record(1, &[])]),
