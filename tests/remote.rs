@@ -225,6 +225,153 @@ fn per_host_rules_act_only_on_their_host() {
     assert!(fleet.hosts[1].node.alive(pids[1]));
 }
 
+/// Holds `lock` with `flock(1)` as `uid`, as any user can, until dropped; returns once
+/// the kernel lists the lock as held.
+fn hold_lock(lock: &std::path::Path, uid: u32) -> KillOnDrop {
+    // genv creates it 0666; flock(1) then opens it as the user.
+    std::fs::write(lock, "").unwrap();
+    std::fs::set_permissions(lock, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let mut command = std::process::Command::new("flock");
+    // --no-fork: flock(1) execs sleep itself, so killing it releases the lock.
+    command
+        .arg("--no-fork")
+        .arg(lock)
+        .args(["sleep", "600"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    std::os::unix::process::CommandExt::uid(&mut command, uid);
+    let holder = KillOnDrop(command.spawn().unwrap());
+    let held = format!(" {} ", holder.0.id());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains(&held))
+    {
+        assert!(Instant::now() < deadline, "flock never took the lock");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    holder
+}
+
+/// A process killed (and reaped) however the test ends.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Anyone on a host can hold genv's lock for ever (`flock genv.lock sleep inf`), or put
+/// a FIFO or a link where it goes, which is refused as a lock and counts as held. `usage
+/// snapshot` and `usage execute` wait a moment, then go on without it: each host's
+/// outsider is terminated, and a detach due where the lock is held is named and left
+/// for a cycle that gets the lock, which then makes it.
+#[test]
+fn hosts_whose_genv_lock_is_held_or_refused_are_still_enforced() {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer, Runs::Enforcer], 2);
+    let (mut outsiders, mut alices) = (Vec::new(), Vec::new());
+    for host in &mut fleet.hosts {
+        let (shell, uid) = (host.shell_of("alice"), host.uid("alice"));
+        host.node.write_state(
+            json!([env_record("a", uid, "alice", None, shell)]),
+            json!([device_record(0, &[]), device_record(1, &["a"])]),
+        );
+        alices.push(host.node.spawn(Some("a"), &[(1, 100)]));
+        outsiders.push(host.node.spawn(None, &[(0, 100)]));
+    }
+    let lock: Vec<_> = (0..3)
+        .map(|host| fleet.hosts[host].node.state.join("genv.lock"))
+        .collect();
+    let holder = hold_lock(&lock[0], fleet.hosts[0].uid("mallory"));
+    let fifo =
+        std::ffi::CString::new(lock[1].clone().into_os_string().into_encoded_bytes()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0, "mkfifo");
+    std::os::unix::fs::symlink(fleet.hosts[2].node.dir.join("elsewhere"), &lock[2]).unwrap();
+    // alice holds device 1 on each host: one over the limit, the first host's goes.
+    let flags = [
+        // Generous: the old code waited for the held lock until this ran out.
+        "--host-timeout",
+        "20",
+        "enforce",
+        "--interval",
+        "0",
+        "--non-env-processes",
+        "--max-devices-per-user",
+        "2",
+    ];
+    let (output, stdout, stderr) = run(fleet.remote(&flags));
+    assert!(output.status.success(), "{stderr}");
+    for (host, outsider) in outsiders.iter().enumerate() {
+        assert_eq!(
+            fleet.hosts[host].node.wait_exit(*outsider, DEATH),
+            Some(libc::SIGTERM),
+            "the outsider on host {host}: {stdout:#?} {stderr}"
+        );
+    }
+    let first = fleet.hosts[0].name.clone();
+    assert!(
+        stdout.contains(&format!(
+            "[{first}] Terminating process {} from environment a that is running on GPU(s) 1",
+            alices[0]
+        )),
+        "{stdout:#?}"
+    );
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(alices[0], DEATH),
+        Some(libc::SIGTERM)
+    );
+    let deferred = format!(
+        "[{first}] [WARNING] Not detaching environment a of user alice from device 1 without genv's lock: a later check that gets it will"
+    );
+    assert!(stderr.contains(&deferred), "{stderr}");
+    assert!(
+        !stdout.iter().any(|l| l.contains("Detaching")),
+        "{stdout:#?}"
+    );
+    assert_eq!(fleet.hosts[0].node.attached("a"), [1]);
+    for (host, why) in [
+        (0, "held by another process".to_owned()),
+        (
+            1,
+            format!("Cannot take genv's lock: {}: is a FIFO", lock[1].display()),
+        ),
+        (
+            2,
+            format!(
+                "Cannot take genv's lock: {}: is a symbolic link",
+                lock[2].display()
+            ),
+        ),
+    ] {
+        let said = format!("[{}] [WARNING] ", fleet.hosts[host].name);
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.starts_with(&said) && l.contains(&why)),
+            "{said}…{why} not in {stderr}"
+        );
+    }
+
+    // Free again: the next cycle detaches.
+    drop(holder);
+    let (output, stdout, stderr) = run(fleet.remote(&flags));
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(
+        stdout,
+        [
+            "User alice is using 3 devices on 3 hosts which is 1 more than the maximum allowed"
+                .to_owned(),
+            format!("[{first}] Detaching environment a of user alice from device 1"),
+        ],
+        "{stderr}"
+    );
+    assert!(fleet.hosts[0].node.attached("a").is_empty());
+}
+
 /// A process outside any environment on each host, and an empty state.
 fn rogues(fleet: &mut SshFleet) -> Vec<u32> {
     let mut pids = Vec::new();
