@@ -372,6 +372,105 @@ fn hosts_whose_genv_lock_is_held_or_refused_are_still_enforced() {
     assert!(fleet.hosts[0].node.attached("a").is_empty());
 }
 
+/// On the first host bob holds device 0 and alice device 1, a process on each; on the
+/// second, alice holds device 0, and mallory has written two entries naming bob,
+/// attached to devices 1 and 2: one her own (her uid, her shell), one with bob's uid
+/// there and her shell. Believed by name, as genv believes them, bob would hold three
+/// devices, and `--max-devices-per-user 1` would detach his real one on the first host
+/// (host order) and terminate his process. The pids of bob's and alice's processes on
+/// the first host.
+fn bob_forged_on_the_second_host(fleet: &mut SshFleet) -> (u32, u32) {
+    let first = &mut fleet.hosts[0];
+    let (bob_shell, alice_shell) = (first.shell_of("bob"), first.shell_of("alice"));
+    first.node.write_state(
+        json!([
+            env_record("b1", first.uid("bob"), "bob", None, bob_shell),
+            env_record("a1", first.uid("alice"), "alice", None, alice_shell),
+        ]),
+        json!([
+            device_record(0, &["b1"]),
+            device_record(1, &["a1"]),
+            device_record(2, &[])
+        ]),
+    );
+    let bob = first.node.spawn(Some("b1"), &[(0, 100)]);
+    let alice = first.node.spawn(Some("a1"), &[(1, 100)]);
+    let second = &mut fleet.hosts[1];
+    let (alice_shell, mallory_shell) = (second.shell_of("alice"), second.shell_of("mallory"));
+    second.node.write_state(
+        json!([
+            env_record("a2", second.uid("alice"), "alice", None, alice_shell),
+            env_record("f1", second.uid("mallory"), "bob", None, mallory_shell),
+            env_record("f2", second.uid("bob"), "bob", None, mallory_shell),
+        ]),
+        json!([
+            device_record(0, &["a2"]),
+            device_record(1, &["f1"]),
+            device_record(2, &["f2"])
+        ]),
+    );
+    second.node.spawn(Some("a2"), &[(0, 100)]);
+    (bob, alice)
+}
+
+/// Across hosts a user is the owner each host's kernel confirms, named by that host:
+/// mallory's entries count as hers, or as nobody's, never as bob's. alice, over the
+/// limit for real, loses her first host's device; bob keeps his, and his process runs.
+fn forged_names_are_not_believed(command: impl FnOnce(&SshFleet) -> std::process::Command) {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 3);
+    let (bob, alice) = bob_forged_on_the_second_host(&mut fleet);
+    let (output, stdout, stderr) = run(command(&fleet));
+    assert!(output.status.success(), "{stderr}");
+    let first = &fleet.hosts[0].name;
+    assert_eq!(
+        stdout,
+        [
+            "User alice is using 2 devices on 2 hosts which is 1 more than the maximum allowed"
+                .to_owned(),
+            format!(
+                "[{first}] Terminating process {alice} from environment a1 that is running on GPU(s) 1"
+            ),
+            format!("[{first}] Detaching environment a1 of user alice from device 1"),
+        ],
+        "{stderr}"
+    );
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(alice, DEATH),
+        Some(libc::SIGTERM)
+    );
+    assert_eq!(fleet.hosts[0].node.attached("b1"), [0], "bob's device");
+    assert!(fleet.hosts[0].node.alive(bob), "bob's process");
+    assert_eq!(fleet.hosts[1].node.attached("f1"), [1]);
+    assert_eq!(fleet.hosts[1].node.attached("f2"), [2]);
+    let second = &fleet.hosts[1].name;
+    for said in [
+        format!(
+            "[{second}] [WARNING] environment f1 names user \"bob\" in envs.json, but belongs to uid"
+        ),
+        format!(
+            "[{second}] [WARNING] environment f2 names user \"bob\" in envs.json, but no shell"
+        ),
+    ] {
+        assert!(stderr.contains(&said), "{said} not in {stderr}");
+    }
+}
+
+#[test]
+fn names_forged_on_one_host_never_detach_another_users_devices_elsewhere() {
+    forged_names_are_not_believed(|fleet| {
+        fleet.remote(&["enforce", "--interval", "0", "--max-devices-per-user", "1"])
+    });
+}
+
+/// The confirmed owner travels in genv's own `username` field, so genv 1.4.3's
+/// `remote enforce` driving genv-enforcer hosts is told the same.
+#[test]
+fn genvs_own_remote_is_told_only_confirmed_owners() {
+    forged_names_are_not_believed(|fleet| {
+        fleet.genv_remote(&["enforce", "--interval", "0", "--max-devices-per-user", "1"])
+    });
+}
+
 /// A process outside any environment on each host, and an empty state.
 fn rogues(fleet: &mut SshFleet) -> Vec<u32> {
     let mut pids = Vec::new();

@@ -70,7 +70,8 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
 /// `usage snapshot`, which remote enforcement runs as root on every host each cycle.
 /// genv's lock is waited for as long as [`LockPolicy::COMMAND_WAIT`], then the state is
 /// read without it: a user holding it (or putting a link or FIFO there) would otherwise
-/// leave the host out of every cycle.
+/// leave the host out of every cycle. Each environment's user is the owner the kernel
+/// confirms, as this host names it (see `snapshot::owner_names`).
 fn usage_snapshot(
     part: Option<crate::snapshot::SnapshotJson>,
     sources: &args::SourceArgs,
@@ -83,8 +84,9 @@ fn usage_snapshot(
     let lock = LockPolicy::bounded(LockPolicy::COMMAND_WAIT)
         .take(builder.state())
         .context("taking genv's global lock")?;
-    let (snapshot, warnings) = builder.take();
+    let (mut snapshot, mut warnings) = builder.take();
     drop(lock);
+    warnings.extend(snapshot.name_confirmed_owners(crate::backends::users::name_of));
     for warning in warnings {
         tracing::warn!("{}", warning.0);
     }
