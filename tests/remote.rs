@@ -109,18 +109,26 @@ impl Running {
 
 /// alice holds device 0 on the first host and devices 0 and 1 on the second, a process
 /// on each: three devices, one more than `--max-devices-per-user 2` allows. genv counts
-/// across hosts and detaches the first host's device first.
+/// across hosts and detaches the first host's device first. Her environments are
+/// activated by shells of hers (her uid differs from host to host), so that hosts running
+/// genv-enforcer name her as their user databases do.
 fn alice_on_two_hosts(fleet: &mut SshFleet) -> [u32; 3] {
     let mut pids = [0; 3];
-    let shell = fleet.hosts[0].node.shell();
+    let (shell, uid) = (
+        fleet.hosts[0].shell_of("alice"),
+        fleet.hosts[0].uid("alice"),
+    );
     fleet.hosts[0].node.write_state(
-        json!([env_record("a1", 0, "alice", None, shell)]),
+        json!([env_record("a1", uid, "alice", None, shell)]),
         json!([device_record(0, &["a1"]), device_record(1, &[])]),
     );
     pids[0] = fleet.hosts[0].node.spawn(Some("a1"), &[(0, 100)]);
-    let shell = fleet.hosts[1].node.shell();
+    let (shell, uid) = (
+        fleet.hosts[1].shell_of("alice"),
+        fleet.hosts[1].uid("alice"),
+    );
     fleet.hosts[1].node.write_state(
-        json!([env_record("a2", 0, "alice", None, shell)]),
+        json!([env_record("a2", uid, "alice", None, shell)]),
         json!([device_record(0, &["a2"]), device_record(1, &["a2"])]),
     );
     pids[1] = fleet.hosts[1].node.spawn(Some("a2"), &[(0, 100)]);
@@ -215,6 +223,252 @@ fn per_host_rules_act_only_on_their_host() {
         Some(libc::SIGTERM)
     );
     assert!(fleet.hosts[1].node.alive(pids[1]));
+}
+
+/// Holds `lock` with `flock(1)` as `uid`, as any user can, until dropped; returns once
+/// the kernel lists the lock as held.
+fn hold_lock(lock: &std::path::Path, uid: u32) -> KillOnDrop {
+    // genv creates it 0666; flock(1) then opens it as the user.
+    std::fs::write(lock, "").unwrap();
+    std::fs::set_permissions(lock, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let mut command = std::process::Command::new("flock");
+    // --no-fork: flock(1) execs sleep itself, so killing it releases the lock.
+    command
+        .arg("--no-fork")
+        .arg(lock)
+        .args(["sleep", "600"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    std::os::unix::process::CommandExt::uid(&mut command, uid);
+    let holder = KillOnDrop(command.spawn().unwrap());
+    let held = format!(" {} ", holder.0.id());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains(&held))
+    {
+        assert!(Instant::now() < deadline, "flock never took the lock");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    holder
+}
+
+/// A process killed (and reaped) however the test ends.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Anyone on a host can hold genv's lock for ever (`flock genv.lock sleep inf`), or put
+/// a FIFO or a link where it goes, which is refused as a lock and counts as held. `usage
+/// snapshot` and `usage execute` wait a moment, then go on without it: each host's
+/// outsider is terminated, and a detach due where the lock is held is named and left
+/// for a cycle that gets the lock, which then makes it.
+#[test]
+fn hosts_whose_genv_lock_is_held_or_refused_are_still_enforced() {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer, Runs::Enforcer], 2);
+    let (mut outsiders, mut alices) = (Vec::new(), Vec::new());
+    for host in &mut fleet.hosts {
+        let (shell, uid) = (host.shell_of("alice"), host.uid("alice"));
+        host.node.write_state(
+            json!([env_record("a", uid, "alice", None, shell)]),
+            json!([device_record(0, &[]), device_record(1, &["a"])]),
+        );
+        alices.push(host.node.spawn(Some("a"), &[(1, 100)]));
+        outsiders.push(host.node.spawn(None, &[(0, 100)]));
+    }
+    let lock: Vec<_> = (0..3)
+        .map(|host| fleet.hosts[host].node.state.join("genv.lock"))
+        .collect();
+    let holder = hold_lock(&lock[0], fleet.hosts[0].uid("mallory"));
+    let fifo =
+        std::ffi::CString::new(lock[1].clone().into_os_string().into_encoded_bytes()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0, "mkfifo");
+    std::os::unix::fs::symlink(fleet.hosts[2].node.dir.join("elsewhere"), &lock[2]).unwrap();
+    // alice holds device 1 on each host: one over the limit, the first host's goes.
+    let flags = [
+        // Generous: the old code waited for the held lock until this ran out.
+        "--host-timeout",
+        "20",
+        "enforce",
+        "--interval",
+        "0",
+        "--non-env-processes",
+        "--max-devices-per-user",
+        "2",
+    ];
+    let (output, stdout, stderr) = run(fleet.remote(&flags));
+    assert!(output.status.success(), "{stderr}");
+    for (host, outsider) in outsiders.iter().enumerate() {
+        assert_eq!(
+            fleet.hosts[host].node.wait_exit(*outsider, DEATH),
+            Some(libc::SIGTERM),
+            "the outsider on host {host}: {stdout:#?} {stderr}"
+        );
+    }
+    let first = fleet.hosts[0].name.clone();
+    assert!(
+        stdout.contains(&format!(
+            "[{first}] Terminating process {} from environment a that is running on GPU(s) 1",
+            alices[0]
+        )),
+        "{stdout:#?}"
+    );
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(alices[0], DEATH),
+        Some(libc::SIGTERM)
+    );
+    let deferred = format!(
+        "[{first}] [WARNING] Not detaching environment a of user alice from device 1 without genv's lock: a later check that gets it will"
+    );
+    assert!(stderr.contains(&deferred), "{stderr}");
+    assert!(
+        !stdout.iter().any(|l| l.contains("Detaching")),
+        "{stdout:#?}"
+    );
+    assert_eq!(fleet.hosts[0].node.attached("a"), [1]);
+    for (host, why) in [
+        (0, "held by another process".to_owned()),
+        (
+            1,
+            format!("Cannot take genv's lock: {}: is a FIFO", lock[1].display()),
+        ),
+        (
+            2,
+            format!(
+                "Cannot take genv's lock: {}: is a symbolic link",
+                lock[2].display()
+            ),
+        ),
+    ] {
+        let said = format!("[{}] [WARNING] ", fleet.hosts[host].name);
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.starts_with(&said) && l.contains(&why)),
+            "{said}…{why} not in {stderr}"
+        );
+    }
+
+    // Free again: the next cycle detaches.
+    drop(holder);
+    let (output, stdout, stderr) = run(fleet.remote(&flags));
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(
+        stdout,
+        [
+            "User alice is using 3 devices on 3 hosts which is 1 more than the maximum allowed"
+                .to_owned(),
+            format!("[{first}] Detaching environment a of user alice from device 1"),
+        ],
+        "{stderr}"
+    );
+    assert!(fleet.hosts[0].node.attached("a").is_empty());
+}
+
+/// On the first host bob holds device 0 and alice device 1, a process on each; on the
+/// second, alice holds device 0, and mallory has written two entries naming bob,
+/// attached to devices 1 and 2: one her own (her uid, her shell), one with bob's uid
+/// there and her shell. Believed by name, as genv believes them, bob would hold three
+/// devices, and `--max-devices-per-user 1` would detach his real one on the first host
+/// (host order) and terminate his process. The pids of bob's and alice's processes on
+/// the first host.
+fn bob_forged_on_the_second_host(fleet: &mut SshFleet) -> (u32, u32) {
+    let first = &mut fleet.hosts[0];
+    let (bob_shell, alice_shell) = (first.shell_of("bob"), first.shell_of("alice"));
+    first.node.write_state(
+        json!([
+            env_record("b1", first.uid("bob"), "bob", None, bob_shell),
+            env_record("a1", first.uid("alice"), "alice", None, alice_shell),
+        ]),
+        json!([
+            device_record(0, &["b1"]),
+            device_record(1, &["a1"]),
+            device_record(2, &[])
+        ]),
+    );
+    let bob = first.node.spawn(Some("b1"), &[(0, 100)]);
+    let alice = first.node.spawn(Some("a1"), &[(1, 100)]);
+    let second = &mut fleet.hosts[1];
+    let (alice_shell, mallory_shell) = (second.shell_of("alice"), second.shell_of("mallory"));
+    second.node.write_state(
+        json!([
+            env_record("a2", second.uid("alice"), "alice", None, alice_shell),
+            env_record("f1", second.uid("mallory"), "bob", None, mallory_shell),
+            env_record("f2", second.uid("bob"), "bob", None, mallory_shell),
+        ]),
+        json!([
+            device_record(0, &["a2"]),
+            device_record(1, &["f1"]),
+            device_record(2, &["f2"])
+        ]),
+    );
+    second.node.spawn(Some("a2"), &[(0, 100)]);
+    (bob, alice)
+}
+
+/// Across hosts a user is the owner each host's kernel confirms, named by that host:
+/// mallory's entries count as hers, or as nobody's, never as bob's. alice, over the
+/// limit for real, loses her first host's device; bob keeps his, and his process runs.
+fn forged_names_are_not_believed(command: impl FnOnce(&SshFleet) -> std::process::Command) {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 3);
+    let (bob, alice) = bob_forged_on_the_second_host(&mut fleet);
+    let (output, stdout, stderr) = run(command(&fleet));
+    assert!(output.status.success(), "{stderr}");
+    let first = &fleet.hosts[0].name;
+    assert_eq!(
+        stdout,
+        [
+            "User alice is using 2 devices on 2 hosts which is 1 more than the maximum allowed"
+                .to_owned(),
+            format!(
+                "[{first}] Terminating process {alice} from environment a1 that is running on GPU(s) 1"
+            ),
+            format!("[{first}] Detaching environment a1 of user alice from device 1"),
+        ],
+        "{stderr}"
+    );
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(alice, DEATH),
+        Some(libc::SIGTERM)
+    );
+    assert_eq!(fleet.hosts[0].node.attached("b1"), [0], "bob's device");
+    assert!(fleet.hosts[0].node.alive(bob), "bob's process");
+    assert_eq!(fleet.hosts[1].node.attached("f1"), [1]);
+    assert_eq!(fleet.hosts[1].node.attached("f2"), [2]);
+    let second = &fleet.hosts[1].name;
+    for said in [
+        format!(
+            "[{second}] [WARNING] environment f1 names user \"bob\" in envs.json, but belongs to uid"
+        ),
+        format!(
+            "[{second}] [WARNING] environment f2 names user \"bob\" in envs.json, but no shell"
+        ),
+    ] {
+        assert!(stderr.contains(&said), "{said} not in {stderr}");
+    }
+}
+
+#[test]
+fn names_forged_on_one_host_never_detach_another_users_devices_elsewhere() {
+    forged_names_are_not_believed(|fleet| {
+        fleet.remote(&["enforce", "--interval", "0", "--max-devices-per-user", "1"])
+    });
+}
+
+/// The confirmed owner travels in genv's own `username` field, so genv 1.4.3's
+/// `remote enforce` driving genv-enforcer hosts is told the same.
+#[test]
+fn genvs_own_remote_is_told_only_confirmed_owners() {
+    forged_names_are_not_believed(|fleet| {
+        fleet.genv_remote(&["enforce", "--interval", "0", "--max-devices-per-user", "1"])
+    });
 }
 
 /// A process outside any environment on each host, and an empty state.
@@ -331,14 +585,20 @@ fn malformed_or_inconsistent_snapshots_are_refused_and_never_acted_on() {
 #[test]
 fn with_usage_watch_a_violation_is_acted_on_without_waiting_for_the_interval() {
     let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
-    let shell = fleet.hosts[0].node.shell();
+    let (shell, uid) = (
+        fleet.hosts[0].shell_of("alice"),
+        fleet.hosts[0].uid("alice"),
+    );
     fleet.hosts[0].node.write_state(
-        json!([env_record("a1", 0, "alice", None, shell)]),
+        json!([env_record("a1", uid, "alice", None, shell)]),
         json!([device_record(0, &["a1"]), device_record(1, &[])]),
     );
     let victim = fleet.hosts[0].node.spawn(Some("a1"), &[(0, 100)]);
-    let shell = fleet.hosts[1].node.shell();
-    let envs = json!([env_record("a2", 0, "alice", None, shell)]);
+    let (shell, uid) = (
+        fleet.hosts[1].shell_of("alice"),
+        fleet.hosts[1].uid("alice"),
+    );
+    let envs = json!([env_record("a2", uid, "alice", None, shell)]);
     fleet.hosts[1].node.write_state(
         envs.clone(),
         json!([device_record(0, &[]), device_record(1, &[])]),

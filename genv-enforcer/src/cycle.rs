@@ -9,7 +9,7 @@ use crate::actions::Executor;
 use crate::report::Report;
 use crate::rules::{self, Finding, Rules, Survey};
 use crate::snapshot::{DroppedEnv, GpuProcess, Orphan, Snapshot, SnapshotBuilder};
-use crate::state::{Device, Env, GlobalLock, LockError, LockErrorKind};
+use crate::state::{Device, Env, GlobalLock, LockError, LockErrorKind, StateDir};
 
 pub struct Enforcer {
     pub builder: SnapshotBuilder,
@@ -20,11 +20,12 @@ pub struct Enforcer {
 
 /// How long a check waits for genv's global lock. genv holds it for milliseconds; any
 /// user can hold it for ever (`flock genv.lock sleep inf`), or put something there that
-/// is refused as a lock (a link, a FIFO, a mount), and a daemon must not stop enforcing,
-/// or answering SIGTERM, for either.
+/// is refused as a lock (a link, a FIFO, a mount), and neither a daemon nor the `usage
+/// snapshot` and `usage execute` that remote enforcement runs on each host may stop
+/// enforcing (or answering SIGTERM) for either.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LockPolicy {
-    /// `None`: wait as genv does (one-shot runs). `Some(d)`: wait at most `d`, then read
+    /// `None`: wait as genv does (`enforce --interval 0`). `Some(d)`: wait at most `d`, then read
     /// the state without the lock (a half-written file does not parse, and is never
     /// acted on) and leave detaches, which write, for a check that gets it.
     wait: Option<Duration>,
@@ -36,6 +37,10 @@ pub struct LockPolicy {
 impl LockPolicy {
     /// A daemon's: at most 100 ms, once.
     pub const DAEMON_WAIT: Duration = Duration::from_millis(100);
+    /// `usage snapshot` and `usage execute`'s: they run once per remote cycle, where a
+    /// second costs nothing, and genv's own `usage snapshot` holds the lock while it asks
+    /// `nvidia-smi`, which can take longer than a daemon's wait.
+    pub const COMMAND_WAIT: Duration = Duration::from_secs(1);
 
     pub fn blocking() -> Self {
         Self::default()
@@ -45,6 +50,47 @@ impl LockPolicy {
         Self {
             wait: Some(wait),
             contended: false,
+        }
+    }
+
+    /// genv's lock in `state`, as this policy says: `None` when the caller goes on
+    /// without it (the wait ran out, or what is at `genv.lock` is refused as a lock).
+    /// Said once when that starts, and once when the lock is free again.
+    pub fn take(&mut self, state: &StateDir) -> Result<Option<GlobalLock>, LockError> {
+        let Some(wait) = self.wait else {
+            return state.lock().map(Some);
+        };
+        let wait = if self.contended { Duration::ZERO } else { wait };
+        match state.lock_within(wait) {
+            Ok(lock) => {
+                if self.contended {
+                    tracing::info!("genv's lock is free again");
+                    self.contended = false;
+                }
+                Ok(Some(lock))
+            }
+            // Held past the wait, or refused (a link, a FIFO, a mount where genv.lock
+            // or its directory should be): any user can do either, and neither may
+            // switch enforcement off. Blocking runs report a refusal instead.
+            Err(e) if matches!(e.kind, LockErrorKind::Held { .. }) => {
+                if !self.contended {
+                    tracing::warn!(
+                        "{e}: enforcing from the state files read without it until it is free"
+                    );
+                    self.contended = true;
+                }
+                Ok(None)
+            }
+            Err(e) if matches!(e.kind, LockErrorKind::Refused(_)) => {
+                if !self.contended {
+                    tracing::warn!(
+                        "Cannot take genv's lock: {e}; enforcing from the state files read without it, and detaching nothing, until it can be taken"
+                    );
+                    self.contended = true;
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
         }
     }
 }
@@ -88,7 +134,7 @@ impl Enforcer {
     /// Takes a snapshot under genv's global lock (or without it, see [`LockPolicy`])
     /// and prints its warnings.
     pub fn snapshot(&mut self) -> Result<Snapshot, LockError> {
-        let lock = self.take_lock()?;
+        let lock = self.lock.take(self.builder.state())?;
         let (snapshot, warnings) = self.builder.take();
         drop(lock);
         for warning in warnings {
@@ -205,74 +251,178 @@ impl Enforcer {
         }
     }
 
-    /// Carries out a report under genv's global lock. Without it (held by someone
-    /// else past the daemon's wait), terminations go ahead, since they write nothing,
-    /// and detaches wait for a check that gets the lock.
+    /// Carries out a report under genv's global lock, as [`execute_report`] does.
     pub fn execute(&mut self, report: &Report) {
         let state = self.builder.state().clone();
-        match self.take_lock() {
-            Ok(Some(_lock)) => self.executor.execute(report, &state),
-            Ok(None) => {
-                if !report.detach.is_empty() {
-                    tracing::warn!(
-                        "Not detaching without genv's lock: a later check that gets it will"
-                    );
-                }
-                let terminations = Report {
-                    terminate: report.terminate.clone(),
-                    detach: Vec::new(),
-                };
-                self.executor.execute(&terminations, &state);
-            }
-            Err(e) => tracing::error!(
+        if let Err(e) = execute_report(&mut self.lock, &mut self.executor, report, &state) {
+            tracing::error!(
                 "Cannot take genv's lock in {}: {e}; nothing was executed",
                 state.root().display()
-            ),
+            );
+        }
+    }
+}
+
+/// Carries out a report under genv's global lock, taken as `lock` says. Without it
+/// (held by someone else past the wait, or refused), terminations go ahead, since they
+/// write nothing, and detaches, which rewrite `devices.json`, are each named and left
+/// for a later check that gets the lock: the violation is still there for it to find.
+/// Any other failure to take the lock executes nothing.
+pub fn execute_report(
+    lock: &mut LockPolicy,
+    executor: &mut Executor,
+    report: &Report,
+    state: &StateDir,
+) -> Result<(), LockError> {
+    match lock.take(state)? {
+        Some(_lock) => executor.execute(report, state),
+        None => {
+            for detach in &report.detach {
+                for env in &detach.envs {
+                    tracing::warn!(
+                        "Not detaching environment {} of user {} from device {} without genv's lock: a later check that gets it will, if it is still due",
+                        env.eid,
+                        env.username.as_deref().unwrap_or("N/A"),
+                        detach.index
+                    );
+                }
+            }
+            let terminations = Report {
+                terminate: report.terminate.clone(),
+                detach: Vec::new(),
+            };
+            executor.execute(&terminations, state);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+    use crate::actions::ExecutorConfig;
+    use crate::report::Detach;
+    use crate::snapshot::Usage;
+
+    /// A state directory where environment `e` (alive: its shell is this process) is
+    /// attached to device 0.
+    fn state(name: &str) -> (StateDir, PathBuf) {
+        let dir =
+            std::env::temp_dir().join(format!("genv-cycle-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let env = serde_json::json!({"eid": "e", "uid": 0, "username": "root",
+            "creation": "01/01/2026 00:00:00", "config": {}, "pids": [std::process::id()],
+            "kernel_ids": []});
+        std::fs::write(
+            dir.join("envs.json"),
+            serde_json::json!({ "envs": [env] }).to_string(),
+        )
+        .unwrap();
+        let attachment =
+            serde_json::json!({"eid": "e", "gpu_memory": null, "time": "01/01/2026 00:00:00"});
+        let device =
+            serde_json::json!({"index": 0, "total_memory": "16g", "attachments": [attachment]});
+        std::fs::write(
+            dir.join("devices.json"),
+            serde_json::json!({ "devices": [device] }).to_string(),
+        )
+        .unwrap();
+        (StateDir::new(&dir), dir)
+    }
+
+    fn attached(dir: &Path) -> bool {
+        std::fs::read_to_string(dir.join("devices.json"))
+            .unwrap()
+            .contains("\"e\"")
+    }
+
+    /// Terminate a child of this test, and detach `e` from device 0.
+    fn report(state: &StateDir, pid: u32) -> Report {
+        let env = state.load_envs().unwrap().remove(0);
+        let process = GpuProcess {
+            pid,
+            start_time: None,
+            used_gpu_memory: vec![Usage {
+                index: 0,
+                bytes: Some(1),
+            }],
+            eid: Some("e".into()),
+        };
+        Report {
+            terminate: vec![process],
+            detach: vec![Detach {
+                index: 0,
+                envs: vec![env],
+            }],
         }
     }
 
-    /// genv's lock as [`LockPolicy`] says: `None` when a daemon goes on without it.
-    fn take_lock(&mut self) -> Result<Option<GlobalLock>, LockError> {
-        let state = self.builder.state();
-        let Some(wait) = self.lock.wait else {
-            return state.lock().map(Some);
-        };
-        let wait = if self.lock.contended {
-            Duration::ZERO
-        } else {
-            wait
-        };
-        match state.lock_within(wait) {
-            Ok(lock) => {
-                if self.lock.contended {
-                    tracing::info!("genv's lock is free again");
-                    self.lock.contended = false;
-                }
-                Ok(Some(lock))
-            }
-            // Held past the wait, or refused (a link, a FIFO, a mount where genv.lock
-            // or its directory should be): any user can do either, and neither may
-            // switch enforcement off. One-shot runs, which wait as genv does, report a
-            // refusal instead.
-            Err(e) if matches!(e.kind, LockErrorKind::Held { .. }) => {
-                if !self.lock.contended {
-                    tracing::warn!(
-                        "{e}: enforcing from the state files read without it until it is free"
-                    );
-                    self.lock.contended = true;
-                }
-                Ok(None)
-            }
-            Err(e) if matches!(e.kind, LockErrorKind::Refused(_)) => {
-                if !self.lock.contended {
-                    tracing::warn!(
-                        "Cannot take genv's lock: {e}; enforcing from the state files read without it, and detaching nothing, until it can be taken"
-                    );
-                    self.lock.contended = true;
-                }
-                Ok(None)
-            }
-            Err(e) => Err(e),
-        }
+    fn executor() -> Executor {
+        Executor::new(ExecutorConfig {
+            dry_run: false,
+            signals: true,
+            kill_after: None,
+        })
+    }
+
+    #[test]
+    fn without_the_lock_terminations_go_ahead_and_detaches_wait() {
+        let (state, dir) = state("held");
+        let held = state.lock().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let mut lock = LockPolicy::bounded(Duration::from_millis(10));
+        execute_report(
+            &mut lock,
+            &mut executor(),
+            &report(&state, child.id()),
+            &state,
+        )
+        .unwrap();
+        assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGTERM));
+        assert!(attached(&dir), "detached without the lock");
+        drop(held);
+        execute_report(
+            &mut lock,
+            &mut executor(),
+            &report(&state, child.id()),
+            &state,
+        )
+        .unwrap();
+        assert!(!attached(&dir), "not detached once the lock was free");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_refused_lock_counts_as_held_unless_the_policy_blocks() {
+        let (state, dir) = state("fifo");
+        let fifo =
+            std::ffi::CString::new(dir.join("genv.lock").into_os_string().into_encoded_bytes())
+                .unwrap();
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let report = report(&state, child.id());
+        let error = execute_report(
+            &mut LockPolicy::blocking(),
+            &mut executor(),
+            &report,
+            &state,
+        )
+        .unwrap_err();
+        assert!(matches!(error.kind, LockErrorKind::Refused(_)), "{error}");
+        let mut lock = LockPolicy::bounded(Duration::from_millis(10));
+        execute_report(&mut lock, &mut executor(), &report, &state).unwrap();
+        assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGTERM));
+        assert!(attached(&dir), "detached without the lock");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -6,7 +6,9 @@
 //! runs in a mount namespace of its own, where `/etc/sudoers` is the host's: `sudo` keeps
 //! the host's `GENV_TMPDIR` and fake NVML (which sshd sets for every session) and finds
 //! the host's tools first on its `secure_path`: `genv-enforcer`, or Python genv and the
-//! mock `nvidia-smi`, or a `genv` that is genv-enforcer behind a wrapper.
+//! mock `nvidia-smi`, or a `genv` that is genv-enforcer behind a wrapper. Its
+//! `/etc/passwd` is its own too: this machine's, and the [`USERS`], each with a uid of
+//! its own on each host ([`SshHost::uid`]), as across a fleet with no shared directory.
 //!
 //! The client side is an ssh_config file (the key, the hosts' keys as known hosts, root
 //! as the login), given to genv-enforcer with `--ssh-config` and to genv's own `ssh`
@@ -29,6 +31,16 @@ pub enum Runs {
     Script(String),
 }
 
+/// Users every simulated host knows besides this machine's own. Their processes are
+/// the test's, run with the uid the host gives them: the hosts share this machine's
+/// kernel, and differ only in the names their user databases give uids.
+pub const USERS: [&str; 3] = ["alice", "bob", "mallory"];
+
+/// The uid of [`USERS`]`[user]` on host `host`: another on each host.
+fn user_uid(host: u32, user: usize) -> u32 {
+    64_700 + 100 * host + user as u32
+}
+
 pub struct SshHost {
     /// The host's address, as `-H` names it and as its lines are prefixed.
     pub name: String,
@@ -39,6 +51,8 @@ pub struct SshHost {
     sshd: Child,
     /// The host's own tools, first on sudo's path.
     pub bin: PathBuf,
+    /// Its place in the fleet, which decides its users' uids.
+    index: u32,
 }
 
 pub struct SshFleet {
@@ -249,6 +263,15 @@ impl SshHost {
             "chown root:root {0} && chmod 0440 {0}",
             sudoers.display()
         ));
+        let passwd = dir.join("passwd");
+        let mut users = std::fs::read_to_string("/etc/passwd").unwrap();
+        for (k, name) in USERS.iter().enumerate() {
+            let uid = user_uid(i, k);
+            users.push_str(&format!(
+                "{name}:x:{uid}:{uid}::/nonexistent:/usr/sbin/nologin\n"
+            ));
+        }
+        std::fs::write(&passwd, users).unwrap();
         let sshd = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{netns}"))
             .args([
@@ -262,8 +285,9 @@ impl SshHost {
                 "-c",
             ])
             .arg(format!(
-                "mount --bind {} /etc/sudoers && {} exec /usr/sbin/sshd -D -e -f {}",
+                "mount --bind {} /etc/sudoers && mount --bind {} /etc/passwd && {} exec /usr/sbin/sshd -D -e -f {}",
                 sudoers.display(),
+                passwd.display(),
                 QUIET_SHELL,
                 dir.join("sshd_config").display()
             ))
@@ -277,7 +301,21 @@ impl SshHost {
             link,
             sshd,
             bin,
+            index: i,
         }
+    }
+
+    /// The uid `name` (one of [`USERS`]) has on this host.
+    pub fn uid(&self, name: &str) -> u32 {
+        let user = USERS.iter().position(|u| *u == name).expect("one of USERS");
+        user_uid(self.index, user)
+    }
+
+    /// A shell of `name` (one of [`USERS`]) on this host, as genv records it among an
+    /// environment's `pids`: alive, running as the user's uid here, not a GPU process.
+    pub fn shell_of(&mut self, name: &str) -> u32 {
+        let uid = self.uid(name);
+        self.node.spawn_with(None, &[], &[], Some(uid))
     }
 
     fn dir(&self) -> PathBuf {

@@ -16,7 +16,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 
 use crate::actions::Executor;
-use crate::cycle::{Enforcer, LockPolicy};
+use crate::cycle::{Enforcer, LockPolicy, execute_report};
 use crate::daemon;
 use crate::report::Report;
 use crate::snapshot::{EnvPolicy, SnapshotBuilder};
@@ -61,44 +61,60 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         }) => usage_watch(poll_interval, bpf_tier, gpu_node, &sources),
         Command::Unpin { pin_dir } => unpin(&pin_dir),
         Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
-            let mut builder = SnapshotBuilder::new(
-                StateDir::new(&sources.genv_tmpdir),
-                sources.nvml_lib.clone(),
-                EnvPolicy::default(),
-            );
-            let lock = builder
-                .state()
-                .lock()
-                .context("taking genv's global lock")?;
-            let (snapshot, warnings) = builder.take();
-            drop(lock);
-            for warning in warnings {
-                tracing::warn!("{}", warning.0);
-            }
-            println!(
-                "{}",
-                snapshot
-                    .to_genv_json(part)
-                    .context("taking a usage snapshot")?
-            );
-            Ok(ExitCode::SUCCESS)
+            usage_snapshot(part, &sources)
         }
-        Command::Usage(UsageCommand::Execute { execution }) => {
-            let mut text = String::new();
-            std::io::stdin()
-                .read_to_string(&mut text)
-                .context("reading the report from stdin")?;
-            let report = Report::from_genv_json(&text).context("the report on stdin")?;
-            let state = StateDir::from_env();
-            let mut executor = Executor::new(executor_config(&execution));
-            {
-                let _lock = state.lock().context("taking genv's global lock")?;
-                executor.execute(&report, &state);
-            }
-            executor.finish();
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Usage(UsageCommand::Execute { execution }) => usage_execute(&execution),
     }
+}
+
+/// `usage snapshot`, which remote enforcement runs as root on every host each cycle.
+/// genv's lock is waited for as long as [`LockPolicy::COMMAND_WAIT`], then the state is
+/// read without it: a user holding it (or putting a link or FIFO there) would otherwise
+/// leave the host out of every cycle. Each environment's user is the owner the kernel
+/// confirms, as this host names it (see `snapshot::owner_names`).
+fn usage_snapshot(
+    part: Option<crate::snapshot::SnapshotJson>,
+    sources: &args::SourceArgs,
+) -> Result<ExitCode> {
+    let mut builder = SnapshotBuilder::new(
+        StateDir::new(&sources.genv_tmpdir),
+        sources.nvml_lib.clone(),
+        EnvPolicy::default(),
+    );
+    let lock = LockPolicy::bounded(LockPolicy::COMMAND_WAIT)
+        .take(builder.state())
+        .context("taking genv's global lock")?;
+    let (mut snapshot, mut warnings) = builder.take();
+    drop(lock);
+    warnings.extend(snapshot.name_confirmed_owners(crate::backends::users::name_of));
+    for warning in warnings {
+        tracing::warn!("{}", warning.0);
+    }
+    println!(
+        "{}",
+        snapshot
+            .to_genv_json(part)
+            .context("taking a usage snapshot")?
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `usage execute`: a report read on stdin, carried out under genv's lock as the
+/// daemons take it: past [`LockPolicy::COMMAND_WAIT`], terminations go ahead and
+/// detaches are named and left for a later cycle.
+fn usage_execute(execution: &args::ExecutionArgs) -> Result<ExitCode> {
+    let mut text = String::new();
+    std::io::stdin()
+        .read_to_string(&mut text)
+        .context("reading the report from stdin")?;
+    let report = Report::from_genv_json(&text).context("the report on stdin")?;
+    let state = StateDir::from_env();
+    let mut executor = Executor::new(executor_config(execution));
+    let mut lock = LockPolicy::bounded(LockPolicy::COMMAND_WAIT);
+    let executed = execute_report(&mut lock, &mut executor, &report, &state);
+    executor.finish();
+    executed.context("taking genv's global lock")?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn enforce(args: EnforceArgs) -> Result<ExitCode> {

@@ -182,8 +182,9 @@ impl Watcher {
         programs: Option<&mut KernelPrograms>,
     ) -> bool {
         let lock = builder.state().lock_within(LOCK_WAIT).ok();
-        let (snapshot, warnings) = builder.take();
+        let (mut snapshot, mut warnings) = builder.take();
         drop(lock);
+        warnings.extend(snapshot.name_confirmed_owners(crate::backends::users::name_of));
         let warnings: HashSet<String> = warnings.iter().map(ToString::to_string).collect();
         for warning in warnings.difference(&self.warned) {
             tracing::warn!("{}", warning.trim_start_matches("[WARNING] "));

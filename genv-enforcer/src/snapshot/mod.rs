@@ -15,6 +15,7 @@ mod builder;
 mod inspect;
 pub mod order;
 mod orphans;
+mod owner_names;
 mod owners;
 mod process_table;
 mod wire;
