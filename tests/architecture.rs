@@ -200,3 +200,57 @@ fn the_checks_see_what_they_check() {
         .collect();
     assert_eq!(functions(&long), [(1, 102, "fn big() {".to_owned())]);
 }
+
+/// The suites whose tests run on every BPF tier in the VM (xtask's `TIER_SUITES`).
+const TIER_SUITES: [&str; 2] = ["tests/event_driven.rs", "tests/prevention.rs"];
+
+/// The `#[test]` functions of a suite's source, by name.
+fn test_names(source: &str) -> Vec<String> {
+    let lines: Vec<&str> = source.lines().map(str::trim).collect();
+    let mut names = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if *line != "#[test]" {
+            continue;
+        }
+        let Some(signature) = lines[i + 1..].iter().find(|l| !l.starts_with("#[")) else {
+            continue;
+        };
+        if let Some(name) = signature
+            .strip_prefix("fn ")
+            .and_then(|s| s.split('(').next())
+        {
+            names.push(name.to_owned());
+        }
+    }
+    names
+}
+
+/// Tests in the tier suites that do not say whether they depend on the tier.
+fn ungrouped(source: &str) -> Vec<String> {
+    test_names(source)
+        .into_iter()
+        .filter(|n| !n.starts_with("tier_") && !n.starts_with("any_tier_"))
+        .collect()
+}
+
+/// Every test of a tier suite says in its name which group it is in: `tier_` (runs on
+/// every tier of every kernel) or `any_tier_` (its outcome is the same whatever program
+/// sees the opens: run with the first tier of each kernel only). A new test can then
+/// never run once when it needed every tier, nor every tier by accident.
+#[test]
+fn every_test_of_a_tier_suite_names_its_group() {
+    for suite in TIER_SUITES {
+        let source = std::fs::read_to_string(workspace_root().join(suite)).unwrap();
+        let names = test_names(&source);
+        assert!(names.len() > 5, "{suite}: read {names:?}");
+        let loose = ungrouped(&source);
+        assert!(
+            loose.is_empty(),
+            "{suite}: tests that do not say whether they depend on the BPF tier (name them \
+             tier_… or any_tier_…): {loose:?}"
+        );
+    }
+    // The check sees an ungrouped test, behind other attributes too.
+    let planted = "#[test]\n#[ignore]\nfn a_new_test() {}\n#[test]\nfn tier_x() {}\n";
+    assert_eq!(ungrouped(planted), ["a_new_test"]);
+}

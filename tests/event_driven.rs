@@ -54,7 +54,7 @@ fn path(p: &std::path::Path) -> &str {
 }
 
 #[test]
-fn a_process_outside_any_environment_is_terminated_when_it_opens_a_gpu() {
+fn tier_a_process_outside_any_environment_is_terminated_when_it_opens_a_gpu() {
     let (mut node, gpu) = node();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
@@ -76,7 +76,7 @@ fn a_process_outside_any_environment_is_terminated_when_it_opens_a_gpu() {
 /// first): past the quick checks' window, it is still checked every second until it has
 /// one, not left to the next full cycle (an hour away here).
 #[test]
-fn a_context_created_long_after_the_open_is_answered_before_the_full_cycle() {
+fn any_tier_a_context_created_long_after_the_open_is_answered_before_the_full_cycle() {
     let _apart = storm_apart();
     let (mut node, gpu) = node();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
@@ -115,7 +115,7 @@ fn genv_enforcer_window() -> Duration {
 /// The kernel reports the host's pids: a daemon in a pid namespace of its own would
 /// signal the wrong processes, so it refuses to start, saying why.
 #[test]
-fn the_daemon_refuses_a_pid_namespace_of_its_own() {
+fn any_tier_the_daemon_refuses_a_pid_namespace_of_its_own() {
     let node = Node::new(1);
     // Bounded: a daemon that started anyway would run until killed.
     let mut command = std::process::Command::new("timeout");
@@ -139,7 +139,7 @@ fn the_daemon_refuses_a_pid_namespace_of_its_own() {
 }
 
 #[test]
-fn an_open_attempt_that_fails_is_still_seen() {
+fn tier_an_open_attempt_that_fails_is_still_seen() {
     if !tier_sees_failed_opens() {
         eprintln!(
             "not applicable on the {} tier: it reads the descriptor a successful open returned",
@@ -166,7 +166,7 @@ fn an_open_attempt_that_fails_is_still_seen() {
 }
 
 #[test]
-fn a_process_on_a_device_not_attached_to_its_environment_is_terminated() {
+fn tier_a_process_on_a_device_not_attached_to_its_environment_is_terminated() {
     let (mut node, gpu) = node();
     let shell = node.shell();
     node.write_state(
@@ -186,7 +186,7 @@ fn a_process_on_a_device_not_attached_to_its_environment_is_terminated() {
 }
 
 #[test]
-fn a_process_on_its_attached_device_survives() {
+fn tier_a_process_on_its_attached_device_survives() {
     let (mut node, gpu) = node_with_e_on_gpu0();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
@@ -211,7 +211,7 @@ fn a_process_on_its_attached_device_survives() {
 /// gunicorn) keeps the environment it was started in: the kernel recorded it at exec,
 /// and `/proc/<pid>/environ` no longer says it.
 #[test]
-fn a_process_that_overwrites_its_environment_block_keeps_its_environment() {
+fn any_tier_a_process_that_overwrites_its_environment_block_keeps_its_environment() {
     let (mut node, gpu) = node_with_e_on_gpu0();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
@@ -234,7 +234,7 @@ fn a_process_that_overwrites_its_environment_block_keeps_its_environment() {
 }
 
 #[test]
-fn detaching_a_device_terminates_its_processes_without_waiting_for_the_interval() {
+fn any_tier_detaching_a_device_terminates_its_processes_without_waiting_for_the_interval() {
     let (mut node, _gpu) = node();
     let shell = node.shell();
     node.write_state(
@@ -262,7 +262,7 @@ fn detaching_a_device_terminates_its_processes_without_waiting_for_the_interval(
 }
 
 #[test]
-fn an_environment_over_its_memory_is_brought_under_it_by_the_memory_poll() {
+fn any_tier_an_environment_over_its_memory_is_brought_under_it_by_the_memory_poll() {
     let (mut node, _gpu) = node();
     let shell = node.shell();
     node.write_state(
@@ -294,7 +294,7 @@ fn an_environment_over_its_memory_is_brought_under_it_by_the_memory_poll() {
 }
 
 #[test]
-fn opens_are_seen_whatever_the_way_in() {
+fn tier_opens_are_seen_whatever_the_way_in() {
     let (mut node, gpu) = node();
     let ways = ways_in(&node.dir.clone(), &gpu, None);
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
@@ -318,7 +318,7 @@ fn opens_are_seen_whatever_the_way_in() {
 }
 
 #[test]
-fn a_storm_of_execs_loses_nothing_without_a_resync() {
+fn any_tier_a_storm_of_execs_loses_nothing_without_a_resync() {
     let _apart = storm_apart();
     let (mut node, gpu) = node();
     // A one-page ring buffer, and the daemon stopped while it fills: the rogue's open is
@@ -372,7 +372,7 @@ fn a_storm_of_execs_loses_nothing_without_a_resync() {
 }
 
 #[test]
-fn one_instance_and_nothing_left_behind() {
+fn tier_one_instance_and_nothing_left_behind() {
     let (node, _gpu) = node();
     let Some(mut daemon) = EventDaemon::start(&node, &[]) else {
         return;
@@ -457,7 +457,7 @@ fn one_instance_and_nothing_left_behind() {
 }
 
 #[test]
-fn without_bpf_the_full_cycle_enforces_alone() {
+fn any_tier_without_bpf_the_full_cycle_enforces_alone() {
     let (mut node, _gpu) = node();
     let run_dir = node.dir.join("run");
     let daemon = Daemon::start(
@@ -490,7 +490,7 @@ const TIERS: [&str; 4] = ["lsm", "fmod_ret", "fentry", "tracepoint"];
 /// no daemon runs. On this machine's sandboxed 6.18 that is lsm, fmod_ret and fentry
 /// (EPERM); in the VM's kernel with the BPF LSM, none.
 #[test]
-fn a_tier_the_kernel_refuses_is_an_error_when_forced_naming_why() {
+fn any_tier_a_tier_the_kernel_refuses_is_an_error_when_forced_naming_why() {
     let (node, _gpu) = node();
     let run_dir = node.dir.join("run");
     let args = |tier: &str| {

@@ -26,7 +26,7 @@ const DEATH: Duration = Duration::from_secs(30);
 const ALICE: u32 = 64_101;
 const BOB: u32 = 64_102;
 /// A user with no environment. (Root outside environments is let through unless
-/// --deny-root: see `root_is_left_to_the_userspace_rules_unless_deny_root`.)
+/// --deny-root: see `tier_root_is_left_to_the_userspace_rules_unless_deny_root`.)
 const OUTSIDER: u32 = 64_103;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -151,7 +151,7 @@ fn assert_untouched(node: &mut Node, pid: u32, lines: &[String], opens: usize, h
 }
 
 #[test]
-fn a_process_outside_any_environment_never_gets_the_gpu() {
+fn tier_a_process_outside_any_environment_never_gets_the_gpu() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -168,7 +168,7 @@ fn a_process_outside_any_environment_never_gets_the_gpu() {
 }
 
 #[test]
-fn forged_environment_ids_count_as_outside() {
+fn tier_forged_environment_ids_count_as_outside() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -185,7 +185,7 @@ fn forged_environment_ids_count_as_outside() {
 }
 
 #[test]
-fn a_child_forked_without_exec_has_its_parents_identity() {
+fn tier_a_child_forked_without_exec_has_its_parents_identity() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -225,7 +225,7 @@ fn a_child_forked_without_exec_has_its_parents_identity() {
 }
 
 #[test]
-fn an_exec_with_a_changed_environment_is_read_again() {
+fn any_tier_an_exec_with_a_changed_environment_is_read_again() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -241,7 +241,7 @@ fn an_exec_with_a_changed_environment_is_read_again() {
 }
 
 #[test]
-fn every_way_to_the_node_is_prevented() {
+fn tier_every_way_to_the_node_is_prevented() {
     let _serial = serial();
     let (mut node, gpus) = node();
     let ways = ways_in(&node.dir.clone(), &gpus[0], Some(OUTSIDER));
@@ -257,7 +257,7 @@ fn every_way_to_the_node_is_prevented() {
 }
 
 #[test]
-fn an_open_through_io_uring_is_prevented() {
+fn tier_an_open_through_io_uring_is_prevented() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -296,7 +296,7 @@ fn an_open_through_io_uring_is_prevented() {
 }
 
 #[test]
-fn an_environments_process_opens_every_gpu_node_as_cuda_does() {
+fn tier_an_environments_process_opens_every_gpu_node_as_cuda_does() {
     let _serial = serial();
     let (mut node, [gpu0, gpu1]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -332,7 +332,7 @@ fn an_environments_process_opens_every_gpu_node_as_cuda_does() {
 }
 
 #[test]
-fn allow_listed_executables_open_gpus_outside_environments() {
+fn tier_allow_listed_executables_open_gpus_outside_environments() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     // A monitoring tool: a copy of the helper, allowed by its own device and inode.
@@ -403,7 +403,7 @@ fn generations(root: &Path) -> Vec<PathBuf> {
 }
 
 #[test]
-fn pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() {
+fn tier_pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some((pins, mut first)) = pinned(&node, "test") else {
@@ -476,7 +476,7 @@ fn pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() {
 }
 
 #[test]
-fn ten_thousand_attempts_from_outside_never_get_the_gpu() {
+fn tier_ten_thousand_attempts_from_outside_never_get_the_gpu() {
     let _serial = serial();
     let (node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -516,7 +516,7 @@ fn ten_thousand_attempts_from_outside_never_get_the_gpu() {
 }
 
 #[test]
-fn the_kernel_reads_the_environment_block_as_genv_does() {
+fn any_tier_the_kernel_reads_the_environment_block_as_genv_does() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -604,7 +604,7 @@ impl Drop for Stopped<'_> {
 /// Kernels without `bpf_loop` read 4 KiB of the block (forced here with
 /// `GENV_ENFORCER_ENV_SCAN=4k`): a larger one is read by the daemon at the exec.
 #[test]
-fn without_bpf_loop_the_daemon_reads_large_blocks() {
+fn any_tier_without_bpf_loop_the_daemon_reads_large_blocks() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     node.enforcer_env
@@ -639,7 +639,7 @@ fn without_bpf_loop_the_daemon_reads_large_blocks() {
 /// its ring buffer overflowing under an exec storm); an identity the kernel left
 /// unresolved, whose exec event was lost, is resolved by the resynchronising cycle.
 #[test]
-fn identities_hold_through_a_64_kib_block_and_a_lost_exec() {
+fn any_tier_identities_hold_through_a_64_kib_block_and_a_lost_exec() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &["--ring-buffer-bytes", "4096"]) else {
@@ -684,7 +684,7 @@ fn identities_hold_through_a_64_kib_block_and_a_lost_exec() {
 /// A child forked before the daemon resolved its parent inherits "unresolved"; the
 /// kernel reports the fork at once and the daemon resolves the child too.
 #[test]
-fn a_child_forked_before_its_parent_was_resolved_is_resolved_too() {
+fn any_tier_a_child_forked_before_its_parent_was_resolved_is_resolved_too() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -718,7 +718,7 @@ fn a_child_forked_before_its_parent_was_resolved_is_resolved_too() {
 /// leaves the job alone. By default so does the enforcer, on the GPUs the environment
 /// had (reported); `--orphans terminate` counts it as outside.
 #[test]
-fn a_job_whose_environment_genv_dropped_is_left_running_unless_orphans_terminate() {
+fn any_tier_a_job_whose_environment_genv_dropped_is_left_running_unless_orphans_terminate() {
     let _serial = serial();
     for policy in ["leave", "terminate"] {
         let mut node = Node::new(2);
@@ -764,7 +764,7 @@ fn a_job_whose_environment_genv_dropped_is_left_running_unless_orphans_terminate
 /// `GENV_ENFORCER_PROCESS_CAPACITY`): the kernel counts what it could not record, the
 /// status shows it, and the daemon resynchronises at once, saying so.
 #[test]
-fn identities_the_kernel_could_not_record_are_counted_and_resynchronised() {
+fn any_tier_identities_the_kernel_could_not_record_are_counted_and_resynchronised() {
     let _serial = serial();
     let (mut node, _) = node();
     node.enforcer_env
@@ -787,7 +787,7 @@ fn identities_the_kernel_could_not_record_are_counted_and_resynchronised() {
 /// keeps its identity (before 6.15 the exit tracepoint fires for the leader as if the
 /// whole process ended).
 #[test]
-fn a_process_whose_leader_thread_exited_keeps_its_environment() {
+fn any_tier_a_process_whose_leader_thread_exited_keeps_its_environment() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(_daemon) = deny(&node, &[]) else {
@@ -800,7 +800,7 @@ fn a_process_whose_leader_thread_exited_keeps_its_environment() {
 }
 
 #[test]
-fn a_malformed_state_file_never_turns_environments_into_outsiders() {
+fn any_tier_a_malformed_state_file_never_turns_environments_into_outsiders() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -835,7 +835,7 @@ fn a_malformed_state_file_never_turns_environments_into_outsiders() {
 /// container runtime's hooks, MPS, persistenced, DCGM run as root); `--deny-root`
 /// opts in.
 #[test]
-fn root_is_left_to_the_userspace_rules_unless_deny_root() {
+fn tier_root_is_left_to_the_userspace_rules_unless_deny_root() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let open = ["--open", path(&gpu)];
@@ -864,7 +864,7 @@ fn root_is_left_to_the_userspace_rules_unless_deny_root() {
 /// kernel must already know the environment. (Root with --deny-root, so that an unknown
 /// environment would be refused.)
 #[test]
-fn an_environment_genv_creates_after_the_daemon_started_is_known_at_once() {
+fn any_tier_an_environment_genv_creates_after_the_daemon_started_is_known_at_once() {
     let _serial = serial();
     let mut node = Node::new(1);
     set_mode(&node.dir, 0o755);
@@ -922,7 +922,7 @@ fn an_environment_genv_creates_after_the_daemon_started_is_known_at_once() {
 /// no such line, and the open programs are loaded smaller: the verifier dropped the
 /// logging code, so it cannot cost anything on the open path.
 #[test]
-fn bpf_log_says_why_the_kernel_decided_and_is_not_loaded_when_off() {
+fn tier_bpf_log_says_why_the_kernel_decided_and_is_not_loaded_when_off() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let open = ["--open", path(&gpu)];
@@ -1003,7 +1003,7 @@ fn open_program_bytes(daemon: &EventDaemon) -> u64 {
 /// NVIDIA's tools are allowed where they are: on the daemon's PATH (here a root-owned
 /// directory), not only in /usr/bin. A copy in a directory anyone can write is not.
 #[test]
-fn tools_are_allowed_where_the_daemon_finds_them_and_only_there() {
+fn any_tier_tools_are_allowed_where_the_daemon_finds_them_and_only_there() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let trusted = node.dir.join("nvidia/bin");
@@ -1042,7 +1042,7 @@ fn tools_are_allowed_where_the_daemon_finds_them_and_only_there() {
 /// enforcer's own binary (whose NVML opens the nodes, and which could load a library of
 /// the user's choosing) is denied like anyone else.
 #[test]
-fn the_enforcer_is_exempt_by_process_not_by_executable() {
+fn tier_the_enforcer_is_exempt_by_process_not_by_executable() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     node.nvml_opens(&[&gpu]);
@@ -1071,7 +1071,7 @@ fn the_enforcer_is_exempt_by_process_not_by_executable() {
 /// run's pinned programs decide, and its first NVML call opens the GPU nodes. It is
 /// exempt in their maps too, so it is neither killed nor refused, and takes over.
 #[test]
-fn an_upgraded_daemon_survives_its_predecessors_pinned_programs() {
+fn tier_an_upgraded_daemon_survives_its_predecessors_pinned_programs() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     node.nvml_opens(&[&gpu]);
@@ -1109,7 +1109,7 @@ fn an_upgraded_daemon_survives_its_predecessors_pinned_programs() {
 /// the same case) would keep the GPU. The daemon kills every such holder outside an
 /// environment; on the refusing tiers the open is refused and nobody holds anything.
 #[test]
-fn a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
+fn tier_a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -1157,7 +1157,7 @@ fn a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
 /// process by its start time too. Here an outsider stands for such a process: entered
 /// under its own pid with the crashed daemon's start time.
 #[test]
-fn a_crashed_daemons_exemption_names_no_later_process() {
+fn tier_a_crashed_daemons_exemption_names_no_later_process() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some((pins, mut daemon)) = pinned(&node, "crash") else {

@@ -80,7 +80,7 @@ mod tests {
     #[test]
     fn the_ci_consoles_oops_is_recognised_with_where_it_was() {
         let console = lines(
-            "[fentry tier] a_crashed_daemons_exemption_names_no_later_process\n\
+            "[fentry tier] tier_a_crashed_daemons_exemption_names_no_later_process\n\
              [  884.608901] Oops: int3: 0000 [#1] PREEMPT SMP NOPTI\n\
              [  884.609992] CPU: 0 UID: 0 PID: 28606 Comm: a_crashed_daemo Not tainted\n\
              [  884.610165] RIP: 0010:security_file_open+0x5/0xe0\n\
@@ -117,7 +117,7 @@ mod tests {
              [ 1.0] Oops: 0000 [#1] PREEMPT SMP NOPTI\n[ 1.0] RIP: 0010:bpf_prog_run+0x5",
             "[ 1.0] Oops: invalid opcode: 0000 [#1] SMP NOPTI\n[ 1.0] RIP: 0010:__text_poke+0x29c",
             "[ 1.0] Kernel panic - not syncing: Out of memory",
-            "test opens_are_seen_whatever_the_way_in ... ok",
+            "test tier_opens_are_seen_whatever_the_way_in ... ok",
         ] {
             assert_eq!(excused(&lines(text)), None, "{text}");
         }
