@@ -6,7 +6,8 @@ use super::{Action, DeviceLimit, Finding, FindingKind, Survey};
 use crate::state::{Device, Env};
 
 /// A user's devices on one host: (index, the user's environments attached to it), and
-/// whether the user has environments there at all.
+/// whether the user has environments there at all. Devices the user holds only through
+/// environments whose owner the kernel did not confirm come first.
 type HostHolding = (Vec<(u32, Vec<String>)>, bool);
 
 /// Who a user is. On one host, the uid: the `username` field is anyone's to fill in, and
@@ -107,22 +108,25 @@ fn user_devices(survey: &Survey<'_>, user: User<'_>) -> HostHolding {
     let (Some(envs), Some(devices)) = (&snapshot.envs, &snapshot.devices) else {
         return (Vec::new(), false);
     };
-    let eids: Vec<&str> = envs
-        .iter()
-        .filter(|e| user.owns(e))
-        .map(|e| e.eid.as_str())
-        .collect();
-    let held = devices
+    let owned: Vec<&Env> = envs.iter().filter(|e| user.owns(e)).collect();
+    let confirmed = |eid: &str| owned.iter().any(|e| e.eid == eid && e.verified);
+    let mut held: Vec<(u32, Vec<String>)> = devices
         .iter()
         .filter_map(|device: &Device| {
             let mine: Vec<String> = device
                 .attachments
                 .iter()
-                .filter(|a| eids.contains(&a.eid.as_str()))
+                .filter(|a| owned.iter().any(|e| e.eid == a.eid))
                 .map(|a| a.eid.clone())
                 .collect();
             (!mine.is_empty()).then_some((device.index, mine))
         })
         .collect();
-    (held, !eids.is_empty())
+    // Anyone can write an entry with another user's uid (genv's files are 0666): such
+    // an entry, which the kernel does not confirm, must not cost that user a device
+    // they really use. So the devices held only through unconfirmed entries are
+    // detached first; among the rest, genv's device order stands (a stable sort: with
+    // every owner confirmed, as genv's own state always is, nothing moves).
+    held.sort_by_key(|(_, eids)| eids.iter().any(|eid| confirmed(eid)));
+    (held, !owned.is_empty())
 }
