@@ -266,3 +266,48 @@ fn root_is_told_apart_by_the_systems_id_not_one_on_path() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Where `/bin/sh` is bash, a user's environment kept by su or a lax sudo could define
+/// `[` as a function (`BASH_FUNC_[%%`) that says root is not root. The front's `-p`
+/// (its first line) makes bash import no functions: run here by bash itself, with the
+/// front's own first-line flags.
+#[test]
+fn a_bash_as_sh_imports_no_function_from_a_users_environment() {
+    let dir = scratch();
+    let mark = dir.join("ran-as-root");
+    let user_bin = dir.join("home/bin");
+    plant(&user_bin.join("genv-enforcer"), &mark);
+    for path in [
+        dir.join("home"),
+        user_bin.clone(),
+        user_bin.join("genv-enforcer"),
+    ] {
+        chown(&path, 1000);
+    }
+    let root = dir.join("root");
+    install(&root, Some(&root.join("usr/local/bin/genv-enforcer")));
+    let source = std::fs::read_to_string(front(&root)).unwrap();
+    let (shebang, body) = source.split_once('\n').unwrap();
+    let flags = shebang
+        .strip_prefix("#!/bin/sh")
+        .expect("the front runs under /bin/sh");
+    let as_bash = dir.join("front-under-bash");
+    std::fs::write(&as_bash, format!("#!/bin/bash{flags}\n{body}")).unwrap();
+    std::fs::set_permissions(&as_bash, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let output = Command::new(&as_bash)
+        .args(["enforce", "--help"])
+        .env("PATH", "/usr/bin:/bin")
+        .env(
+            "BASH_FUNC_[%%",
+            "() { case \"$*\" in *\"= 0 ]\"*) return 1;; esac; builtin [ \"$@\"; }",
+        )
+        .env("GENV_ENFORCER", user_bin.join("genv-enforcer"))
+        .output()
+        .unwrap();
+    assert!(
+        !mark.exists(),
+        "root's front ran the user's GENV_ENFORCER: {}",
+        text(&output)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
