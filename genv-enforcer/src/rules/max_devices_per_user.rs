@@ -5,10 +5,34 @@
 use super::{Action, DeviceLimit, Finding, FindingKind, Survey};
 use crate::state::{Device, Env};
 
-/// A user's devices on one host: (index, the user's environments attached to it), and
-/// whether the user has environments there at all. Devices the user holds only through
-/// environments whose owner the kernel did not confirm come first.
-type HostHolding = (Vec<(u32, Vec<String>)>, bool);
+/// A user's devices on one host, and whether the user has environments there at all.
+type HostHolding = (Vec<Held>, bool);
+
+/// A device a user holds: its index, the user's environments attached to it, and what
+/// says the user really uses it.
+struct Held {
+    index: u32,
+    eids: Vec<String>,
+    /// One of those environments has a GPU process (on any device). A process counts in
+    /// an environment only if its uid is the owner's, so a user cannot put bob's
+    /// processes in an entry they wrote, while bob's real environment runs his jobs.
+    in_use: bool,
+    /// One of those environments' owners is confirmed by the kernel (a live shell in
+    /// its `pids` runs as its uid; weaker: a user can list any live process of bob's).
+    confirmed: bool,
+}
+
+impl Held {
+    /// Detached in this order: devices of environments with no GPU process and no
+    /// confirmed owner first, so that entries anyone can write with bob's uid or name
+    /// (genv's files are 0666) cost their own attachments before a device of an
+    /// environment bob's jobs run in. Within one environment, and among equals, genv's
+    /// order (host, then device) stands: a stable sort, so genv's reference run, and
+    /// any user whose environments all run jobs, are detached exactly as genv does.
+    fn keep_rank(&self) -> (bool, bool) {
+        (self.in_use, self.confirmed)
+    }
+}
 
 /// Who a user is. On one host, the uid: the `username` field is anyone's to fill in, and
 /// counting by it would let a user spread devices over made-up names (genv counts by
@@ -79,15 +103,20 @@ pub fn check(surveys: &[Survey<'_>], limit: &DeviceLimit) -> Vec<Finding> {
             .iter()
             .all(|s| s.hostname.is_some())
             .then(|| per_host.iter().filter(|(_, has_envs)| *has_envs).count());
-        let actions = per_host
+        let mut held: Vec<(usize, Held)> = per_host
             .into_iter()
             .enumerate()
-            .flat_map(|(host, (devices, _))| {
-                devices
-                    .into_iter()
-                    .map(move |(index, eids)| Action::Detach { host, index, eids })
-            })
+            .flat_map(|(host, (devices, _))| devices.into_iter().map(move |d| (host, d)))
+            .collect();
+        held.sort_by_key(|(_, d)| d.keep_rank());
+        let actions = held
+            .into_iter()
             .take(over)
+            .map(|(host, d)| Action::Detach {
+                host,
+                index: d.index,
+                eids: d.eids,
+            })
             .collect();
         findings.push(Finding {
             host: None,
@@ -110,23 +139,23 @@ fn user_devices(survey: &Survey<'_>, user: User<'_>) -> HostHolding {
     };
     let owned: Vec<&Env> = envs.iter().filter(|e| user.owns(e)).collect();
     let confirmed = |eid: &str| owned.iter().any(|e| e.eid == eid && e.verified);
-    let mut held: Vec<(u32, Vec<String>)> = devices
+    let in_use = |eid: &str| (snapshot.processes.iter()).any(|p| p.eid.as_deref() == Some(eid));
+    let held = devices
         .iter()
         .filter_map(|device: &Device| {
-            let mine: Vec<String> = device
+            let eids: Vec<String> = device
                 .attachments
                 .iter()
                 .filter(|a| owned.iter().any(|e| e.eid == a.eid))
                 .map(|a| a.eid.clone())
                 .collect();
-            (!mine.is_empty()).then_some((device.index, mine))
+            (!eids.is_empty()).then(|| Held {
+                index: device.index,
+                in_use: eids.iter().any(|eid| in_use(eid)),
+                confirmed: eids.iter().any(|eid| confirmed(eid)),
+                eids,
+            })
         })
         .collect();
-    // Anyone can write an entry with another user's uid (genv's files are 0666): such
-    // an entry, which the kernel does not confirm, must not cost that user a device
-    // they really use. So the devices held only through unconfirmed entries are
-    // detached first; among the rest, genv's device order stands (a stable sort: with
-    // every owner confirmed, as genv's own state always is, nothing moves).
-    held.sort_by_key(|(_, eids)| eids.iter().any(|eid| confirmed(eid)));
     (held, !owned.is_empty())
 }

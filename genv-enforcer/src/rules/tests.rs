@@ -182,43 +182,55 @@ fn a_user_is_counted_by_uid_whatever_the_username_fields_say() {
     );
 }
 
-/// Anyone can write an entry with bob's uid and attach devices to it: the devices held
-/// only through entries the kernel did not confirm are detached first, so bob keeps the
+/// Anyone can write an entry with bob's uid and attach devices to it, and can even make
+/// it look confirmed (list a live process of bob's as its shell). Its devices are
+/// detached before those of bob's environment that runs his jobs, so bob keeps the
 /// device he really uses (genv's device order would take it).
 #[test]
-fn entries_the_kernel_did_not_confirm_are_detached_before_confirmed_ones() {
-    let mut snapshot = Snapshot::from_genv_json(MEMORY).unwrap();
-    let envs = snapshot.envs.as_mut().unwrap();
-    envs[0].uid = 1001; // "e", forged with bob's uid, unconfirmed
-    envs[1].verified = true; // "other": bob's own, confirmed
-    let devices = snapshot.devices.as_mut().unwrap();
-    devices[0].attachments.retain(|a| a.eid == "other");
-    devices[1].attachments = vec![
-        serde_json::from_value(serde_json::json!({"eid": "e", "gpu_memory": null, "time": "x"}))
+fn entries_anyone_could_write_are_detached_before_an_environment_running_jobs() {
+    for forged_looks_confirmed in [false, true] {
+        let mut snapshot = Snapshot::from_genv_json(MEMORY).unwrap();
+        // No process of bob's can be made to count in an entry someone else wrote.
+        snapshot.processes.retain(|p| p.eid.as_deref() != Some("e"));
+        let envs = snapshot.envs.as_mut().unwrap();
+        envs[0].uid = 1001; // "e", written with bob's uid
+        envs[0].verified = forged_looks_confirmed;
+        envs[1].verified = true; // "other": bob's own, running process 33 on device 0
+        let devices = snapshot.devices.as_mut().unwrap();
+        devices[0].attachments.retain(|a| a.eid == "other");
+        devices[1].attachments = vec![
+            serde_json::from_value(
+                serde_json::json!({"eid": "e", "gpu_memory": null, "time": "x"}),
+            )
             .unwrap(),
-    ];
-    let rules = Rules {
-        env_devices: false,
-        env_memory: false,
-        max_devices_per_user: limit(1, &[]),
-        ..Rules::default()
-    };
-    let surveys = [Survey {
-        hostname: None,
-        snapshot: &snapshot,
-    }];
-    let findings = check(&surveys, &rules);
-    let report = Report::build(&surveys, &findings).remove(0);
-    let detached: Vec<(u32, &str)> = report
-        .detach
-        .iter()
-        .flat_map(|d| d.envs.iter().map(move |e| (d.index, e.eid.as_str())))
-        .collect();
-    assert_eq!(detached, [(1, "e")], "bob's own device 0 stays attached");
-    assert!(
-        !pids(&report).contains(&33),
-        "bob's process on device 0 lives"
-    );
+        ];
+        let rules = Rules {
+            env_devices: false,
+            env_memory: false,
+            max_devices_per_user: limit(1, &[]),
+            ..Rules::default()
+        };
+        let surveys = [Survey {
+            hostname: None,
+            snapshot: &snapshot,
+        }];
+        let findings = check(&surveys, &rules);
+        let report = Report::build(&surveys, &findings).remove(0);
+        let detached: Vec<(u32, &str)> = report
+            .detach
+            .iter()
+            .flat_map(|d| d.envs.iter().map(move |e| (d.index, e.eid.as_str())))
+            .collect();
+        assert_eq!(
+            detached,
+            [(1, "e")],
+            "bob's own device 0 stays attached (forged entry confirmed: {forged_looks_confirmed})"
+        );
+        assert!(
+            !pids(&report).contains(&33),
+            "bob's process on device 0 lives"
+        );
+    }
 }
 
 #[test]
