@@ -66,14 +66,19 @@ pub(super) fn start(listener: std::net::TcpListener, metrics: Arc<Metrics>) -> s
 }
 
 /// Whom a connection counts against: its address; an IPv4-mapped one as IPv4, an IPv6
-/// one by its /64 (one host may hold all of it).
+/// one by its /64 (one host may hold all of it), and every loopback address as one
+/// (any local user can connect from any of 127.0.0.0/8, one peer's share each).
 fn peer_of(addr: SocketAddr) -> IpAddr {
-    match addr.ip() {
+    let ip = match addr.ip() {
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
             Some(v4) => IpAddr::V4(v4),
             None => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & (u128::MAX << 64))),
         },
         v4 => v4,
+    };
+    match ip.is_loopback() || addr.ip().is_loopback() {
+        true => IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        false => ip,
     }
 }
 
@@ -130,10 +135,14 @@ async fn read_request(stream: &mut TcpStream) -> std::io::Result<Request> {
     let mut request = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     let most = chunk.len();
+    // Only the new bytes (and the three before them) are looked through for the blank
+    // line: a request sent a byte at a time costs no more than one sent at once.
+    let mut scanned = 0;
     loop {
-        if let Some(end) = head_end(&request) {
-            return Ok(route(&request[..end]));
+        if let Some(end) = head_end(&request[scanned..]) {
+            return Ok(route(&request[..scanned + end]));
         }
+        scanned = request.len().saturating_sub(3);
         let room = REQUEST_BYTES - request.len();
         if room == 0 {
             return Ok(Request::TooLarge);

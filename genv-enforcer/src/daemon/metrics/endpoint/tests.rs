@@ -81,6 +81,10 @@ fn peers_are_addresses_ipv6_ones_by_their_64() {
     assert_eq!(at("2001:db8:1:2::5"), at("2001:db8:1:2:ffff::9"));
     assert_ne!(at("2001:db8:1:2::5"), at("2001:db8:1:3::5"));
     assert_ne!(at("10.0.0.1"), at("10.0.0.2"));
+    // Any local user can connect from any loopback address: they are one peer.
+    assert_eq!(at("127.0.0.1"), at("127.9.8.7"));
+    assert_eq!(at("127.0.0.1"), at("::1"));
+    assert_eq!(at("127.0.0.1"), at("::ffff:127.0.0.2"));
 }
 
 #[test]
