@@ -326,7 +326,15 @@ fn the_rpm_the_deb_the_tarball_and_xtask_install_lay_down_the_same_files() {
         deb_files,
         "the tarball's root/"
     );
-    assert!(top.join("deploy/Containerfile").exists() && top.join("README.md").exists());
+    assert!(top.join("README.md").exists());
+    // The image is built from this tarball, by this version.
+    let containerfile = std::fs::read_to_string(top.join("deploy/Containerfile")).unwrap();
+    assert!(
+        containerfile.contains(&format!("\nARG VERSION={VERSION}\n"))
+            && containerfile
+                .contains("ADD target/dist/genv-enforcer-${VERSION}-x86_64-linux-gnu.tar.gz"),
+        "{containerfile}"
+    );
     // `cargo xtask install`: the same list under /usr/local (the front naming the
     // package's binary path, to compare the bytes).
     let installed = scratch("install");

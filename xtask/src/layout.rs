@@ -86,7 +86,8 @@ fn file(path: String, bytes: Vec<u8>, mode: u32) -> Entry {
 pub fn files(prefix: Prefix, binary: &[u8], enforcer_path: &str) -> Result<Vec<Entry>> {
     let repo = crate::root();
     let read = |p: &str| std::fs::read(repo.join(p)).with_context(|| format!("reading {p}"));
-    let text = |p: &str| std::fs::read_to_string(repo.join(p)).with_context(|| format!("{p}"));
+    let text =
+        |p: &str| std::fs::read_to_string(repo.join(p)).with_context(|| format!("reading {p}"));
     let front_dir = prefix.front_dir();
     let enforcer = Some(enforcer_path).filter(|p| !p.contains('\'') && p.starts_with('/'));
     let enforcer = enforcer.context("the enforcer's path: absolute, and quotable (no ')")?;

@@ -48,6 +48,14 @@ pub fn run(args: &[String]) -> Result<()> {
     if let Some(arg) = args.first() {
         bail!("cargo xtask dist takes no arguments (got {arg:?})");
     }
+    for artefact in build_all()? {
+        eprintln!("xtask: dist: {}", artefact.display());
+    }
+    Ok(())
+}
+
+/// The four artefacts, built: the wheel, the tarball, the `.deb`, the RPM.
+pub fn build_all() -> Result<[PathBuf; 4]> {
     crate::toolchain::ensure_ebpf_toolchain()?;
     crate::ensure_apt(&["rpm"], "rpmbuild")?;
     let target = crate::target_dir()?;
@@ -92,10 +100,7 @@ pub fn run(args: &[String]) -> Result<()> {
         deb::build(&build)?,
         rpm::build(&build)?,
     ];
-    for artefact in &made {
-        eprintln!("xtask: dist: {}", artefact.display());
-    }
-    Ok(())
+    Ok(made)
 }
 
 fn source_date_epoch() -> Result<u64> {
