@@ -16,6 +16,9 @@
 //!   needs ([`toolchain`]).
 //! - `install` / `uninstall`: genv-enforcer on a node, with its `genv` front and its
 //!   systemd unit ([`install`]).
+//! - `dist`: the `.deb`, the RPM, the Python wheel and the tarball, built against glibc
+//!   2.28, into `target/dist/` ([`dist`]); they and `install` lay down one list of files
+//!   ([`layout`]).
 //! - `bench`: one full enforcement cycle with 0, 100 and 1,000 GPU processes, the
 //!   event-driven reaction to a GPU open, the kernel programs' cost per run, and remote
 //!   enforcement over SSH ([`bench_remote`]); writes the tables to `docs/bench.md`.
