@@ -64,7 +64,10 @@ fn dist() -> &'static Dist {
     static DIST: OnceLock<Dist> = OnceLock::new();
     DIST.get_or_init(|| {
         xtask_dist();
-        let dir = scratch("artefacts");
+        // One place, replaced by each run of the suite, so that no copy is left over.
+        let dir = target_dir().join("dist-test-artefacts");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
         let dist = Dist { dir };
         for artefact in dist.all() {
             let name = artefact.file_name().unwrap();

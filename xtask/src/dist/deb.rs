@@ -29,7 +29,7 @@ pub fn build(build: &Build) -> Result<PathBuf> {
     let size_kib = installed_size(&tree)?;
     write(
         &control.join("control"),
-        &control_file(build, size_kib),
+        &control_file(build, size_kib)?,
         0o644,
     )?;
     write(&control.join("conffiles"), &conffiles(build)?, 0o644)?;
@@ -77,28 +77,35 @@ fn conffiles(build: &Build) -> Result<String> {
     Ok(text)
 }
 
-fn control_file(build: &Build, size_kib: u64) -> String {
+fn control_file(build: &Build, size_kib: u64) -> Result<String> {
+    let package = &build.package;
     let (major, minor) = build.glibc;
-    format!(
+    let depends = match package.deb("depends")? {
+        "$auto" => format!("libc6 (>= {major}.{minor})"),
+        other => other.to_owned(),
+    };
+    let long: Vec<String> = (package.long_description()?.iter())
+        .map(|l| format!(" {l}\n"))
+        .collect();
+    Ok(format!(
         "Package: genv-enforcer\n\
          Version: {version}\n\
          Architecture: amd64\n\
-         Maintainer: genv-enforcer maintainers <maintainers@users.noreply.a-seed-a3521d30.example>\n\
+         Maintainer: {maintainer}\n\
          Installed-Size: {size_kib}\n\
-         Depends: libc6 (>= {major}.{minor})\n\
-         Recommends: systemd\n\
-         Section: admin\n\
-         Priority: optional\n\
-         Homepage: https://github.com/run-ai/genv\n\
-         Description: event-driven enforcer of genv's GPU-usage policy\n \
-         genv-enforcer is a drop-in for `genv enforce` (genv 1.4.3): the same flags,\n \
-         rules, output and state files. It reads NVML directly and, with eBPF\n \
-         programs, acts on every open of a GPU device node as it happens.\n \
-         .\n \
-         This package installs the daemon, its systemd unit and configuration, and\n \
-         a `genv` front that runs `genv enforce` as genv-enforcer.\n",
+         Depends: {depends}\n\
+         Recommends: {recommends}\n\
+         Section: {section}\n\
+         Priority: {priority}\n\
+         Description: {synopsis}\n{long}",
         version = build.version,
-    )
+        maintainer = package.deb("maintainer")?,
+        recommends = package.deb("recommends")?,
+        section = package.deb("section")?,
+        priority = package.deb("priority")?,
+        synopsis = package.description,
+        long = long.concat(),
+    ))
 }
 
 /// `du`'s apparent size in KiB, as dpkg-gencontrol counts it (one per file at least).

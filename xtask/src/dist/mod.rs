@@ -35,6 +35,7 @@ pub const GLIBC_FLOOR: (u32, u32) = (2, 28);
 /// What every artefact is built from.
 pub struct Build {
     pub version: String,
+    pub package: Package,
     pub epoch: u64,
     pub binary: PathBuf,
     /// The package's files, staged (mtimes at `epoch`).
@@ -61,7 +62,8 @@ pub fn build_all() -> Result<[PathBuf; 4]> {
     let target = crate::target_dir()?;
     let tools = wheel::ensure_tools(&target)?;
     let epoch = source_date_epoch()?;
-    let version = crate_version()?;
+    let package = package()?;
+    let version = package.version.clone();
     let out = target.join("dist");
     let stage = out.join("stage");
     let _ = std::fs::remove_dir_all(&stage);
@@ -88,6 +90,7 @@ pub fn build_all() -> Result<[PathBuf; 4]> {
     clamp_times(&stage.join("root"), epoch)?;
     let build = Build {
         version,
+        package,
         epoch,
         binary,
         stage,
@@ -117,21 +120,75 @@ fn source_date_epoch() -> Result<u64> {
     text.trim().parse().context("git log's commit time")
 }
 
-fn crate_version() -> Result<String> {
-    let manifest = std::fs::read_to_string(crate::root().join("genv-enforcer/Cargo.toml"))?;
-    let version = manifest
-        .lines()
-        .find_map(|l| l.strip_prefix("version = \""))
-        .and_then(|v| v.strip_suffix('"'))
-        .context("genv-enforcer/Cargo.toml names no version")?;
+/// genv-enforcer's package fields, from `cargo metadata` (`[package]` and its
+/// `[package.metadata.deb]` and `[package.metadata.generate-rpm]`).
+pub struct Package {
+    pub version: String,
+    /// One line: the `.deb`'s synopsis, the RPM's summary.
+    pub description: String,
+    pub license: String,
+    /// `[package.metadata.deb]`.
+    pub deb: serde_json::Value,
+    /// `[package.metadata.generate-rpm]`'s `release`.
+    pub release: String,
+}
+
+impl Package {
+    /// `[package.metadata.deb]`'s `key`.
+    pub fn deb(&self, key: &str) -> Result<&str> {
+        self.deb[key]
+            .as_str()
+            .with_context(|| format!("[package.metadata.deb] names no {key}"))
+    }
+
+    /// The long description, wrapped at 72 columns.
+    pub fn long_description(&self) -> Result<Vec<String>> {
+        let mut lines: Vec<String> = vec![];
+        for word in self.deb("extended-description")?.split_whitespace() {
+            match lines.last_mut() {
+                Some(line) if line.len() + 1 + word.len() <= 72 => {
+                    line.push(' ');
+                    line.push_str(word);
+                }
+                _ => lines.push(word.to_owned()),
+            }
+        }
+        Ok(lines)
+    }
+}
+
+fn package() -> Result<Package> {
+    let output = crate::cargo(&["metadata", "--no-deps", "--format-version", "1"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("running cargo metadata")?;
+    ensure!(output.status.success(), "cargo metadata failed");
+    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    let package = (metadata["packages"].as_array().context("no packages")?)
+        .iter()
+        .find(|p| p["name"] == "genv-enforcer")
+        .context("cargo metadata lists no genv-enforcer")?;
+    let text = |key: &str| {
+        package[key]
+            .as_str()
+            .map(str::to_owned)
+            .with_context(|| format!("genv-enforcer/Cargo.toml names no {key}"))
+    };
+    let version = text("version")?;
     // The changelog's newest entry is this version: packagers' rule, checked here.
     let changelog = std::fs::read_to_string(crate::root().join("deploy/packaging/changelog"))?;
-    let head = format!("genv-enforcer ({version}) ");
     ensure!(
-        changelog.starts_with(&head),
+        changelog.starts_with(&format!("genv-enforcer ({version}) ")),
         "deploy/packaging/changelog's first entry is not {version}: add one"
     );
-    Ok(version.to_owned())
+    let release = package["metadata"]["generate-rpm"]["release"].as_str();
+    Ok(Package {
+        version,
+        description: text("description")?,
+        license: text("license")?,
+        deb: package["metadata"]["deb"].clone(),
+        release: release.unwrap_or("1").to_owned(),
+    })
 }
 
 /// The newest `GLIBC_x.y` the binary's dynamic symbols ask for: at most [`GLIBC_FLOOR`].

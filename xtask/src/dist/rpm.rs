@@ -35,7 +35,10 @@ pub fn build(build: &Build) -> Result<PathBuf> {
     }
     command.arg(&spec_path).env("SOURCE_DATE_EPOCH", &epoch);
     crate::run(&mut command)?;
-    let name = format!("genv-enforcer-{}-1.x86_64.rpm", build.version);
+    let name = format!(
+        "genv-enforcer-{}-{}.x86_64.rpm",
+        build.version, build.package.release
+    );
     let made = top.join("RPMS/x86_64").join(&name);
     let to = build.out.join(&name);
     std::fs::rename(&made, &to).with_context(|| format!("rpmbuild made no {}", made.display()))?;
@@ -72,15 +75,12 @@ fn spec(build: &Build) -> Result<String> {
          %global __os_install_post %{{nil}}\n\
          Name: genv-enforcer\n\
          Version: {version}\n\
-         Release: 1\n\
-         Summary: Event-driven enforcer of genv's GPU-usage policy\n\
-         License: MIT OR Apache-2.0\n\
-         URL: https://github.com/run-ai/genv\n\
+         Release: {release}\n\
+         Summary: {summary}\n\
+         License: {license}\n\
          \n\
          %description\n\
-         genv-enforcer is a drop-in for `genv enforce` (genv 1.4.3): the same flags,\n\
-         rules, output and state files. It reads NVML directly and, with eBPF programs,\n\
-         acts on every open of a GPU device node as it happens.\n\
+         {description}\n\
          \n\
          %install\n\
          mkdir -p %{{buildroot}}\n\
@@ -112,9 +112,14 @@ fn spec(build: &Build) -> Result<String> {
          {files}\n\
          \n\
          %changelog\n\
-         * Wed Nov 25 2026 genv-enforcer maintainers <maintainers@users.noreply.a-seed-a3521d30.example> - {version}-1\n\
+         * Wed Nov 25 2026 {maintainer} - {version}-{release}\n\
          - First packaged release (cargo xtask dist), built against glibc 2.28.\n",
         version = build.version,
+        release = build.package.release,
+        summary = build.package.description,
+        license = build.package.license,
+        description = build.package.long_description()?.join("\n"),
+        maintainer = build.package.deb("maintainer")?,
         files = files_section(build)?,
     ))
 }
