@@ -217,7 +217,7 @@ fn vm_test(args: &[String]) -> Result<()> {
 
 /// The real genv 1.4.3 is installed from PyPI into a venv under target/: that needs
 /// python3 with `venv` and `ensurepip` (Debian splits them into python3-venv).
-fn ensure_python_venv() -> Result<()> {
+pub fn ensure_python_venv() -> Result<()> {
     which("python3").context("the end-to-end tests run the real genv, which needs python3")?;
     let has_venv = Command::new("python3")
         .args(["-c", "import venv, ensurepip"])

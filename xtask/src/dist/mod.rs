@@ -58,7 +58,9 @@ pub fn run(args: &[String]) -> Result<()> {
 /// The four artefacts, built: the wheel, the tarball, the `.deb`, the RPM.
 pub fn build_all() -> Result<[PathBuf; 4]> {
     crate::toolchain::ensure_ebpf_toolchain()?;
+    crate::ensure_python_venv()?;
     crate::ensure_apt(&["rpm"], "rpmbuild")?;
+    crate::ensure_apt(&["binutils"], "objdump")?;
     let target = crate::target_dir()?;
     let tools = wheel::ensure_tools(&target)?;
     let epoch = source_date_epoch()?;
