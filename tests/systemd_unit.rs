@@ -3,15 +3,17 @@
 //! the tier suites). Its test is ignored elsewhere: it installs genv-enforcer into `/`,
 //! starts and kills the machine's service, and needs systemd to be the machine's init.
 //!
-//! What it shows: `cargo xtask install` lays down a unit systemd starts (`Type=notify`:
+//! What it shows: the `.deb` (`cargo xtask dist`, installed with `dpkg -i`, as a node
+//! installs it) lays down a unit systemd starts (`Type=notify`:
 //! `systemctl start` returns once the daemon is ready); a `kill -9` of the daemon is
 //! followed by systemd's restart, and all along, an outsider's attempts to open a GPU,
 //! one after the other, are refused by the programs the killed daemon pinned (with
 //! `deny` and `keep-pinned`), including every attempt between the kill and the new
 //! daemon's readiness, and through a `systemctl reload` that puts an edited
 //! configuration in force in the same process with the same pins; a stop leaves them
-//! deciding; `cargo xtask uninstall` stops the service and removes the pins, after
-//! which the attempts reach the device again.
+//! deciding; `dpkg -r` stops the service and removes the pins, after which the attempts
+//! reach the device again; `dpkg --purge` leaves none of the paths the package owned,
+//! nor its configuration, enablement or runtime directory.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -78,9 +80,59 @@ fn monotonic_us() -> u64 {
     now.tv_sec as u64 * 1_000_000 + now.tv_nsec as u64 / 1_000
 }
 
-fn xtask(args: &[&str]) {
-    let status = Command::new(artefact("xtask")).args(args).status().unwrap();
-    assert!(status.success(), "xtask {args:?} failed");
+fn dpkg(args: &[&str]) -> String {
+    command("dpkg", args)
+}
+
+/// The `.deb` `cargo xtask vm-test --systemd` built (`cargo xtask dist`) before booting.
+fn deb() -> String {
+    let deb = std::env::var("GENV_TEST_DEB")
+        .expect("GENV_TEST_DEB names the .deb (cargo xtask vm-test --systemd sets it)");
+    assert!(Path::new(&deb).is_file(), "{deb} is missing");
+    deb
+}
+
+/// Every path the `.deb` holds (`dpkg-deb -c`), and whether it was there before.
+fn deb_paths(deb: &str) -> Vec<(String, bool)> {
+    let listing = command("dpkg-deb", &["-c", deb]);
+    (listing.lines())
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .map(|p| {
+            let p = p.trim_start_matches('.').trim_end_matches('/');
+            let p = if p.is_empty() { "/" } else { p };
+            (p.to_owned(), Path::new(p).symlink_metadata().is_ok())
+        })
+        .collect()
+}
+
+/// After `dpkg --purge`: none of the paths the package owned that were not there
+/// before it (`/usr/lib/genv-enforcer`, ...) is left; nor anything its scripts or the
+/// unit made.
+fn assert_purged(paths: &[(String, bool)]) {
+    let mut left: Vec<String> = (paths.iter())
+        .filter(|(path, before)| !before && Path::new(path).symlink_metadata().is_ok())
+        .map(|(path, _)| path.clone())
+        .collect();
+    for path in [
+        "/etc/genv-enforcer",
+        "/run/genv-enforcer",
+        PINS,
+        "/etc/systemd/system/genv-enforcer.service",
+        "/etc/systemd/system/multi-user.target.wants/genv-enforcer.service",
+        "/var/lib/systemd/deb-systemd-helper-enabled/genv-enforcer.service.dsh-also",
+        "/var/lib/systemd/deb-systemd-helper-enabled/multi-user.target.wants/genv-enforcer.service",
+        "/var/lib/systemd/deb-systemd-helper-masked/genv-enforcer.service",
+    ] {
+        if Path::new(path).symlink_metadata().is_ok() {
+            left.push(path.to_owned());
+        }
+    }
+    assert!(left.is_empty(), "dpkg --purge left {left:#?}");
+    let status = Command::new("dpkg")
+        .args(["-s", "genv-enforcer"])
+        .output()
+        .unwrap();
+    assert!(!status.status.success(), "dpkg still knows genv-enforcer");
 }
 
 /// The pinned generations (one directory each) under the unit's pin directory.
@@ -252,8 +304,12 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
         json!([env_record("alice-env", ALICE, "alice", None, alice_shell)]),
         json!([device_record(0, &["alice-env"]), device_record(1, &[])]),
     );
-    let binary = artefact("genv-enforcer");
-    xtask(&["install", "--binary", binary.to_str().unwrap()]);
+    let paths = deb_paths(&deb());
+    assert!(
+        paths.iter().any(|(p, _)| p == "/usr/bin/genv-enforcer"),
+        "{paths:?}"
+    );
+    dpkg(&["-i", &deb()]);
     configure(&node);
 
     // Enabled as an admin would; Type=notify: `systemctl start` returns once the
@@ -380,24 +436,32 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
     attempts.wait_for(3);
     assert_refused(&attempts.finish(), "the service stopped");
 
-    // Uninstalled: stopped, disabled, unpinned; the device is reached again.
-    xtask(&["uninstall"]);
-    assert!(!Path::new(PINS).exists(), "uninstall left {PINS}");
-    assert!(!Path::new("/usr/local/bin/genv-enforcer").exists());
+    // Removed: stopped, unpinned; the device is reached again.
+    dpkg(&["-r", "genv-enforcer"]);
+    assert!(!Path::new(PINS).exists(), "dpkg -r left {PINS}");
+    assert!(!Path::new("/usr/bin/genv-enforcer").exists());
     assert_eq!(show()["ActiveState"], "inactive");
-    let enabled = Command::new("systemctl")
-        .args(["is-enabled", UNIT])
-        .output()
-        .unwrap();
-    assert!(!enabled.status.success(), "still enabled after uninstall");
     let mut attempts = Attempts::start(&node.dir, &gpu);
     attempts.wait_for(3);
     let after = attempts.finish();
     assert!(
         after.iter().all(reached),
-        "nothing decides after uninstall, yet: {:?}",
+        "nothing decides after dpkg -r, yet: {:?}",
         after.iter().map(|a| &a.outcome).collect::<Vec<_>>()
     );
-    std::fs::remove_file(DROP_IN).unwrap();
-    std::fs::remove_file(CONFIG).unwrap();
+    // The test's drop-in is the test's, not the package's.
+    std::fs::remove_dir_all(Path::new(DROP_IN).parent().unwrap()).unwrap();
+    // Purged: the edited configuration too, and every trace.
+    assert!(
+        Path::new(CONFIG).exists(),
+        "dpkg -r removed the configuration"
+    );
+    dpkg(&["--purge", "genv-enforcer"]);
+    systemctl(&["daemon-reload"]);
+    assert_purged(&paths);
+    let enabled = Command::new("systemctl")
+        .args(["is-enabled", UNIT])
+        .output()
+        .unwrap();
+    assert!(!enabled.status.success(), "still enabled after the purge");
 }

@@ -10,7 +10,10 @@
 //! - `etc/systemd/system/genv-enforcer.service` (`deploy/systemd`), where systemd is, and
 //!   its `etc/genv-enforcer/config.toml` (`deploy/config.toml`), unless one is there
 //!   (the admin's is kept);
-//! - `usr/local/share/doc/genv-enforcer/README.md`.
+//! - `usr/local/share/doc/genv-enforcer/`: the README, the copyright and the changelog.
+//!
+//! These are [`layout::files`] under the `/usr/local` prefix: the packages (`cargo xtask
+//! dist`) lay down the same list under `/usr`.
 //!
 //! The front runs the binary by its path on the node (`--enforcer-path`, default
 //! `/usr/local/bin/genv-enforcer`), never by its path under `--root`: a staged
@@ -26,13 +29,14 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
+use crate::layout::{self, CONFIG, Content, LOCAL, PROFILE};
+
+// `cargo xtask install`'s paths: the one list's ([`layout`]) under `/usr/local`.
 const FRONT_DIR: &str = "usr/local/lib/genv-enforcer/front";
 const BINARY: &str = "usr/local/bin/genv-enforcer";
 const SBIN_LINK: &str = "usr/local/sbin/genv";
-const PROFILE: &str = "etc/profile.d/genv-enforcer.sh";
 const UNIT: &str = "etc/systemd/system/genv-enforcer.service";
-const DOC: &str = "usr/local/share/doc/genv-enforcer/README.md";
-const CONFIG: &str = "etc/genv-enforcer/config.toml";
+const DOC_DIR: &str = "usr/local/share/doc/genv-enforcer";
 
 struct Options {
     root: PathBuf,
@@ -93,38 +97,22 @@ pub fn install(args: &[String]) -> Result<()> {
             crate::target_dir()?.join("release/genv-enforcer")
         }
     };
-    let repo = crate::root();
-    put(&binary, &root.join(BINARY), 0o755)?;
-    let front = std::fs::read_to_string(repo.join("deploy/genv"))?;
-    let enforcer = options.enforcer_path.to_str().filter(|p| !p.contains('\''));
-    let enforcer = enforcer.context("--enforcer-path: a path the front can quote (no ')")?;
-    let front = front.replacen(
-        "installed_enforcer=genv-enforcer\n",
-        &format!("installed_enforcer='{enforcer}'\n"),
-        1,
-    );
-    write(&root.join(FRONT_DIR).join("genv"), &front, 0o755)?;
-    write(
-        &root.join(PROFILE),
-        &format!(
-            "# genv-enforcer's genv front first on PATH (cargo xtask install)\n\
-             case \":$PATH:\" in *:/{FRONT_DIR}:*) ;; *) PATH=\"/{FRONT_DIR}:$PATH\" ;; esac\n\
-             export PATH\n"
-        ),
-        0o644,
-    )?;
-    link_sbin(root)?;
-    if root.join("etc/systemd").is_dir() || options.root != Path::new("/") {
-        put(
-            &repo.join("deploy/systemd/genv-enforcer.service"),
-            &root.join(UNIT),
-            0o644,
-        )?;
-        if !root.join(CONFIG).exists() {
-            put(&repo.join("deploy/config.toml"), &root.join(CONFIG), 0o644)?;
+    let binary = std::fs::read(&binary).with_context(|| format!("reading {}", binary.display()))?;
+    let enforcer = options
+        .enforcer_path
+        .to_str()
+        .context("--enforcer-path: not UTF-8")?;
+    let systemd = root.join("etc/systemd").is_dir() || options.root != Path::new("/");
+    for entry in layout::files(LOCAL, &binary, enforcer)? {
+        let to = root.join(&entry.path);
+        match entry.content {
+            Content::Link(_) => link_sbin(root)?,
+            _ if entry.path == LOCAL.unit() && !systemd => {}
+            // The admin's configuration is kept; the profile snippet is replaced.
+            Content::File { .. } if entry.path == CONFIG && (to.exists() || !systemd) => {}
+            Content::File { bytes, mode, .. } => write_bytes(&to, &bytes, mode)?,
         }
     }
-    put(&repo.join("README.md"), &root.join(DOC), 0o644)?;
     eprintln!(
         "xtask: installed under {}: {BINARY}, the genv front ({FRONT_DIR}/genv, first on PATH \
          through {PROFILE}, and {SBIN_LINK}), {UNIT}",
@@ -148,7 +136,7 @@ pub fn uninstall(args: &[String]) -> Result<()> {
     if is_our_link(root)? {
         std::fs::remove_file(root.join(SBIN_LINK))?;
     }
-    for file in [BINARY, PROFILE, UNIT, DOC] {
+    for file in [BINARY, PROFILE, UNIT] {
         remove(&root.join(file))?;
     }
     let config = root.join(CONFIG);
@@ -161,10 +149,7 @@ pub fn uninstall(args: &[String]) -> Result<()> {
         Ok(_) => eprintln!("xtask: {} was changed: kept", config.display()),
         Err(_) => {}
     }
-    for dir in [
-        "usr/local/lib/genv-enforcer",
-        "usr/local/share/doc/genv-enforcer",
-    ] {
+    for dir in ["usr/local/lib/genv-enforcer", DOC_DIR] {
         match std::fs::remove_dir_all(root.join(dir)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 return Err(e).with_context(|| format!("removing {}", root.join(dir).display()));
@@ -179,17 +164,8 @@ pub fn uninstall(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// Copies `from` to `to` through a temporary file renamed into place (a running binary
-/// is replaced, not overwritten).
-fn put(from: &Path, to: &Path, mode: u32) -> Result<()> {
-    let bytes = std::fs::read(from).with_context(|| format!("reading {}", from.display()))?;
-    write_bytes(to, &bytes, mode)
-}
-
-fn write(to: &Path, text: &str, mode: u32) -> Result<()> {
-    write_bytes(to, text.as_bytes(), mode)
-}
-
+/// Writes through a temporary file renamed into place (a running binary is replaced,
+/// not overwritten).
 fn write_bytes(to: &Path, bytes: &[u8], mode: u32) -> Result<()> {
     let dir = to.parent().expect("a file in a directory");
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

@@ -16,6 +16,9 @@
 //!   needs ([`toolchain`]).
 //! - `install` / `uninstall`: genv-enforcer on a node, with its `genv` front and its
 //!   systemd unit ([`install`]).
+//! - `dist`: the `.deb`, the RPM, the Python wheel and the tarball, built against glibc
+//!   2.28, into `target/dist/` ([`dist`]); they and `install` lay down one list of files
+//!   ([`layout`]).
 //! - `bench`: one full enforcement cycle with 0, 100 and 1,000 GPU processes, the
 //!   event-driven reaction to a GPU open, the kernel programs' cost per run, and remote
 //!   enforcement over SSH ([`bench_remote`]); writes the tables to `docs/bench.md`.
@@ -26,8 +29,10 @@ mod bench_events;
 mod bench_footprint;
 mod bench_remote;
 mod demo;
+mod dist;
 mod gpu_check;
 mod install;
+mod layout;
 mod sim;
 mod timings;
 mod toolchain;
@@ -58,12 +63,13 @@ fn main() -> Result<()> {
         Some("build-ebpf") => toolchain::build_ebpf(&root()),
         Some("vm-test") => vm_test(&args[1..]),
         Some("install") => install::install(&args[1..]),
+        Some("dist") => dist::run(&args[1..]),
         Some("uninstall") => install::uninstall(&args[1..]),
         Some("gpu-check") => gpu_check::run_check(&args[1..]),
         _ => bail!(
             "usage: cargo xtask <test [-- cargo test args] | vm-test [--kernel 6.1|6.12|all] \
              [--tiers LIST] [--lsm LIST] [-- test args] | demo | bench [footprint|bpf-log|memory-at-alloc|remote] | build-ebpf | \
-             install [--root DIR] [--binary PATH] | uninstall [--root DIR] | gpu-check [-- ARGS]>"
+             install [--root DIR] [--binary PATH] | dist | uninstall [--root DIR] | gpu-check [-- ARGS]>"
         ),
     }
 }
@@ -211,7 +217,7 @@ fn vm_test(args: &[String]) -> Result<()> {
 
 /// The real genv 1.4.3 is installed from PyPI into a venv under target/: that needs
 /// python3 with `venv` and `ensurepip` (Debian splits them into python3-venv).
-fn ensure_python_venv() -> Result<()> {
+pub fn ensure_python_venv() -> Result<()> {
     which("python3").context("the end-to-end tests run the real genv, which needs python3")?;
     let has_venv = Command::new("python3")
         .args(["-c", "import venv, ensurepip"])
@@ -279,6 +285,19 @@ pub fn ensure_openssh() -> Result<()> {
         let _ = std::fs::remove_file(policy);
     }
     installed.context("installing openssh-server, openssh-client and sudo for the remote tests")
+}
+
+/// Debian `packages`, installed from apt unless `tool` (a command) is already there.
+pub fn ensure_apt(packages: &[&str], tool: &str) -> Result<()> {
+    if which(tool).is_ok() {
+        return Ok(());
+    }
+    run(Command::new("apt-get").arg("update"))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "--no-install-recommends"])
+        .args(packages)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+    .with_context(|| format!("installing {packages:?} for {tool}"))
 }
 
 /// What a simulated node runs: the enforcer, the fake NVML, the gpu-process helper.

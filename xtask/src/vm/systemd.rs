@@ -6,7 +6,8 @@
 //! [`SERVICE`]) instead of the default target. [`SERVICE`] runs the `systemd_unit`
 //! suite's test (ignored elsewhere: it installs into `/` and kills the machine's
 //! service), prints the markers the host reads, and powers off. One kernel is enough:
-//! the test checks the unit and systemd, not the kernel; the first of [`KERNELS`] (6.1,
+//! the test installs the `.deb` (`cargo xtask dist`, built first) with `dpkg -i` and
+//! checks the unit, systemd and the package's scripts, not the kernel; the first of [`KERNELS`] (6.1,
 //! what `linux-image-amd64` installs), on the LSM tier, the one a node would run.
 
 use std::path::Path;
@@ -44,6 +45,8 @@ pub fn check(root: &Path) -> Result<Run> {
             bail!("apt-get install systemd failed: the guest boots the host's systemd");
         }
     }
+    // The guest installs the .deb as a node does (`dpkg -i`).
+    let [.., deb, _] = crate::dist::build_all()?;
     let series = KERNELS[0];
     let kernel = kernel::prepare(&cache, series)?;
     let suites = build_suites(&[SUITE])?;
@@ -53,7 +56,7 @@ pub fn check(root: &Path) -> Result<Run> {
         target_dir: shareable(root, outside(root, &crate::target_dir()?))?,
     };
     let section = format!("{TIER} under systemd");
-    let script = script(root, series, &suites[0].1, &section);
+    let script = script(root, series, &suites[0].1, &section, &deb);
     let units = units(&script_path(&kernel))?;
     eprintln!(
         "vm-test: kernel {}: booting {} under QEMU/TCG with systemd as init; {section}",
@@ -122,12 +125,13 @@ fn units(script: &Path) -> Result<Vec<(String, String)>> {
 
 /// The script [`SERVICE`] runs: the test, between the markers the host reads (booted,
 /// the section's start and end, the exit status), then a power-off.
-fn script(root: &Path, series: super::Series, suite: &Path, section: &str) -> String {
+fn script(root: &Path, series: super::Series, suite: &Path, section: &str, deb: &Path) -> String {
     let quote = |s: &str| format!("'{}'", s.replace('\'', r"'\''"));
     let marker = format!("{}{section}", tier_marker(series));
     format!(
         "# Written by `cargo xtask vm-test --systemd`; systemd runs it ({SERVICE}).\n\
-         export PATH={path} HOME=/root GENV_REQUIRE_BPF=1 GENV_TEST_BPF_TIER={TIER}\n\
+         export PATH={path} HOME=/root GENV_REQUIRE_BPF=1 GENV_TEST_BPF_TIER={TIER} \
+         GENV_TEST_DEB={deb}\n\
          cd {tests}\n\
          echo \"genv-vm: booted $(uname -r) under $(systemctl --version | head -n 1), \
          PID 1 is $(cat /proc/1/comm), active LSMs: $(cat /sys/kernel/security/lsm)\"\n\
@@ -146,5 +150,6 @@ fn script(root: &Path, series: super::Series, suite: &Path, section: &str) -> St
         path = quote(&std::env::var("PATH").unwrap_or_default()),
         tests = quote(&root.join("tests").display().to_string()),
         suite = quote(&suite.display().to_string()),
+        deb = quote(&deb.display().to_string()),
     )
 }

@@ -1,0 +1,433 @@
+//! `cargo xtask dist`'s four artefacts, as a node gets them: run once per suite (cached
+//! under `target/dist/`, copied here before any test reads them), then checked:
+//! the same bytes from a second run; a binary that needs no glibc above 2.28 and is the
+//! same in all four; `lintian` on the `.deb` with every remaining tag explained; the RPM
+//! installed with `rpm --root` holding exactly the `.deb`'s files, as do the tarball and
+//! `cargo xtask install` (the one list, `xtask/src/layout.rs`); and the wheel in a fresh
+//! venv beside genv 1.4.3, whose `genv-enforcer` enforces the demo's scenario.
+//!
+//! The `.deb` under systemd (`dpkg -i`, the unit, `dpkg -r` and `--purge`) is the
+//! `systemd_unit` suite's, in the VM.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use genv_enforcer_tests::events::{EventDaemon, make_gpu_node_for};
+use genv_enforcer_tests::{Node, artefact, device_record, env_record, target_dir, unique};
+use serde_json::json;
+
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+const DEATH: std::time::Duration = std::time::Duration::from_secs(30);
+
+struct Dist {
+    /// A copy of the first run's artefacts (a second run rewrites `target/dist`).
+    dir: PathBuf,
+}
+
+impl Dist {
+    fn deb(&self) -> PathBuf {
+        self.dir.join(format!("genv-enforcer_{VERSION}_amd64.deb"))
+    }
+    fn rpm(&self) -> PathBuf {
+        self.dir
+            .join(format!("genv-enforcer-{VERSION}-1.x86_64.rpm"))
+    }
+    fn wheel(&self) -> PathBuf {
+        (self.dir).join(format!(
+            "genv_enforcer-{VERSION}-py3-none-manylinux_2_28_x86_64.whl"
+        ))
+    }
+    fn tarball(&self) -> PathBuf {
+        (self.dir).join(format!("genv-enforcer-{VERSION}-x86_64-linux-gnu.tar.gz"))
+    }
+    fn all(&self) -> [PathBuf; 4] {
+        [self.deb(), self.rpm(), self.wheel(), self.tarball()]
+    }
+}
+
+/// The cargo target directory `cargo xtask dist` writes into (`target/dist`).
+fn out_dir() -> PathBuf {
+    target_dir().parent().unwrap().join("dist")
+}
+
+fn xtask_dist() {
+    let status = Command::new(artefact("xtask"))
+        .arg("dist")
+        .status()
+        .unwrap();
+    assert!(status.success(), "cargo xtask dist failed");
+}
+
+fn dist() -> &'static Dist {
+    static DIST: OnceLock<Dist> = OnceLock::new();
+    DIST.get_or_init(|| {
+        xtask_dist();
+        // One place, replaced by each run of the suite, so that no copy is left over.
+        let dir = target_dir().join("dist-test-artefacts");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let dist = Dist { dir };
+        for artefact in dist.all() {
+            let name = artefact.file_name().unwrap();
+            std::fs::copy(out_dir().join(name), &artefact)
+                .unwrap_or_else(|e| panic!("cargo xtask dist made no {name:?}: {e}"));
+        }
+        dist
+    })
+}
+
+/// A new directory under the target directory (`/tmp` may be noexec or small).
+fn scratch(what: &str) -> PathBuf {
+    let dir = target_dir().join(format!(
+        "dist-test-{}-{what}-{}",
+        std::process::id(),
+        unique()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn output(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn sha256(path: &Path) -> String {
+    output("sha256sum", &[path.to_str().unwrap()])[..64].to_owned()
+}
+
+/// The `.deb`'s contents, extracted.
+fn deb_tree() -> PathBuf {
+    let tree = scratch("deb");
+    let tree_arg = tree.to_str().unwrap();
+    output(
+        "dpkg-deb",
+        &["-x", dist().deb().to_str().unwrap(), tree_arg],
+    );
+    tree
+}
+
+#[test]
+fn dist_makes_the_same_bytes_twice() {
+    let first: Vec<String> = dist().all().iter().map(|a| sha256(a)).collect();
+    xtask_dist();
+    for (artefact, hash) in dist().all().iter().zip(&first) {
+        let again = out_dir().join(artefact.file_name().unwrap());
+        assert_eq!(
+            &sha256(&again),
+            hash,
+            "{} differs from the first run's",
+            again.display()
+        );
+    }
+}
+
+/// The newest `GLIBC_x.y` among `objdump -T`'s symbol versions.
+fn newest_glibc(binary: &Path) -> (u32, u32) {
+    let symbols = output("objdump", &["-T", binary.to_str().unwrap()]);
+    (symbols.split(|c: char| c.is_whitespace() || c == '(' || c == ')'))
+        .filter_map(|w| w.strip_prefix("GLIBC_"))
+        .filter_map(|v| {
+            let mut parts = v.split('.').map(|p| p.parse::<u32>().ok());
+            Some((parts.next()??, parts.next().flatten().unwrap_or(0)))
+        })
+        .max()
+        .expect("no GLIBC_ symbol versions: not linked against glibc")
+}
+
+#[test]
+fn the_binary_needs_no_glibc_above_2_28_and_is_the_same_in_every_artefact() {
+    let tree = deb_tree();
+    let binary = tree.join("usr/bin/genv-enforcer");
+    let newest = newest_glibc(&binary);
+    assert!(newest <= (2, 28), "needs glibc {newest:?}, above 2.28");
+    let dynamic = output("readelf", &["-d", binary.to_str().unwrap()]);
+    assert!(
+        dynamic.contains("Shared library: [libc.so.6]"),
+        "not dynamically linked against glibc (NVML is dlopen'ed): {dynamic}"
+    );
+    // The tarball's and the wheel's binary are the same bytes.
+    let other = scratch("others");
+    let other_arg = other.to_str().unwrap();
+    output(
+        "tar",
+        &["-xzf", dist().tarball().to_str().unwrap(), "-C", other_arg],
+    );
+    output(
+        "python3",
+        &[
+            "-m",
+            "zipfile",
+            "-e",
+            dist().wheel().to_str().unwrap(),
+            other_arg,
+        ],
+    );
+    let hash = sha256(&binary);
+    for copy in [
+        other.join(format!(
+            "genv-enforcer-{VERSION}-x86_64-linux-gnu/root/usr/bin/genv-enforcer"
+        )),
+        other.join(format!(
+            "genv_enforcer-{VERSION}.data/scripts/genv-enforcer"
+        )),
+    ] {
+        assert_eq!(sha256(&copy), hash, "{}", copy.display());
+    }
+    let _ = std::fs::remove_dir_all(tree);
+    let _ = std::fs::remove_dir_all(other);
+}
+
+/// lintian's tags on the `.deb` that are explained (the README's packaging note):
+/// no manual pages yet (`--help` is the reference); rustc's `.comment` section; no
+/// `_FORTIFY_SOURCE` functions (Rust calls none); no init.d script (the daemon's
+/// service is systemd's `Type=notify` unit); and, experimental, the front in `/usr/lib`
+/// (its directory goes first on users' `PATH` and holds only `genv`: where the issue
+/// and `cargo xtask install` put it, `/usr/libexec` would do as well).
+const EXPLAINED: [&str; 5] = [
+    "executable-in-usr-lib",
+    "no-manual-page",
+    "binary-has-unneeded-section",
+    "hardening-no-fortify-functions",
+    "package-supports-alternative-init-but-no-init.d-script",
+];
+
+#[test]
+fn lintian_finds_nothing_unexplained_in_the_deb() {
+    if Command::new("lintian").arg("--version").output().is_err() {
+        let status = Command::new("apt-get")
+            .args(["install", "-y", "--no-install-recommends", "lintian"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .unwrap();
+        assert!(status.success(), "apt-get install lintian failed");
+    }
+    let out = Command::new("lintian")
+        .args(["--display-info", "--pedantic", "--display-experimental"])
+        .arg(dist().deb())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!("lintian:\n{said}");
+    let tags: BTreeSet<&str> = (said.lines())
+        .filter(|l| {
+            ["E: ", "W: ", "I: ", "P: ", "X: "]
+                .iter()
+                .any(|k| l.starts_with(k))
+        })
+        .filter_map(|l| l.split(": ").nth(2)?.split(' ').next())
+        .collect();
+    let unexplained: Vec<&&str> = tags.iter().filter(|t| !EXPLAINED.contains(t)).collect();
+    assert!(
+        unexplained.is_empty(),
+        "lintian: {unexplained:?} in\n{said}"
+    );
+    assert!(!said.lines().any(|l| l.starts_with("E: ")), "{said}");
+}
+
+/// Every non-directory path under `root`, with what it is (a file's hash, a link's
+/// target resolved to an absolute path).
+fn contents(root: &Path) -> Vec<(String, String)> {
+    let mut found = vec![];
+    let mut stack = vec![root.to_owned()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = path.symlink_metadata().unwrap();
+            let name = format!("/{}", path.strip_prefix(root).unwrap().display());
+            if meta.is_dir() {
+                stack.push(path);
+            } else if meta.is_symlink() {
+                let target = std::fs::read_link(&path).unwrap();
+                let at = Path::new(&name).parent().unwrap().join(target);
+                found.push((name, format!("-> {}", normal(&at))));
+            } else {
+                found.push((name, sha256(&path)));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// `/usr/sbin/../lib/x` → `/usr/lib/x`.
+fn normal(path: &Path) -> String {
+    let mut parts: Vec<&str> = vec![];
+    for part in path.to_str().unwrap().split('/').filter(|p| !p.is_empty()) {
+        match part {
+            ".." => drop(parts.pop()),
+            "." => {}
+            p => parts.push(p),
+        }
+    }
+    format!("/{}", parts.join("/"))
+}
+
+/// What the package database says the package owns that is not a directory.
+fn owned(listing: &str, root: &Path) -> BTreeSet<String> {
+    (listing.lines())
+        .map(|l| l.trim().trim_start_matches('.').to_owned())
+        .filter(|p| !p.is_empty() && p != "/")
+        .filter(|p| {
+            let at = root.join(p.trim_start_matches('/'));
+            !at.symlink_metadata().unwrap().is_dir()
+        })
+        .collect()
+}
+
+#[test]
+fn the_rpm_the_deb_the_tarball_and_xtask_install_lay_down_the_same_files() {
+    let deb = deb_tree();
+    let deb_files = contents(&deb);
+    // The RPM, into a scratch root: its database's list and the files themselves.
+    let rpm_root = scratch("rpm-root");
+    let root_arg = rpm_root.to_str().unwrap();
+    output("rpm", &["--root", root_arg, "--initdb"]);
+    output(
+        "rpm",
+        &[
+            "--root",
+            root_arg,
+            "-i",
+            "--nodeps",
+            "--noscripts",
+            dist().rpm().to_str().unwrap(),
+        ],
+    );
+    let rpm_list = output("rpm", &["--root", root_arg, "-ql", "genv-enforcer"]);
+    let rpm_owned = owned(&rpm_list, &rpm_root);
+    let deb_owned: BTreeSet<String> = deb_files.iter().map(|(p, _)| p.clone()).collect();
+    assert_eq!(rpm_owned, deb_owned, "the RPM's files are not the .deb's");
+    let rpm_files: Vec<(String, String)> = (contents(&rpm_root).into_iter())
+        .filter(|(p, _)| deb_owned.contains(p))
+        .collect();
+    assert_eq!(
+        rpm_files, deb_files,
+        "the RPM's contents are not the .deb's"
+    );
+    // The front runs the binary where the package puts it.
+    let front = std::fs::read_to_string(deb.join("usr/lib/genv-enforcer/front/genv")).unwrap();
+    assert!(front.contains("\ninstalled_enforcer='/usr/bin/genv-enforcer'\n"));
+    // The tarball's root/.
+    let tar = scratch("tarball");
+    let tar_arg = tar.to_str().unwrap();
+    output(
+        "tar",
+        &["-xzf", dist().tarball().to_str().unwrap(), "-C", tar_arg],
+    );
+    let top = tar.join(format!("genv-enforcer-{VERSION}-x86_64-linux-gnu"));
+    assert_eq!(
+        contents(&top.join("root")),
+        deb_files,
+        "the tarball's root/"
+    );
+    assert!(top.join("README.md").exists());
+    // The image is built from this tarball, by this version.
+    let containerfile = std::fs::read_to_string(top.join("deploy/Containerfile")).unwrap();
+    assert!(
+        containerfile.contains(&format!("\nARG VERSION={VERSION}\n"))
+            && containerfile
+                .contains("ADD target/dist/genv-enforcer-${VERSION}-x86_64-linux-gnu.tar.gz"),
+        "{containerfile}"
+    );
+    // `cargo xtask install`: the same list under /usr/local (the front naming the
+    // package's binary path, to compare the bytes).
+    let installed = scratch("install");
+    let binary = deb.join("usr/bin/genv-enforcer");
+    let status = Command::new(artefact("xtask"))
+        .args(["install", "--root", installed.to_str().unwrap(), "--binary"])
+        .arg(&binary)
+        .args(["--enforcer-path", "/usr/bin/genv-enforcer"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let local: BTreeSet<String> = (contents(&installed).into_iter())
+        .map(|(p, _)| {
+            p.replacen("/usr/local/", "/usr/", 1).replacen(
+                "/etc/systemd/system/",
+                "/lib/systemd/system/",
+                1,
+            )
+        })
+        .collect();
+    assert_eq!(
+        local, deb_owned,
+        "cargo xtask install's files (under /usr/local)"
+    );
+    for dir in [deb, rpm_root, tar, installed] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+#[test]
+fn the_wheel_beside_genv_enforces_the_demo_scenario() {
+    let auditwheel = target_dir()
+        .parent()
+        .unwrap()
+        .join("dist-tools/bin/auditwheel");
+    let shown = output(
+        auditwheel.to_str().unwrap(),
+        &["show", dist().wheel().to_str().unwrap()],
+    );
+    assert!(
+        shown.contains("manylinux_2_28_x86_64"),
+        "auditwheel show: {shown}"
+    );
+    let venv = scratch("venv");
+    output("python3", &["-m", "venv", venv.to_str().unwrap()]);
+    let pip = venv.join("bin/pip");
+    output(
+        pip.to_str().unwrap(),
+        &[
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "genv==1.4.3",
+        ],
+    );
+    output(
+        pip.to_str().unwrap(),
+        &["install", "-q", dist().wheel().to_str().unwrap()],
+    );
+    let ours = venv.join("bin/genv-enforcer");
+    assert!(venv.join("bin/genv").exists(), "genv is not in the venv");
+    let said = output(ours.to_str().unwrap(), &["--version"]);
+    assert_eq!(said.trim(), format!("genv-enforcer {VERSION}"));
+
+    // The demo: `demo` attached to GPU 0, an outsider and one of `demo`'s processes
+    // opening GPU 1, one of `demo`'s on GPU 0 left alone.
+    let mut node = Node::new(2);
+    node.enforcer_binary = Some(ours);
+    let gpu1 = make_gpu_node_for(&node.dir.join("nvidia1"), 1);
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("demo", 0, "root", None, shell)]),
+        json!([device_record(0, &["demo"]), device_record(1, &[])]),
+    );
+    let worker = node.spawn(Some("demo"), &[(0, 100)]);
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    let gpu1 = gpu1.to_str().unwrap();
+    let outsider = node.spawn_with(None, &[(1, 100)], &["--open", gpu1], None);
+    daemon.expect(&format!(
+        "Terminating process {outsider} from environment N/A that is running on GPU(s) 1"
+    ));
+    assert_eq!(node.wait_exit(outsider, DEATH), Some(libc::SIGTERM));
+    let stray = node.spawn_with(Some("demo"), &[(1, 100)], &["--open", gpu1], None);
+    daemon.expect(&format!(
+        "Process {stray} from environment demo is using non-attached GPU(s) 1"
+    ));
+    assert_eq!(node.wait_exit(stray, DEATH), Some(libc::SIGTERM));
+    assert!(node.alive(worker), "demo's process on GPU 0 was terminated");
+    drop(daemon);
+    let _ = std::fs::remove_dir_all(venv);
+}

@@ -1,0 +1,188 @@
+//! The one list of what genv-enforcer installs on a node: `cargo xtask install`, the
+//! `.deb`, the RPM and the tarball all lay down [`files`], with the final paths (never a
+//! staging root) written into the front and the unit.
+//!
+//! Two prefixes, one list: the packages own `/usr` (`/usr/bin/genv-enforcer`, the unit in
+//! `/lib/systemd/system`), as distributions' packages do; `cargo xtask install` builds from
+//! source, so it keeps to `/usr/local` and `/etc/systemd/system`, where the FHS puts what
+//! the package manager does not own. Every other byte is the same.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+/// Where one installation's files go.
+#[derive(Clone, Copy)]
+pub struct Prefix {
+    /// `usr` (packages) or `usr/local` (`cargo xtask install`), without a leading `/`.
+    pub usr: &'static str,
+    /// The unit's directory: `lib/systemd/system` or `etc/systemd/system`.
+    pub units: &'static str,
+}
+
+pub const PACKAGE: Prefix = Prefix {
+    usr: "usr",
+    units: "lib/systemd/system",
+};
+
+pub const LOCAL: Prefix = Prefix {
+    usr: "usr/local",
+    units: "etc/systemd/system",
+};
+
+pub const PROFILE: &str = "etc/profile.d/genv-enforcer.sh";
+pub const CONFIG: &str = "etc/genv-enforcer/config.toml";
+
+/// One installed path (relative to the root, no leading `/`).
+pub struct Entry {
+    pub path: String,
+    pub content: Content,
+}
+
+pub enum Content {
+    /// A regular file: its bytes, its mode, and whether it is the admin's to edit (a
+    /// conffile for dpkg, `%config(noreplace)` for rpm: kept when changed).
+    File {
+        bytes: Vec<u8>,
+        mode: u32,
+        config: bool,
+    },
+    /// A symbolic link to this target.
+    Link(String),
+}
+
+impl Prefix {
+    pub fn binary(&self) -> String {
+        format!("{}/bin/genv-enforcer", self.usr)
+    }
+    pub fn front_dir(&self) -> String {
+        format!("{}/lib/genv-enforcer/front", self.usr)
+    }
+    pub fn sbin_link(&self) -> String {
+        format!("{}/sbin/genv", self.usr)
+    }
+    pub fn unit(&self) -> String {
+        format!("{}/genv-enforcer.service", self.units)
+    }
+    pub fn doc_dir(&self) -> String {
+        format!("{}/share/doc/genv-enforcer", self.usr)
+    }
+}
+
+fn file(path: String, bytes: Vec<u8>, mode: u32) -> Entry {
+    Entry {
+        path,
+        content: Content::File {
+            bytes,
+            mode,
+            config: false,
+        },
+    }
+}
+
+/// Everything installed, in this order (the binary first: the front names it). The
+/// front runs `enforcer_path` (the binary's path on the node: `/` + [`Prefix::binary`]
+/// unless `--enforcer-path` said otherwise).
+pub fn files(prefix: Prefix, binary: &[u8], enforcer_path: &str) -> Result<Vec<Entry>> {
+    let repo = crate::root();
+    let read = |p: &str| std::fs::read(repo.join(p)).with_context(|| format!("reading {p}"));
+    let text =
+        |p: &str| std::fs::read_to_string(repo.join(p)).with_context(|| format!("reading {p}"));
+    let front_dir = prefix.front_dir();
+    let enforcer = Some(enforcer_path).filter(|p| !p.contains('\'') && p.starts_with('/'));
+    let enforcer = enforcer.context("the enforcer's path: absolute, and quotable (no ')")?;
+    let front = text("deploy/genv")?.replacen(
+        "installed_enforcer=genv-enforcer\n",
+        &format!("installed_enforcer='{enforcer}'\n"),
+        1,
+    );
+    let profile = format!(
+        "# genv-enforcer's genv front first on PATH\n\
+         case \":$PATH:\" in *:/{front_dir}:*) ;; *) PATH=\"/{front_dir}:$PATH\" ;; esac\n\
+         export PATH\n"
+    );
+    // The unit names the binary and the docs where this prefix puts them.
+    let unit = text("deploy/systemd/genv-enforcer.service")?
+        .replace(
+            "/usr/local/bin/genv-enforcer",
+            &format!("/{}", prefix.binary()),
+        )
+        .replace(
+            "/usr/local/share/doc/genv-enforcer",
+            &format!("/{}", prefix.doc_dir()),
+        );
+    let doc = prefix.doc_dir();
+    Ok(vec![
+        file(prefix.binary(), binary.to_vec(), 0o755),
+        file(format!("{front_dir}/genv"), front.into_bytes(), 0o755),
+        // In /etc: a conffile, as Debian's policy has it.
+        Entry {
+            path: PROFILE.into(),
+            content: Content::File {
+                bytes: profile.into_bytes(),
+                mode: 0o644,
+                config: true,
+            },
+        },
+        Entry {
+            path: prefix.sbin_link(),
+            // Relative, as Debian's policy asks within one top directory.
+            content: Content::Link("../lib/genv-enforcer/front/genv".into()),
+        },
+        file(prefix.unit(), unit.into_bytes(), 0o644),
+        Entry {
+            path: CONFIG.into(),
+            content: Content::File {
+                bytes: read("deploy/config.toml")?,
+                mode: 0o644,
+                config: true,
+            },
+        },
+        file(format!("{doc}/README.md"), read("README.md")?, 0o644),
+        file(
+            format!("{doc}/copyright"),
+            read("deploy/packaging/copyright")?,
+            0o644,
+        ),
+        file(
+            format!("{doc}/changelog.gz"),
+            gzip(&read("deploy/packaging/changelog")?)?,
+            0o644,
+        ),
+    ])
+}
+
+/// `gzip -9n`: no name, no time stamp, so the same text gives the same bytes.
+pub fn gzip(bytes: &[u8]) -> Result<Vec<u8>> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("gzip")
+        .args(["-9n", "-c"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("running gzip")?;
+    let mut stdin = child.stdin.take().unwrap();
+    let input = bytes.to_vec();
+    let writer = std::thread::spawn(move || stdin.write_all(&input));
+    let output = child.wait_with_output()?;
+    writer.join().unwrap()?;
+    anyhow::ensure!(output.status.success(), "gzip failed: {}", output.status);
+    Ok(output.stdout)
+}
+
+/// Writes `entries` under `root` (a staging tree), as they are.
+pub fn stage(root: &Path, entries: &[Entry]) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    for entry in entries {
+        let to = root.join(&entry.path);
+        std::fs::create_dir_all(to.parent().unwrap())?;
+        match &entry.content {
+            Content::File { bytes, mode, .. } => {
+                std::fs::write(&to, bytes).with_context(|| format!("{}", to.display()))?;
+                std::fs::set_permissions(&to, std::fs::Permissions::from_mode(*mode))?;
+            }
+            Content::Link(target) => std::os::unix::fs::symlink(target, &to)?,
+        }
+    }
+    Ok(())
+}
