@@ -324,21 +324,28 @@ impl SshHost {
 
     /// Whether a `usage watch` runs for this host (its stream is open).
     pub fn watching(&self) -> bool {
+        self.running("watch") > 0
+    }
+
+    /// How many `usage SUB` (`watch`, `snapshot`, `execute`) run for this host, not
+    /// counting the `sudo` above each.
+    pub fn running(&self, sub: &str) -> usize {
         let wanted = format!("GENV_TMPDIR={}", self.node.state.display());
-        std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+        let flat = std::fs::read_dir("/proc").unwrap().flatten();
+        flat.filter(|entry| {
             let dir = entry.path();
             let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
             let words: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            let watch = words
+            let runs = words
                 .windows(2)
-                .any(|w| w == [&b"usage"[..], &b"watch"[..]]);
-            watch
-                && !words.iter().any(|w| *w == b"sudo")
+                .any(|w| w == [&b"usage"[..], sub.as_bytes()]);
+            runs && !words.iter().any(|w| *w == b"sudo")
                 && std::fs::read(dir.join("environ"))
                     .unwrap_or_default()
                     .split(|b| *b == 0)
                     .any(|v| v == wanted.as_bytes())
         })
+        .count()
     }
 
     /// Lines a [`Runs::Script`] host logged, one per invocation (its arguments).

@@ -54,6 +54,8 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
         parallel: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
         executing: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
         verbose: args.verbose,
+        host_options: args.host_option.clone(),
+        watch_options: args.watch_option.clone(),
     };
     if let (true, Some(dir)) = (fleet.verbose, fleet.ssh.control_dir()) {
         tracing::info!("SSH control sockets in {}", dir.display());

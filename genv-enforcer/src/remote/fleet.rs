@@ -34,7 +34,15 @@ pub struct Fleet {
     pub executing: Arc<Semaphore>,
     /// `--verbose`: each cycle's duration on stderr.
     pub verbose: bool,
+    /// `--host-option`: flags after every `usage snapshot` and `usage watch` (where
+    /// genv's state and NVML are on the host).
+    pub host_options: Vec<String>,
+    /// `--watch-option`: flags after `usage watch` alone.
+    pub watch_options: Vec<String>,
 }
+
+/// The most a stream's heartbeat is asked to wait: a few seconds.
+const HEARTBEAT_MAX: Duration = Duration::from_secs(5);
 
 /// genv's `-e` and `-q`: what an SSH error does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +99,33 @@ impl Fleet {
         words
     }
 
+    /// `usage snapshot`, as given to each host.
+    pub fn snapshot_words(&self) -> Vec<String> {
+        let mut words = self.words(&["usage", "snapshot"]);
+        words.extend(self.host_options.iter().cloned());
+        words
+    }
+
+    /// `usage watch`, with its heartbeat and the admin's options for it.
+    pub fn watch_words(&self) -> Vec<String> {
+        let beat = format!("{}", self.heartbeat().as_secs_f64());
+        let mut words = self.words(&["usage", "watch", "--heartbeat", &beat]);
+        words.extend(self.host_options.iter().cloned());
+        words.extend(self.watch_options.iter().cloned());
+        words
+    }
+
+    /// How often a quiet stream says it is alive: well within --host-timeout.
+    pub fn heartbeat(&self) -> Duration {
+        (self.host_timeout / 2).clamp(Duration::from_millis(100), HEARTBEAT_MAX)
+    }
+
+    /// How long a stream may stay silent before its host counts as hung: --host-timeout
+    /// past the heartbeat it owes.
+    pub fn silence_limit(&self) -> Duration {
+        self.host_timeout + self.heartbeat()
+    }
+
     /// `usage snapshot` on one host; what it said on stderr is reprinted with its
     /// prefix, as genv does.
     pub async fn snapshot(&self, host: usize) -> Result<Snapshot, HostFailure> {
@@ -106,7 +141,7 @@ impl Fleet {
     }
 
     async fn snapshot_now(&self, host: usize) -> Result<Snapshot, HostFailure> {
-        let words = self.words(&["usage", "snapshot"]);
+        let words = self.snapshot_words();
         let answer = self
             .ssh
             .run(&self.hosts[host], &words, None, self.host_timeout)

@@ -1,0 +1,131 @@
+//! Hosts that fail while connected: a `usage watch` stuck in NVML (whose init hangs on a
+//! failed GPU, as the fake NVML's gates make it) never prints, or prints and then goes
+//! silent. Each is reported within --host-timeout past a heartbeat, polled meanwhile,
+//! and streamed again once it answers; what timed out does not stay behind on the host.
+
+use std::time::{Duration, Instant};
+
+use genv_enforcer_tests::device_record;
+use genv_enforcer_tests::sshd::{Runs, SshFleet};
+use serde_json::json;
+
+use super::{DEATH, Running, wait_until};
+
+/// How often `needle` is in the enforcer's stderr so far.
+fn said(enforcer: &Running, needle: &str) -> usize {
+    enforcer.stderr.lock().unwrap().matches(needle).count()
+}
+
+fn wait_said(enforcer: &mut Running, needle: &str, times: usize) {
+    let stderr = std::sync::Arc::clone(&enforcer.stderr);
+    wait_until(enforcer, &format!("{times} × {needle:?} said"), || {
+        stderr.lock().unwrap().matches(needle).count() >= times
+    });
+}
+
+/// Two hosts with nothing but a process outside any environment on each; the second's
+/// NVML hangs in init while `gate` exists.
+fn two_hosts_one_hanging(gate: &std::path::Path) -> (SshFleet, [u32; 2]) {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 1);
+    std::fs::write(gate, b"").unwrap();
+    fleet.hosts[1].node.nvml_gate("nvmlInit_v2", gate);
+    let mut pids = [0; 2];
+    for (host, pid) in fleet.hosts.iter_mut().zip(&mut pids) {
+        host.node
+            .write_state(json!([]), json!([device_record(0, &[])]));
+        *pid = host.node.spawn(None, &[(0, 100)]);
+    }
+    (fleet, pids)
+}
+
+/// A watch that never prints, then one that prints and goes silent: each is reported in
+/// polling's words and polled, the healthy host is enforced meanwhile, and once NVML
+/// answers the stream is back, said so, and the host enforced.
+#[test]
+fn a_silent_stream_is_a_failed_host_polled_until_its_stream_is_back() {
+    let gate = std::env::temp_dir().join(format!("genv-gate-{}", std::process::id()));
+    let (mut fleet, pids) = two_hosts_one_hanging(&gate);
+    let sick = fleet.hosts[1].name.clone();
+    let mut enforcer = Running::start(fleet.remote(&[
+        "--host-timeout",
+        "3",
+        "enforce",
+        "--event-driven",
+        "--interval",
+        "1",
+        "--non-env-processes",
+    ]));
+    // --host-timeout 3 past a heartbeat of 1.5 s.
+    let failed = format!("Failed running SSH command on {sick} (no answer within 4.5s)");
+    let silent = format!("[{sick}] Cannot stream snapshots (its stream went silent");
+    let back = format!("[{sick}] Its snapshot stream is back; no longer polling it");
+    // Never a line: NVML's init hangs from the start.
+    wait_said(&mut enforcer, &failed, 1);
+    wait_said(&mut enforcer, &silent, 1);
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(pids[0], DEATH),
+        Some(libc::SIGTERM)
+    );
+    assert!(fleet.hosts[1].node.alive(pids[1]));
+    assert_eq!(said(&enforcer, &back), 0);
+    std::fs::remove_file(&gate).unwrap();
+    wait_said(&mut enforcer, &back, 1);
+    assert_eq!(
+        fleet.hosts[1].node.wait_exit(pids[1], DEATH),
+        Some(libc::SIGTERM)
+    );
+
+    // A line, then silence: its next look at NVML hangs.
+    std::fs::write(&gate, b"").unwrap();
+    fleet.hosts[1]
+        .node
+        .nvml_gate("nvmlDeviceGetCount_v2", &gate);
+    wait_said(&mut enforcer, &silent, 2);
+    let healthy = fleet.hosts[0].node.spawn(None, &[(0, 100)]);
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(healthy, DEATH),
+        Some(libc::SIGTERM)
+    );
+    let stranded = fleet.hosts[1].node.spawn(None, &[(0, 100)]);
+    std::fs::remove_file(&gate).unwrap();
+    wait_said(&mut enforcer, &back, 2);
+    assert_eq!(
+        fleet.hosts[1].node.wait_exit(stranded, DEATH),
+        Some(libc::SIGTERM)
+    );
+    enforcer.stop();
+}
+
+/// Polling a host whose NVML hangs: each `usage snapshot` past --host-timeout ends on
+/// the host with its session, instead of one more stuck there at every cycle.
+#[test]
+fn commands_that_time_out_do_not_stay_behind_on_the_host() {
+    let gate = std::env::temp_dir().join(format!("genv-gate-p{}", std::process::id()));
+    let (fleet, _) = two_hosts_one_hanging(&gate);
+    let sick = &fleet.hosts[1];
+    let mut enforcer = Running::start(fleet.remote(&[
+        "--host-timeout",
+        "1",
+        "enforce",
+        "--interval",
+        "0.2",
+        "--non-env-processes",
+    ]));
+    let failed = format!("Failed running SSH command on {} (no answer within 1s)", sick.name);
+    let cycles = 6;
+    wait_said(&mut enforcer, &failed, cycles);
+    let stuck = sick.running("snapshot");
+    // The one of this cycle, and at most the last one, still ending.
+    assert!(stuck <= 2, "{stuck} usage snapshot after {cycles} timeouts");
+    enforcer.stop();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sick.running("snapshot") > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{} usage snapshot left on the host 20 s after the run",
+            sick.running("snapshot")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::remove_file(&gate).unwrap();
+}
