@@ -23,6 +23,25 @@ fn wait_said(enforcer: &mut Running, needle: &str, times: usize) {
     });
 }
 
+/// What the enforcer's `--metrics-addr` serves now (empty if it does not answer).
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
+        return String::new();
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n");
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text);
+    text
+}
+
+/// A free port on the loopback.
+fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
 /// Two hosts with nothing but a process outside any environment on each; the second's
 /// NVML hangs in init while `gate` exists.
 fn two_hosts_one_hanging(gate: &std::path::Path) -> (SshFleet, [u32; 2]) {
@@ -46,7 +65,10 @@ fn a_silent_stream_is_a_failed_host_polled_until_its_stream_is_back() {
     let gate = std::env::temp_dir().join(format!("genv-gate-{}", std::process::id()));
     let (mut fleet, pids) = two_hosts_one_hanging(&gate);
     let sick = fleet.hosts[1].name.clone();
+    let metrics = free_addr();
     let mut enforcer = Running::start(fleet.remote(&[
+        "--metrics-addr",
+        &metrics,
         "--host-timeout",
         "3",
         "enforce",
@@ -68,6 +90,13 @@ fn a_silent_stream_is_a_failed_host_polled_until_its_stream_is_back() {
     );
     assert!(fleet.hosts[1].node.alive(pids[1]));
     assert_eq!(said(&enforcer, &back), 0);
+    // A fleet's Prometheus sees the dead host.
+    let up = |host: &str, value: u32| format!("genv_enforcer_remote_host_up{{host=\"{host}\"}} {value}");
+    let (healthy_up, sick_down) = (up(&fleet.hosts[0].name, 1), up(&sick, 0));
+    wait_until(&mut enforcer, "the metrics saying so", || {
+        let text = scrape(&metrics);
+        text.contains(&healthy_up) && text.contains(&sick_down)
+    });
     std::fs::remove_file(&gate).unwrap();
     wait_said(&mut enforcer, &back, 1);
     assert_eq!(
@@ -93,6 +122,31 @@ fn a_silent_stream_is_a_failed_host_polled_until_its_stream_is_back() {
         fleet.hosts[1].node.wait_exit(stranded, DEATH),
         Some(libc::SIGTERM)
     );
+    enforcer.stop();
+}
+
+/// A host that answers, but with snapshots that are refused (a process listed twice),
+/// is reported every time it is asked, not once.
+#[test]
+fn a_host_whose_snapshots_are_refused_is_reported_every_time() {
+    let twice = r#"{"processes": {"processes": [{"pid": 4242, "used_gpu_memory": [], "eid": null}, {"pid": 4242, "used_gpu_memory": [], "eid": null}]}, "envs": {"envs": []}, "devices": {"devices": [{"index": 0, "total_memory": "16384mi", "attachments": []}]}}"#;
+    let answer = format!("echo '{twice}'");
+    let host = Runs::Script(format!(
+        "case \"$1 $2\" in \"usage watch\") {answer}; exec sleep 600;; *) {answer};; esac"
+    ));
+    let fleet = SshFleet::start(&[host], 1);
+    let mut enforcer = Running::start(fleet.remote(&[
+        "enforce",
+        "--event-driven",
+        "--interval",
+        "0.5",
+        "--non-env-processes",
+    ]));
+    let refused = format!(
+        "[{}] Refusing its answer (inconsistent snapshot: process 4242 is listed twice)",
+        fleet.hosts[0].name
+    );
+    wait_said(&mut enforcer, &refused, 4);
     enforcer.stop();
 }
 

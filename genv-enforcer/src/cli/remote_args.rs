@@ -79,6 +79,11 @@ pub struct RemoteArgs {
     #[arg(long, value_name = "FLAG", allow_hyphen_values = true, value_parser = host_word)]
     pub watch_option: Vec<String>,
 
+    /// Serve Prometheus metrics here (ADDR:PORT): each host up or down, how long since
+    /// it was heard from, its failures, the actions sent to it.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+
     #[command(subcommand)]
     pub command: RemoteCommand,
 }

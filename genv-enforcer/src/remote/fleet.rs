@@ -12,6 +12,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::hosts::Host;
+use super::metrics::FleetMetrics;
 use super::ssh::{Answer, Ssh, SshError};
 use super::validate;
 use crate::report::Report;
@@ -39,6 +40,8 @@ pub struct Fleet {
     pub host_options: Vec<String>,
     /// `--watch-option`: flags after `usage watch` alone.
     pub watch_options: Vec<String>,
+    /// `--metrics-addr`: what is served there.
+    pub metrics: Option<Arc<FleetMetrics>>,
 }
 
 /// The most a stream's heartbeat is asked to wait: a few seconds.
@@ -152,7 +155,23 @@ impl Fleet {
         for line in answer.stderr.lines() {
             eprintln!("[{}] {line}", self.hosts[host].name);
         }
-        read_snapshot(&answer.stdout)
+        let snapshot = read_snapshot(&answer.stdout)?;
+        self.answered(host);
+        Ok(snapshot)
+    }
+
+    /// A snapshot of the host was read, for the metrics.
+    pub fn answered(&self, host: usize) {
+        if let Some(metrics) = &self.metrics {
+            metrics.answered(host);
+        }
+    }
+
+    /// Something came from the host, for the metrics.
+    pub fn heard(&self, host: usize) {
+        if let Some(metrics) = &self.metrics {
+            metrics.heard(host);
+        }
     }
 
     /// Snapshots of these hosts, taken concurrently, in host order.
@@ -172,6 +191,9 @@ impl Fleet {
 
     /// Says that a host failed, as `-e` and `-q` ask (genv's line for SSH errors).
     pub fn failed(&self, host: usize, failure: &HostFailure) -> Result<()> {
+        if let Some(metrics) = &self.metrics {
+            metrics.failed(host);
+        }
         let name = &self.hosts[host].name;
         if failure.is_ssh() {
             let line = format!("Failed running SSH command on {name} ({failure})");
@@ -234,14 +256,21 @@ impl Fleet {
         let _permit = self.executing.acquire().await.expect("never closed");
         let words = self.words(&["usage", "execute"]);
         let input = report.to_genv_json();
-        self.ssh
+        let answer = self
+            .ssh
             .run(
                 &self.hosts[host],
                 &words,
                 Some(input.as_bytes()),
                 self.host_timeout,
             )
-            .await
+            .await;
+        if let (Some(metrics), Ok(done)) = (&self.metrics, &answer) {
+            if done.status.success() {
+                metrics.acted(host, report);
+            }
+        }
+        answer
     }
 
     /// Reprints what an execute said, with the host's prefix; `Ok(true)` if it ran.

@@ -156,6 +156,7 @@ async fn watch_once(
             Ok(_) => {}
             Err(e) => return Ended::failed(SshError::Io(e).into(), seen),
         }
+        fleet.heard(host);
         if is_heartbeat(&line) {
             if seen {
                 heard = Instant::now();
@@ -175,7 +176,11 @@ async fn watch_once(
         if std::mem::take(polled) && updates.send(Update::Resumed(host)).await.is_err() {
             return Ended::Closed;
         }
-        let update = Update::Streamed(host, read_snapshot(&line));
+        let snapshot = read_snapshot(&line);
+        if snapshot.is_ok() {
+            fleet.answered(host);
+        }
+        let update = Update::Streamed(host, snapshot);
         if updates.send(update).await.is_err() {
             return Ended::Closed;
         }
