@@ -91,7 +91,8 @@ fn a_silent_stream_is_a_failed_host_polled_until_its_stream_is_back() {
     assert!(fleet.hosts[1].node.alive(pids[1]));
     assert_eq!(said(&enforcer, &back), 0);
     // A fleet's Prometheus sees the dead host.
-    let up = |host: &str, value: u32| format!("genv_enforcer_remote_host_up{{host=\"{host}\"}} {value}");
+    let up =
+        |host: &str, value: u32| format!("genv_enforcer_remote_host_up{{host=\"{host}\"}} {value}");
     let (healthy_up, sick_down) = (up(&fleet.hosts[0].name, 1), up(&sick, 0));
     wait_until(&mut enforcer, "the metrics saying so", || {
         let text = scrape(&metrics);
@@ -165,7 +166,10 @@ fn commands_that_time_out_do_not_stay_behind_on_the_host() {
         "0.2",
         "--non-env-processes",
     ]));
-    let failed = format!("Failed running SSH command on {} (no answer within 1s)", sick.name);
+    let failed = format!(
+        "Failed running SSH command on {} (no answer within 1s)",
+        sick.name
+    );
     let cycles = 6;
     wait_said(&mut enforcer, &failed, cycles);
     let stuck = sick.running("snapshot");

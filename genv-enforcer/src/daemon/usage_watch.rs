@@ -131,7 +131,10 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
         rechecks.retain(|at| *at >= now);
         let recheck = rechecks.iter().min().copied();
         // Only once a snapshot is out: a reader that has none knows nothing yet.
-        let beat = settings.heartbeat.zip(watcher.printed_at).map(|(b, at)| at + b);
+        let beat = settings
+            .heartbeat
+            .zip(watcher.printed_at)
+            .map(|(b, at)| at + b);
         let mut events = Vec::new();
         tokio::select! {
             _ = stop.recv() => return Ok(ExitCode::SUCCESS),

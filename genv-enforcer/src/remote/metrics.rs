@@ -127,14 +127,23 @@ mod tests {
     fn a_host_is_down_until_it_answers_and_after_it_fails() {
         let metrics = FleetMetrics::new(vec!["gpu1".into(), "gpu2".into()]);
         let text = metrics.text();
-        assert!(text.contains("genv_enforcer_remote_host_up{host=\"gpu1\"} 0"), "{text}");
+        assert!(
+            text.contains("genv_enforcer_remote_host_up{host=\"gpu1\"} 0"),
+            "{text}"
+        );
         assert!(!text.contains("last_heard_seconds{"), "{text}");
         metrics.answered(0);
         metrics.answered(1);
         metrics.failed(1);
         let text = metrics.text();
-        assert!(text.contains("genv_enforcer_remote_host_up{host=\"gpu1\"} 1"), "{text}");
-        assert!(text.contains("genv_enforcer_remote_host_up{host=\"gpu2\"} 0"), "{text}");
+        assert!(
+            text.contains("genv_enforcer_remote_host_up{host=\"gpu1\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("genv_enforcer_remote_host_up{host=\"gpu2\"} 0"),
+            "{text}"
+        );
         assert!(
             text.contains("genv_enforcer_remote_host_failures_total{host=\"gpu2\"} 1"),
             "{text}"

@@ -92,7 +92,11 @@ async fn stream_failed(
         true => format!("its stream went silent: {failure}"),
         false => format!("{FAILURES_BEFORE_POLLING} streams failed before a line: {failure}"),
     };
-    if updates.send(Update::StreamFailed(host, failure)).await.is_err() {
+    if updates
+        .send(Update::StreamFailed(host, failure))
+        .await
+        .is_err()
+    {
         return false;
     }
     if !*polled && (hung || failures >= FAILURES_BEFORE_POLLING) {
