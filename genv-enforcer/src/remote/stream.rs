@@ -137,37 +137,23 @@ async fn watch_once(
     let mut lines = BufReader::new(stdout);
     let mut seen = false;
     let limit = fleet.silence_limit();
-    let mut heard = Instant::now();
-    let mut last_snapshot = Instant::now();
+    let (mut heard, mut last_snapshot) = (Instant::now(), Instant::now());
     loop {
-        let mut line = Vec::new();
-        let mut limited = (&mut lines).take(ANSWER_LIMIT + 1);
-        let read = limited.read_until(b'\n', &mut line);
         // Heartbeats keep a stream alive only once it brought a snapshot.
-        let read = match tokio::time::timeout_at(heard + limit, read).await {
-            Ok(read) => read,
-            Err(_) => {
+        let line = match read_line(&mut lines, heard + limit, limit).await {
+            Ok(Some(line)) => line,
+            Ok(None) => break,
+            Err(e) => {
                 let _ = child.start_kill();
-                return Ended::failed(SshError::TimedOut(limit).into(), seen);
+                return Ended::failed(e.into(), seen);
             }
         };
-        match read {
-            Ok(0) => break,
-            Ok(n) if n as u64 > ANSWER_LIMIT => {
-                let _ = child.start_kill();
-                return Ended::failed(SshError::TooLong.into(), seen);
-            }
-            Ok(_) => {}
-            Err(e) => return Ended::failed(SshError::Io(e).into(), seen),
-        }
         fleet.heard(host);
+        let now = Instant::now();
         if is_heartbeat(&line) {
-            if seen {
-                heard = Instant::now();
-            }
+            heard = if seen { now } else { heard };
             continue;
         }
-        let now = Instant::now();
         if fleet.verbose {
             tracing::info!(
                 "[{name}] Stream: a snapshot ({} bytes), {:.1} s after its last one{}",
@@ -184,13 +170,42 @@ async fn watch_once(
         if snapshot.is_ok() {
             fleet.answered(host);
         }
-        let update = Update::Streamed(host, snapshot);
-        if updates.send(update).await.is_err() {
+        if updates
+            .send(Update::Streamed(host, snapshot))
+            .await
+            .is_err()
+        {
             return Ended::Closed;
         }
     }
     let status = child.wait().await;
-    let last_error = errors.await.unwrap_or_default();
+    ended(status, errors.await.unwrap_or_default(), seen)
+}
+
+/// The next line, by `deadline`; `None` at the end of the stream.
+async fn read_line(
+    lines: &mut BufReader<tokio::process::ChildStdout>,
+    deadline: Instant,
+    limit: Duration,
+) -> Result<Option<Vec<u8>>, SshError> {
+    let mut line = Vec::new();
+    let mut limited = lines.take(ANSWER_LIMIT + 1);
+    let read = limited.read_until(b'\n', &mut line);
+    match tokio::time::timeout_at(deadline, read).await {
+        Err(_) => Err(SshError::TimedOut(limit)),
+        Ok(Ok(0)) => Ok(None),
+        Ok(Ok(n)) if n as u64 > ANSWER_LIMIT => Err(SshError::TooLong),
+        Ok(Ok(_)) => Ok(Some(line)),
+        Ok(Err(e)) => Err(SshError::Io(e)),
+    }
+}
+
+/// What a stream that ended with `status` and `last_error` (its stderr's last line) was.
+fn ended(
+    status: std::io::Result<std::process::ExitStatus>,
+    last_error: String,
+    seen: bool,
+) -> Ended {
     // genv's argument parser (Python genv), or clap's (a genv-enforcer without it).
     // An older genv-enforcer's `usage watch` has no --heartbeat: polled, rather than
     // streamed without a way to tell it hung.
