@@ -67,6 +67,7 @@ fn a_silent_stream_is_a_failed_host_polled_until_its_stream_is_back() {
     let sick = fleet.hosts[1].name.clone();
     let metrics = free_addr();
     let mut enforcer = Running::start(fleet.remote(&[
+        "-v",
         "--metrics-addr",
         &metrics,
         "--host-timeout",
@@ -100,6 +101,11 @@ fn a_silent_stream_is_a_failed_host_polled_until_its_stream_is_back() {
     });
     std::fs::remove_file(&gate).unwrap();
     wait_said(&mut enforcer, &back, 1);
+    // -v: each stream's snapshots, and each decision.
+    let connected = format!("[{sick}] Stream: a snapshot (");
+    wait_said(&mut enforcer, &connected, 1);
+    assert!(said(&enforcer, "(connected)") >= 2);
+    assert!(said(&enforcer, "[INFO] Judged ") >= 1);
     assert_eq!(
         fleet.hosts[1].node.wait_exit(pids[1], DEATH),
         Some(libc::SIGTERM)
@@ -186,4 +192,43 @@ fn commands_that_time_out_do_not_stay_behind_on_the_host() {
         std::thread::sleep(Duration::from_millis(50));
     }
     std::fs::remove_file(&gate).unwrap();
+}
+
+/// `--host-option` and `--watch-option` reach the host's `usage watch`, which takes them
+/// (its stream brings the snapshot the rogue is terminated on).
+#[test]
+fn the_hosts_options_are_given_from_the_admin_side() {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer], 1);
+    let node = &mut fleet.hosts[0].node;
+    node.write_state(json!([]), json!([device_record(0, &[])]));
+    let rogue = node.spawn(None, &[(0, 100)]);
+    let state = format!("--host-option=--genv-tmpdir={}", node.state.display());
+    let mut enforcer = Running::start(fleet.remote(&[
+        &state,
+        "--watch-option=--bpf-tier=none",
+        "--watch-option",
+        "--poll-interval=0.5",
+        "enforce",
+        "--event-driven",
+        "--interval",
+        "600",
+        "--non-env-processes",
+    ]));
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(rogue, DEATH),
+        Some(libc::SIGTERM)
+    );
+    let watches = fleet.hosts[0].commands("watch");
+    enforcer.stop();
+    let given = [
+        &state["--host-option=".len()..],
+        "--bpf-tier=none",
+        "--poll-interval=0.5",
+    ];
+    assert!(
+        watches
+            .iter()
+            .any(|words| given.iter().all(|g| words.iter().any(|w| w == g))),
+        "{watches:?}"
+    );
 }
