@@ -232,3 +232,16 @@ fn the_hosts_options_are_given_from_the_admin_side() {
         "{watches:?}"
     );
 }
+
+/// A host whose genv-enforcer's `usage watch` has no `--heartbeat` (clap says so first,
+/// then its usage) is polled at once, said with clap's line.
+#[test]
+fn a_host_whose_watch_has_no_heartbeat_is_polled() {
+    let watch = "echo \"error: unexpected argument '--heartbeat' found\" >&2; echo >&2; \
+                 echo 'Usage: genv-enforcer usage watch [OPTIONS]' >&2; exit 2";
+    let (fleet, mut enforcer) = super::scripted_run(watch, "true", "1");
+    super::wait_for_executes(&fleet, &mut enforcer, 1);
+    let said = "Cannot stream snapshots (error: unexpected argument '--heartbeat' found)";
+    wait_said(&mut enforcer, said, 1);
+    enforcer.stop();
+}

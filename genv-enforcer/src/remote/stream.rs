@@ -206,18 +206,8 @@ fn ended(
     last_error: String,
     seen: bool,
 ) -> Ended {
-    // genv's argument parser (Python genv), or clap's (a genv-enforcer without it).
-    // An older genv-enforcer's `usage watch` has no --heartbeat: polled, rather than
-    // streamed without a way to tell it hung.
-    let no_watch = [
-        "invalid choice",
-        "unrecognized subcommand",
-        "unexpected argument '--heartbeat'",
-    ];
     match status {
-        Ok(_) if !seen && no_watch.iter().any(|w| last_error.contains(w)) => {
-            Ended::NoWatch(last_error)
-        }
+        Ok(_) if !seen && says_no_watch(&last_error) => Ended::NoWatch(last_error),
         Ok(status) => Ended::failed(
             HostFailure::Command(format!(
                 "the snapshot stream ended ({status}){}",
@@ -243,11 +233,25 @@ impl Ended {
     }
 }
 
+/// What a host's `usage` says when it has no `watch`: genv's argument parser (Python
+/// genv), or clap's (a genv-enforcer without it). An older genv-enforcer's `usage
+/// watch` has no --heartbeat: polled, rather than streamed without a way to tell it
+/// hung.
+fn says_no_watch(line: &str) -> bool {
+    let no_watch = [
+        "invalid choice",
+        "unrecognized subcommand",
+        "unexpected argument '--heartbeat'",
+    ];
+    no_watch.iter().any(|w| line.contains(w))
+}
+
 /// Reprints a stream's stderr, each line with the host's prefix, for as long as it
-/// writes (a full pipe would stall the stream itself); returns its last line.
+/// writes (a full pipe would stall the stream itself); returns the line saying it has
+/// no `watch` if one did (clap says it first, then its usage), else its last line.
 async fn reprint_stderr(name: String, stderr: tokio::process::ChildStderr) -> String {
     let mut reader = BufReader::new(stderr);
-    let mut last = String::new();
+    let (mut last, mut why) = (String::new(), None);
     loop {
         let mut line = Vec::new();
         match (&mut reader)
@@ -255,10 +259,13 @@ async fn reprint_stderr(name: String, stderr: tokio::process::ChildStderr) -> St
             .read_until(b'\n', &mut line)
             .await
         {
-            Ok(0) | Err(_) => return last,
+            Ok(0) | Err(_) => return why.unwrap_or(last),
             Ok(_) => {
                 last = String::from_utf8_lossy(&line).trim_end().to_owned();
                 eprintln!("[{name}] {last}");
+                if why.is_none() && says_no_watch(&last) {
+                    why = Some(last.clone());
+                }
             }
         }
     }
