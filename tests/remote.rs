@@ -10,6 +10,9 @@ use genv_enforcer_tests::sshd::{Runs, SshFleet};
 use genv_enforcer_tests::{Node, device_record, env_record};
 use serde_json::json;
 
+#[path = "remote/faults.rs"]
+mod faults;
+
 const DEATH: Duration = Duration::from_secs(10);
 
 fn lines(bytes: &[u8]) -> Vec<String> {

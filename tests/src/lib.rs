@@ -69,6 +69,8 @@ pub struct Node {
     /// The fake libcuda's ledger directory, which the fake NVML reports (see
     /// [`Node::cuda`]).
     ledger: Option<PathBuf>,
+    /// Fake-NVML entry points held while a file exists (see [`Node::nvml_gate`]).
+    gates: HashMap<String, PathBuf>,
     /// The enforcer binary the node runs (default: the workspace's), and extra
     /// environment for it.
     pub enforcer_binary: Option<PathBuf>,
@@ -100,6 +102,7 @@ impl Node {
             foreign: Vec::new(),
             nvml_opens: Vec::new(),
             ledger: None,
+            gates: HashMap::new(),
             enforcer_binary: None,
             enforcer_env: Vec::new(),
             before_exec: None,
@@ -119,7 +122,15 @@ impl Node {
             "processes": self.contexts,
             "open_on_init": self.nvml_opens,
             "ledger": self.ledger,
+            "gates": self.gates,
         }));
+    }
+
+    /// Makes the fake NVML's `entry` wait while `file` exists (a minute at most), as a
+    /// driver hangs on a failed GPU.
+    pub fn nvml_gate(&mut self, entry: &str, file: &Path) {
+        self.gates.insert(entry.to_owned(), file.to_owned());
+        self.write_config();
     }
 
     /// A libcuda for this node: a copy of the fake one (`tests/fake-cuda`) of its own,

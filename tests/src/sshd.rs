@@ -324,21 +324,40 @@ impl SshHost {
 
     /// Whether a `usage watch` runs for this host (its stream is open).
     pub fn watching(&self) -> bool {
+        self.running("watch") > 0
+    }
+
+    /// How many `usage SUB` (`watch`, `snapshot`, `execute`) run for this host, not
+    /// counting the `sudo` above each.
+    pub fn running(&self, sub: &str) -> usize {
+        self.commands(sub).len()
+    }
+
+    /// The command lines of the `usage SUB` that run for this host (not their `sudo`).
+    pub fn commands(&self, sub: &str) -> Vec<Vec<String>> {
         let wanted = format!("GENV_TMPDIR={}", self.node.state.display());
-        std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+        let flat = std::fs::read_dir("/proc").unwrap().flatten();
+        flat.filter_map(|entry| {
             let dir = entry.path();
             let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
             let words: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            let watch = words
+            let runs = words
                 .windows(2)
-                .any(|w| w == [&b"usage"[..], &b"watch"[..]]);
-            watch
+                .any(|w| w == [&b"usage"[..], sub.as_bytes()]);
+            let ours = runs
                 && !words.iter().any(|w| *w == b"sudo")
                 && std::fs::read(dir.join("environ"))
                     .unwrap_or_default()
                     .split(|b| *b == 0)
-                    .any(|v| v == wanted.as_bytes())
+                    .any(|v| v == wanted.as_bytes());
+            ours.then(|| {
+                let words = words
+                    .iter()
+                    .map(|w| String::from_utf8_lossy(w).into_owned());
+                words.collect()
+            })
         })
+        .collect()
     }
 
     /// Lines a [`Runs::Script`] host logged, one per invocation (its arguments).

@@ -80,6 +80,12 @@ pub enum UsageCommand {
         /// Seconds between polls, which catch what no event announces (memory use).
         #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = positive_seconds)]
         poll_interval: f64,
+        /// Print `{}` (an empty JSON object, never a snapshot) when nothing else was
+        /// printed for this many seconds: the reader tells a stream that is alive and
+        /// quiet from one stuck (NVML hanging on a failed GPU). Off unless asked for,
+        /// so that a reader that does not know it never sees one.
+        #[arg(long, value_name = "SECONDS", value_parser = positive_seconds)]
+        heartbeat: Option<f64>,
         /// Which kernel programs report GPU opens and exits: the best the kernel
         /// accepts (auto), or none (the poll alone).
         #[arg(long, value_enum, value_name = "TIER", default_value_t = TierChoice::Auto)]

@@ -8,6 +8,7 @@ pub mod logging;
 mod reloader;
 mod remote;
 pub mod remote_args;
+mod session_end;
 
 use std::io::Read;
 use std::process::ExitCode;
@@ -55,15 +56,23 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Command::Remote(args) => remote::run(args),
         Command::Usage(UsageCommand::Watch {
             poll_interval,
+            heartbeat,
             bpf_tier,
             gpu_node,
             sources,
-        }) => usage_watch(poll_interval, bpf_tier, gpu_node, &sources),
+        }) => {
+            session_end::end_with_reader();
+            usage_watch(poll_interval, heartbeat, bpf_tier, gpu_node, &sources)
+        }
         Command::Unpin { pin_dir } => unpin(&pin_dir),
         Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
+            session_end::end_with_reader();
             usage_snapshot(part, &sources)
         }
-        Command::Usage(UsageCommand::Execute { execution }) => usage_execute(&execution),
+        Command::Usage(UsageCommand::Execute { execution }) => {
+            session_end::end_with_reader();
+            usage_execute(&execution)
+        }
     }
 }
 
@@ -161,6 +170,7 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
 /// `usage watch`.
 fn usage_watch(
     poll: f64,
+    heartbeat: Option<f64>,
     tier: crate::bpf::TierChoice,
     gpu_nodes: Vec<crate::backends::devmap::NodeOverride>,
     sources: &args::SourceArgs,
@@ -173,6 +183,7 @@ fn usage_watch(
     .with_gpu_nodes(gpu_nodes);
     let settings = daemon::usage_watch::WatchSettings {
         poll: std::time::Duration::from_secs_f64(poll),
+        heartbeat: heartbeat.map(std::time::Duration::from_secs_f64),
         tier,
     };
     runtime()?.block_on(daemon::usage_watch::run(builder, settings))

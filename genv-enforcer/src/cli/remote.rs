@@ -8,6 +8,7 @@ use anyhow::{Result, bail};
 
 use super::remote_args::{RemoteArgs, RemoteCommand};
 use crate::remote::hosts::{self, Host};
+use crate::remote::metrics::FleetMetrics;
 use crate::remote::ssh::{Ssh, SshOptions};
 use crate::remote::{ErrorPolicy, Fleet, RemoteMode};
 
@@ -54,11 +55,27 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
         parallel: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
         executing: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
         verbose: args.verbose,
+        host_options: args.host_option.clone(),
+        watch_options: args.watch_option.clone(),
+        metrics: None,
+    };
+    let metrics = args.metrics_addr.map(|addr| {
+        let names = fleet.hosts.iter().map(|h| h.name.clone()).collect();
+        (addr, Arc::new(FleetMetrics::new(names)))
+    });
+    let fleet = Fleet {
+        metrics: metrics.as_ref().map(|(_, m)| Arc::clone(m)),
+        ..fleet
     };
     if let (true, Some(dir)) = (fleet.verbose, fleet.ssh.control_dir()) {
         tracing::info!("SSH control sockets in {}", dir.display());
     }
-    super::runtime()?.block_on(crate::remote::run(fleet, mode))
+    super::runtime()?.block_on(async {
+        if let Some((addr, metrics)) = metrics {
+            crate::daemon::metrics::listen(addr, metrics)?;
+        }
+        crate::remote::run(fleet, mode).await
+    })
 }
 
 fn hosts_of(args: &RemoteArgs) -> Result<Vec<Host>> {

@@ -68,6 +68,22 @@ pub struct RemoteArgs {
     #[arg(long, short)]
     pub verbose: bool,
 
+    /// A flag given to `usage snapshot` and `usage watch` on every host (repeatable,
+    /// one word each): `--genv-tmpdir=/var/tmp/genv`, `--nvml-lib=/opt/nvidia/lib/libnvidia-ml.so.1`.
+    /// Not for hosts running Python genv, whose `usage snapshot` takes none.
+    #[arg(long, value_name = "FLAG", allow_hyphen_values = true, value_parser = host_word)]
+    pub host_option: Vec<String>,
+
+    /// A flag given to `usage watch` alone on every host (repeatable, one word each):
+    /// `--gpu-node=195:0=0`, `--bpf-tier=none`, `--poll-interval=5`.
+    #[arg(long, value_name = "FLAG", allow_hyphen_values = true, value_parser = host_word)]
+    pub watch_option: Vec<String>,
+
+    /// Serve Prometheus metrics here (ADDR:PORT): each host up or down, how long since
+    /// it was heard from, its failures, the actions sent to it.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+
     #[command(subcommand)]
     pub command: RemoteCommand,
 }
@@ -93,6 +109,21 @@ pub struct RemoteEnforceArgs {
     /// changes, instead of every --interval (hosts that cannot stream are polled).
     #[arg(long)]
     pub event_driven: bool,
+}
+
+/// A word for the host's command line, which its shell splits again: plain characters
+/// only, so that it stays one word and nothing else.
+fn host_word(text: &str) -> Result<String, String> {
+    let plain = !text.is_empty()
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_=:,./+@%".contains(&b));
+    match plain {
+        true => Ok(text.to_owned()),
+        false => Err(format!(
+            "{text:?}: one word of letters, digits and -_=:,./+@% (the host's shell reads it)"
+        )),
+    }
 }
 
 /// genv's argparse also takes `-host` and `-hostfile` (single dash) before the remote
@@ -173,6 +204,25 @@ mod tests {
         assert_eq!(args[2], "--hostfile");
         let args = genv_spellings(["genv-enforcer", "remote", "-host=h1"].map(OsString::from));
         assert_eq!(args[2], "--host=h1");
+    }
+
+    #[test]
+    fn host_options_stay_one_word_on_the_host() {
+        let args = remote(&[
+            "-H",
+            "h",
+            "--host-option=--genv-tmpdir=/var/tmp/genv",
+            "--watch-option",
+            "--bpf-tier=none",
+            "enforce",
+        ])
+        .unwrap();
+        assert_eq!(args.host_option, ["--genv-tmpdir=/var/tmp/genv"]);
+        assert_eq!(args.watch_option, ["--bpf-tier=none"]);
+        for bad in ["--genv-tmpdir=/tmp/a b", "--x=$(id)", "a;b", ""] {
+            let flag = format!("--host-option={bad}");
+            assert!(remote(&["-H", "h", &flag, "enforce"]).is_err(), "{bad}");
+        }
     }
 
     #[test]

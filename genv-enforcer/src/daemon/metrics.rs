@@ -202,15 +202,33 @@ impl Metrics {
     }
 }
 
+/// What an endpoint serves: the text format, rendered at each scrape.
+pub trait Exposition: Send + Sync + 'static {
+    fn text(&self) -> String;
+}
+
+impl Exposition for Metrics {
+    fn text(&self) -> String {
+        Metrics::text(self)
+    }
+}
+
 /// New metrics, served at `--metrics-addr` (an error naming it if it cannot be bound).
 pub fn serve(addr: std::net::SocketAddr) -> anyhow::Result<Arc<Metrics>> {
+    let metrics = Metrics::new();
+    listen(addr, Arc::clone(&metrics) as Arc<dyn Exposition>)?;
+    Ok(metrics)
+}
+
+/// Serves `metrics` at `addr` on the current runtime (the remote loop's own metrics, or
+/// the daemon's).
+pub fn listen(addr: std::net::SocketAddr, metrics: Arc<dyn Exposition>) -> anyhow::Result<()> {
     use anyhow::Context;
     let listener = std::net::TcpListener::bind(addr)
         .with_context(|| format!("--metrics-addr {addr}: cannot listen there"))?;
-    let metrics = Metrics::new();
-    endpoint::start(listener, Arc::clone(&metrics))?;
+    endpoint::start(listener, metrics)?;
     tracing::info!("Metrics at http://{addr}/metrics");
-    Ok(metrics)
+    Ok(())
 }
 
 #[cfg(test)]

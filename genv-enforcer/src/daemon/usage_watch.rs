@@ -81,8 +81,14 @@ impl RateLimit {
 
 pub struct WatchSettings {
     pub poll: Duration,
+    /// `--heartbeat`: a `{}` line after this long without one.
+    pub heartbeat: Option<Duration>,
     pub tier: TierChoice,
 }
+
+/// The heartbeat line: an empty JSON object, which no snapshot is (one always has its
+/// `processes`, `envs` and `devices`).
+pub const HEARTBEAT_LINE: &str = "{}";
 
 pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Result<ExitCode> {
     let mut stop = StopSignals::install()?;
@@ -124,9 +130,19 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
         due = false;
         rechecks.retain(|at| *at >= now);
         let recheck = rechecks.iter().min().copied();
+        // Only once a snapshot is out: a reader that has none knows nothing yet.
+        let beat = settings
+            .heartbeat
+            .zip(watcher.printed_at)
+            .map(|(b, at)| at + b);
         let mut events = Vec::new();
         tokio::select! {
             _ = stop.recv() => return Ok(ExitCode::SUCCESS),
+            _ = sleep_until(beat.unwrap_or(now)), if beat.is_some() => {
+                if !watcher.beat() {
+                    return Ok(ExitCode::SUCCESS);
+                }
+            }
             _ = &mut hangup => return Ok(ExitCode::SUCCESS),
             _ = sleep_until(next_poll) => due = true,
             _ = sleep_until(recheck.unwrap_or(now)), if recheck.is_some() => due = true,
@@ -172,6 +188,8 @@ struct Watcher {
     warned: HashSet<String>,
     /// The processes the last snapshot listed, and the environments' shells.
     known: HashSet<u32>,
+    /// When a line was last printed (none before the first snapshot).
+    printed_at: Option<Instant>,
 }
 
 impl Watcher {
@@ -204,10 +222,20 @@ impl Watcher {
         if text == self.last {
             return true;
         }
-        let mut out = std::io::stdout().lock();
-        let written = writeln!(out, "{text}").and_then(|()| out.flush());
+        let written = self.print(&text);
         self.last = text;
-        written.is_ok()
+        written
+    }
+
+    /// The heartbeat; `false` once stdout is closed.
+    fn beat(&mut self) -> bool {
+        self.print(HEARTBEAT_LINE)
+    }
+
+    fn print(&mut self, line: &str) -> bool {
+        let mut out = std::io::stdout().lock();
+        self.printed_at = Some(Instant::now());
+        writeln!(out, "{line}").and_then(|()| out.flush()).is_ok()
     }
 
     /// Whether these events call for a look: a GPU open by another process, or the exit

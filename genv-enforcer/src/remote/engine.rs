@@ -176,6 +176,11 @@ impl Engine {
                 self.views[host].polled = true;
                 self.ask(host);
             }
+            Update::Resumed(host) => {
+                let name = &self.fleet.hosts[host].name;
+                tracing::info!("[{name}] Its snapshot stream is back; no longer polling it");
+                self.views[host].polled = false;
+            }
         }
         Ok(())
     }
@@ -306,6 +311,15 @@ impl Engine {
             !again
         });
         let standing = standing.into_inner();
+        if self.fleet.verbose {
+            tracing::info!(
+                "Judged {} of {} hosts (the others unknown): {} reports to execute, {} standing violations already acted on within --interval",
+                taken.len(),
+                self.views.len(),
+                reports.len(),
+                standing.len()
+            );
+        }
         // A host with nothing to do any more forgets its last report.
         for (host, view) in self.views.iter_mut().enumerate() {
             if !standing.contains(&host) {

@@ -12,6 +12,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::hosts::Host;
+use super::metrics::FleetMetrics;
 use super::ssh::{Answer, Ssh, SshError};
 use super::validate;
 use crate::report::Report;
@@ -34,7 +35,17 @@ pub struct Fleet {
     pub executing: Arc<Semaphore>,
     /// `--verbose`: each cycle's duration on stderr.
     pub verbose: bool,
+    /// `--host-option`: flags after every `usage snapshot` and `usage watch` (where
+    /// genv's state and NVML are on the host).
+    pub host_options: Vec<String>,
+    /// `--watch-option`: flags after `usage watch` alone.
+    pub watch_options: Vec<String>,
+    /// `--metrics-addr`: what is served there.
+    pub metrics: Option<Arc<FleetMetrics>>,
 }
+
+/// The most a stream's heartbeat is asked to wait: a few seconds.
+const HEARTBEAT_MAX: Duration = Duration::from_secs(5);
 
 /// genv's `-e` and `-q`: what an SSH error does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +102,33 @@ impl Fleet {
         words
     }
 
+    /// `usage snapshot`, as given to each host.
+    pub fn snapshot_words(&self) -> Vec<String> {
+        let mut words = self.words(&["usage", "snapshot"]);
+        words.extend(self.host_options.iter().cloned());
+        words
+    }
+
+    /// `usage watch`, with its heartbeat and the admin's options for it.
+    pub fn watch_words(&self) -> Vec<String> {
+        let beat = format!("{}", self.heartbeat().as_secs_f64());
+        let mut words = self.words(&["usage", "watch", "--heartbeat", &beat]);
+        words.extend(self.host_options.iter().cloned());
+        words.extend(self.watch_options.iter().cloned());
+        words
+    }
+
+    /// How often a quiet stream says it is alive: well within --host-timeout.
+    pub fn heartbeat(&self) -> Duration {
+        (self.host_timeout / 2).clamp(Duration::from_millis(100), HEARTBEAT_MAX)
+    }
+
+    /// How long a stream may stay silent before its host counts as hung: --host-timeout
+    /// past the heartbeat it owes.
+    pub fn silence_limit(&self) -> Duration {
+        self.host_timeout + self.heartbeat()
+    }
+
     /// `usage snapshot` on one host; what it said on stderr is reprinted with its
     /// prefix, as genv does.
     pub async fn snapshot(&self, host: usize) -> Result<Snapshot, HostFailure> {
@@ -106,7 +144,7 @@ impl Fleet {
     }
 
     async fn snapshot_now(&self, host: usize) -> Result<Snapshot, HostFailure> {
-        let words = self.words(&["usage", "snapshot"]);
+        let words = self.snapshot_words();
         let answer = self
             .ssh
             .run(&self.hosts[host], &words, None, self.host_timeout)
@@ -117,7 +155,23 @@ impl Fleet {
         for line in answer.stderr.lines() {
             eprintln!("[{}] {line}", self.hosts[host].name);
         }
-        read_snapshot(&answer.stdout)
+        let snapshot = read_snapshot(&answer.stdout)?;
+        self.answered(host);
+        Ok(snapshot)
+    }
+
+    /// A snapshot of the host was read, for the metrics.
+    pub fn answered(&self, host: usize) {
+        if let Some(metrics) = &self.metrics {
+            metrics.answered(host);
+        }
+    }
+
+    /// Something came from the host, for the metrics.
+    pub fn heard(&self, host: usize) {
+        if let Some(metrics) = &self.metrics {
+            metrics.heard(host);
+        }
     }
 
     /// Snapshots of these hosts, taken concurrently, in host order.
@@ -137,6 +191,9 @@ impl Fleet {
 
     /// Says that a host failed, as `-e` and `-q` ask (genv's line for SSH errors).
     pub fn failed(&self, host: usize, failure: &HostFailure) -> Result<()> {
+        if let Some(metrics) = &self.metrics {
+            metrics.failed(host);
+        }
         let name = &self.hosts[host].name;
         if failure.is_ssh() {
             let line = format!("Failed running SSH command on {name} ({failure})");
@@ -199,14 +256,21 @@ impl Fleet {
         let _permit = self.executing.acquire().await.expect("never closed");
         let words = self.words(&["usage", "execute"]);
         let input = report.to_genv_json();
-        self.ssh
+        let answer = self
+            .ssh
             .run(
                 &self.hosts[host],
                 &words,
                 Some(input.as_bytes()),
                 self.host_timeout,
             )
-            .await
+            .await;
+        if let (Some(metrics), Ok(done)) = (&self.metrics, &answer) {
+            if done.status.success() {
+                metrics.acted(host, report);
+            }
+        }
+        answer
     }
 
     /// Reprints what an execute said, with the host's prefix; `Ok(true)` if it ran.

@@ -9,11 +9,13 @@
 //! - [`fleet`]: genv's cycle (snapshot all, judge together, execute each);
 //! - [`stream`] and [`engine`]: `--event-driven`, a `usage watch` stream per host and
 //!   the rules run whenever one changes;
-//! - [`validate`]: what makes a parsed snapshot one that cannot be acted on.
+//! - [`validate`]: what makes a parsed snapshot one that cannot be acted on;
+//! - [`metrics`]: `--metrics-addr`, each host up or down, heard from when, acted on.
 
 mod engine;
 pub mod fleet;
 pub mod hosts;
+pub mod metrics;
 pub mod ssh;
 mod stream;
 mod validate;

@@ -67,7 +67,8 @@ struct Config {
     /// Entry point → a file: while the file exists, a call of that entry point waits
     /// (a minute at most), having made `<file>.waiting`, so that a test can hold the
     /// enforcer in the middle of asking NVML and act meanwhile. An enumeration
-    /// (`nvmlDeviceGetCount_v2`) waits before it reads the ledger.
+    /// (`nvmlDeviceGetCount_v2`) waits before it reads the ledger; `nvmlInit_v2` waits
+    /// in init, as a driver does on a failed GPU.
     #[serde(default)]
     gates: HashMap<String, String>,
 }
@@ -297,6 +298,12 @@ pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> NvmlReturn {
     let Some(config) = load(&mut state) else {
         return ERROR_DRIVER_NOT_LOADED;
     };
+    // A driver whose init hangs (a failed GPU): the caller never gets an answer.
+    if let Some(gate) = config.gates.get("nvmlInit_v2") {
+        drop(state);
+        wait_at(gate);
+        state = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    }
     if let Some(code) = config.fail.get("nvmlInit_v2") {
         return *code;
     }

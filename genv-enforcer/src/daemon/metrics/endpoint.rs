@@ -22,7 +22,7 @@ use tokio::net::TcpStream;
 use tokio::task::AbortHandle;
 use tokio::time::{Instant, timeout, timeout_at};
 
-use super::Metrics;
+use super::Exposition;
 
 /// Connections open at once, in all.
 const CONNECTIONS: usize = 64;
@@ -36,7 +36,10 @@ const WRITE_WITHIN: Duration = Duration::from_secs(1);
 const REQUEST_BYTES: usize = 4096;
 
 /// Serves `listener` on the daemon's runtime.
-pub(super) fn start(listener: std::net::TcpListener, metrics: Arc<Metrics>) -> std::io::Result<()> {
+pub(super) fn start(
+    listener: std::net::TcpListener,
+    metrics: Arc<dyn Exposition>,
+) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
     let listener = tokio::net::TcpListener::from_std(listener)?;
     tokio::spawn(async move {
@@ -116,12 +119,12 @@ enum Request {
     TooLarge,
 }
 
-async fn serve(mut stream: TcpStream, accepted: Instant, metrics: Arc<Metrics>) {
+async fn serve(mut stream: TcpStream, accepted: Instant, metrics: Arc<dyn Exposition>) {
     let request = match timeout_at(accepted + READ_WITHIN, read_request(&mut stream)).await {
         Ok(Ok(request)) => request,
         _ => return,
     };
-    let answer = answer(&request, &metrics);
+    let answer = answer(&request, metrics.as_ref());
     let _ = timeout(WRITE_WITHIN, async {
         stream.write_all(&answer).await?;
         stream.shutdown().await
@@ -171,7 +174,7 @@ fn route(head: &[u8]) -> Request {
     }
 }
 
-fn answer(request: &Request, metrics: &Metrics) -> Vec<u8> {
+fn answer(request: &Request, metrics: &dyn Exposition) -> Vec<u8> {
     let (status, body, kind) = match request {
         Request::Metrics => (
             "200 OK",
