@@ -762,30 +762,33 @@ fn past_the_cap_after_a_quiet_poll(
     );
 }
 
-/// A libcuda the daemon was not told about (a user's copy, a container's own) is
-/// probed once a process that maps it opens a GPU node, which CUDA does in `cuInit`,
-/// before any allocation: the copy does not get past the cap.
-#[test]
-fn a_copy_of_libcuda_is_probed_when_its_process_opens_a_gpu() {
+/// A copy of the node's libcuda at `path` (its directories made), which a program
+/// started with `cuda_env` then loads, and whose `cuInit` opens GPU 0's node as CUDA's
+/// does. The node.
+fn use_copy(node: &Node, cuda_env: &mut CudaEnv, path: &Path) -> std::path::PathBuf {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::copy(artefact("libcuda_fake.so"), path).unwrap();
+    let gpu = node.dir.join("nvidia0");
+    if !gpu.exists() {
+        make_gpu_node(&gpu);
+    }
+    cuda_env.retain(|(key, _)| key != "GENV_FAKE_CUDA_LIB" && key != "GENV_FAKE_CUDA_OPENS");
+    cuda_env.push(("GENV_FAKE_CUDA_LIB".into(), path.to_str().unwrap().into()));
+    cuda_env.push(("GENV_FAKE_CUDA_OPENS".into(), gpu.to_str().unwrap().into()));
+    gpu
+}
+
+/// A program on a copy of libcuda at `path` (under the node's directory), in the
+/// environment `eid` capped at 1g: it starts CUDA, the daemon probes the copy, and the
+/// allocation that crosses the cap is killed in its call.
+fn copy_is_held_to_the_cap(path: &str, eid: &str) {
     let _serial = serial();
     let Some((mut node, mut cuda_env, daemon)) = setup("kill") else {
         return;
     };
-    let copy = node.dir.join("mine");
-    std::fs::create_dir(&copy).unwrap();
-    let copy = copy.join("libcuda.so.1");
-    std::fs::copy(artefact("libcuda_fake.so"), &copy).unwrap();
-    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
-    for (key, value) in cuda_env.iter_mut() {
-        if key == "GENV_FAKE_CUDA_LIB" {
-            *value = copy.to_str().unwrap().to_owned();
-        }
-    }
-    cuda_env.push((
-        "GENV_FAKE_CUDA_OPENS".to_owned(),
-        gpu.to_str().unwrap().to_owned(),
-    ));
-    let mut user = capped(&mut node, &cuda_env, &daemon, "nu", &[0]);
+    let path = node.dir.join(path);
+    use_copy(&node, &mut cuda_env, &path);
+    let mut user = capped(&mut node, &cuda_env, &daemon, eid, &[0]);
     user.ok("init");
     daemon.expect(&format!(
         "process {} maps a libcuda not probed yet",
@@ -794,6 +797,99 @@ fn a_copy_of_libcuda_is_probed_when_its_process_opens_a_gpu() {
     user.ok("ctx 0");
     user.ok("alloc 600");
     killed_at(&mut node, &daemon, &mut user, "alloc 600");
+}
+
+/// A libcuda the daemon was not told about (a user's copy, a container's own) is
+/// probed once a process that maps it opens a GPU node, which CUDA does in `cuInit`,
+/// before any allocation: the copy does not get past the cap.
+#[test]
+fn a_copy_of_libcuda_is_probed_when_its_process_opens_a_gpu() {
+    copy_is_held_to_the_cap("mine/libcuda.so.1", "nu");
+}
+
+/// A copy is known by what it exports, not by its name.
+#[test]
+fn a_renamed_copy_is_probed_and_killed_at_the_crossing_allocation() {
+    copy_is_held_to_the_cap("mine/libmine.so", "renamed");
+}
+
+/// The path of a mapping is everything after its fifth field, spaces and all.
+#[test]
+fn a_copy_under_a_path_with_a_space_is_probed() {
+    copy_is_held_to_the_cap("my libs/libcuda.so.1", "spaced");
+}
+
+/// NVML's init opens every GPU node (eight on an eight-GPU node), and a program may
+/// make it before it loads its own libcuda: those opens do not use up the looks, and
+/// CUDA's own open, once the library is loaded, has the copy probed.
+#[test]
+fn a_copy_loaded_after_eight_gpu_opens_is_probed_at_cudas_own_open() {
+    let _serial = serial();
+    let Some((mut node, mut cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let path = node.dir.join("late/libcuda.so.1");
+    let gpu = use_copy(&node, &mut cuda_env, &path);
+    cuda_env.push(("GENV_CUDA_USER_LAZY".into(), "1".into()));
+    let mut user = capped(&mut node, &cuda_env, &daemon, "late", &[0]);
+    for _ in 0..8 {
+        user.ok(&format!("open {}", gpu.display()));
+    }
+    // The daemon has handled all eight before the library is loaded.
+    daemon.expect_count(&format!("Process {} (thread", user.pid), 8);
+    user.ok("load");
+    user.ok("init");
+    daemon.expect(&format!(
+        "process {} maps a libcuda not probed yet",
+        user.pid
+    ));
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    killed_at(&mut node, &daemon, &mut user, "alloc 600");
+}
+
+/// A uid has a few copies probed at once; its next is refused while they are, and
+/// probed once one of their processes exits (its probes come off then). So copies
+/// that come and go with their processes (containers) never use the budget up.
+#[test]
+fn a_place_in_the_copy_budget_comes_back_when_its_processes_exit() {
+    const USER: u32 = 64_611;
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let start = |node: &mut Node, at: usize| {
+        let mut env = cuda_env.clone();
+        let gpu = use_copy(node, &mut env, &node.dir.join(format!("c{at}/libc{at}.so")));
+        let mut command = Command::new(artefact("cuda-user"));
+        std::os::unix::process::CommandExt::uid(&mut command, USER);
+        let mut user = CudaUser::spawn(node, &env, command);
+        user.ok("init");
+        (user, gpu)
+    };
+    let mut first = Vec::new();
+    for at in 0..4 {
+        let (user, _) = start(&mut node, at);
+        daemon.expect(&format!(
+            "process {} maps a libcuda not probed yet",
+            user.pid
+        ));
+        first.push(user);
+    }
+    let (mut fifth, gpu) = start(&mut node, 4);
+    daemon.expect(&format!(
+        "(mapped by process {}) (uid {USER}) for now: 4 copies are probed for uid {USER}'s live processes already",
+        fifth.pid
+    ));
+    let gone = first.remove(0);
+    drop(gone.stdin); // cuda-user exits at the end of its input
+    assert_eq!(node.wait_exit(gone.pid, DEATH), Some(0));
+    daemon.expect("no live process maps the libcuda copy");
+    fifth.ok(&format!("open {}", gpu.display()));
+    daemon.expect(&format!(
+        "process {} maps a libcuda not probed yet",
+        fifth.pid
+    ));
 }
 
 /// A library on a FUSE mount (any user's server, which may never answer) is refused

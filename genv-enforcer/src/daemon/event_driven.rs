@@ -92,6 +92,7 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
             daemon.watchlist.next_wake(),
             daemon.enforcer.executor.next_deadline(),
             intake.as_ref().map(|_| Instant::now() + daemon.drain_every),
+            daemon.kernel.as_ref().and_then(KernelSide::next_look),
         ]);
         tokio::select! {
             biased;
@@ -243,6 +244,9 @@ impl Daemon {
         // Exits waiting for their processes to be gone: looked at again soon.
         if self.kernel.as_mut().is_some_and(KernelSide::settle_exits) {
             self.drain_every = DRAIN_EVERY;
+        }
+        if let Some(kernel) = self.kernel.as_mut() {
+            kernel.run_due_looks();
         }
         self.sweep_holders();
         if let Some(first) = batch.unknown.first() {

@@ -302,6 +302,18 @@ impl KernelSide {
         }
     }
 
+    /// `--memory-at-alloc`: the looks at GPU openers' libraries owed by now.
+    pub(super) fn run_due_looks(&mut self) {
+        if let Some(alloc) = &mut self.alloc {
+            alloc.run_due(&mut self.programs);
+        }
+    }
+
+    /// When the next owed look is due.
+    pub(super) fn next_look(&self) -> Option<std::time::Instant> {
+        self.alloc.as_ref().and_then(|alloc| alloc.next_due())
+    }
+
     /// A process exec'ed or (`exiting`) began exiting.
     pub(super) fn exited(&mut self, pid: u32, exiting: bool) {
         if let Some(alloc) = &mut self.alloc {
