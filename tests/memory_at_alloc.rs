@@ -371,6 +371,36 @@ fn a_context_on_gpu_1_does_not_count_against_gpu_0() {
     assert_eq!(ledger_total(&node, &[other.pid], 1), 600 * MIB);
 }
 
+/// A context switch the driver refuses (here a destroyed context, set or pushed)
+/// leaves the thread's context as it was: the thread's allocations stay charged to
+/// the GPU they land on, and the one that takes it past the cap there is killed.
+#[test]
+fn a_failed_context_switch_leaves_the_threads_context_as_it_was() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "sigma", &[0, 1]);
+    user.init(&daemon, "0,1");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    // A context on device 1, made (current), popped and destroyed.
+    let other = user.ok("create 1");
+    user.ok("pop");
+    user.ok(&format!("destroy {other}"));
+    assert_eq!(
+        user.call(&format!("setctx {other}")).as_deref(),
+        Some("err 201")
+    );
+    assert_eq!(
+        user.call(&format!("pushctx {other}")).as_deref(),
+        Some("err 201")
+    );
+    // Still on device 0, which holds 600 MiB.
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
+    assert!(line.contains(" on device 0 "), "{line}");
+}
+
 /// `report`: the line, and the allocation goes on (here one from a memory pool, which
 /// counts as any other).
 #[test]

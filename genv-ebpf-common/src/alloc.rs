@@ -31,7 +31,7 @@ pub const PROC_ORDINALS_MAP: &str = "PROC_ORDINALS";
 
 /// Every map of the probes, the kernel side's own included: sized down to one entry
 /// when `--memory-at-alloc` is off, so that they cost no kernel memory.
-pub const ALL_MAPS: [&str; 10] = [
+pub const ALL_MAPS: [&str; 11] = [
     ENV_MEMORY_MAP,
     ALLOC_DELTA_MAP,
     ALLOC_BASE_MAP,
@@ -41,6 +41,7 @@ pub const ALL_MAPS: [&str; 10] = [
     "CTX_DEVICE",
     "THREAD_CTX",
     "PENDING",
+    "SWITCHES",
     "ANNOUNCED",
 ];
 

@@ -43,6 +43,12 @@ const FREES: &[&str] = &[
     "cuMemRelease",
 ];
 const CONTEXT_MADE: &[&str] = &["cuDevicePrimaryCtxRetain", "cuCtxCreate_v2"];
+/// The calls that change a thread's context stack, applied on their return.
+const CONTEXT_SWITCHES: &[&str] = &[
+    "cuCtxSetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+];
 
 /// Each program and the libcuda symbols it is attached to. The entry and return probes
 /// of one call go together; a library must have the first two calls (the plain
@@ -61,6 +67,7 @@ const PROBES: &[(&str, &[&str])] = &[
     ("cu_ctx_set_current", &["cuCtxSetCurrent"]),
     ("cu_ctx_push", &["cuCtxPushCurrent_v2"]),
     ("cu_ctx_pop", &["cuCtxPopCurrent_v2"]),
+    ("cu_ctx_switched", CONTEXT_SWITCHES),
 ];
 
 /// Without these a library is not a libcuda the probes can account for.

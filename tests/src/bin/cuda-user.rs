@@ -6,6 +6,8 @@
 //! - `init`: `cuInit(0)`;
 //! - `ctx D`: `cuDevicePrimaryCtxRetain` on device D, then `cuCtxSetCurrent` (what the
 //!   runtime does); `create D`: `cuCtxCreate_v2`; `push D` / `pop`: the context stack;
+//!   `setctx CTX`, `pushctx CTX`: `cuCtxSetCurrent` and `cuCtxPushCurrent_v2` of a
+//!   context as answered (in hex); `destroy CTX`: `cuCtxDestroy_v2`;
 //! - `alloc MIB`: `cuMemAlloc_v2`; `async MIB`: `cuMemAllocAsync`; `pool MIB`:
 //!   `cuMemAllocFromPoolAsync`; `pitch MIB`:
 //!   `cuMemAllocPitch_v2` of 1 MiB rows; `vmm MIB D`: `cuMemCreate` on device D;
@@ -174,6 +176,9 @@ fn main() {
                 code => code,
             },
             "pop" => call!(cuda, "cuCtxPopCurrent_v2", fn(*mut u64), &mut value),
+            "setctx" => call!(cuda, "cuCtxSetCurrent", fn(u64), number(1)),
+            "pushctx" => call!(cuda, "cuCtxPushCurrent_v2", fn(u64), number(1)),
+            "destroy" => call!(cuda, "cuCtxDestroy_v2", fn(u64), number(1)),
             "alloc" => alloc(cuda, number(1) as usize * MIB, &mut value),
             "bytes" => alloc(cuda, number(1) as usize, &mut value),
             "pitchw" => pitched(cuda, number(1) as usize, number(2) as usize, &mut value),
