@@ -371,6 +371,44 @@ fn a_context_on_gpu_1_does_not_count_against_gpu_0() {
     assert_eq!(ledger_total(&node, &[other.pid], 1), 600 * MIB);
 }
 
+/// Any user may rewrite `envs.json` (genv makes it 0666) and lower another user's
+/// `gpu_memory`: the owner's program is still held, at the allocation, to the cap it was
+/// started with (`GENV_GPU_MEMORY`, which genv's shell set from the owner's own
+/// `genv config`), not killed at its next allocation. (The memory rule follows the
+/// file at its polls, as genv's does: an hour apart here.)
+#[test]
+fn another_users_edit_of_gpu_memory_does_not_get_the_owners_allocation_killed() {
+    const OTHER: u32 = 64_612;
+    let _serial = serial();
+    let mut node = Node::new(2);
+    let (lib, cuda_env) = node.cuda();
+    let Some(daemon) = daemon(&node, &lib, "kill", &["--memory-interval", "3600"]) else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "tau", &[0]);
+    user.init(&daemon, "0");
+    user.ok("ctx 0");
+    // The other user's edit, in place, as genv writes.
+    let edit = "import json, sys\n\
+                d = json.load(open(sys.argv[1]))\n\
+                for e in d['envs']: e['config']['gpu_memory'] = '100m'\n\
+                open(sys.argv[1], 'w').write(json.dumps(d))";
+    let mut python = Command::new("python3");
+    python.args(["-c", edit]).arg(node.state.join("envs.json"));
+    std::os::unix::process::CommandExt::uid(&mut python, OTHER);
+    assert!(python.status().unwrap().success());
+    daemon.expect("caps held at the allocation: tau 100m");
+    user.ok("alloc 600");
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
+    assert!(
+        line.contains(&format!(
+            "which is 258m over 1g, which process {} was started with (envs.json says 100m)",
+            user.pid
+        )),
+        "{line}"
+    );
+}
+
 /// A context switch the driver refuses (here a destroyed context, set or pushed)
 /// leaves the thread's context as it was: the thread's allocations stay charged to
 /// the GPU they land on, and the one that takes it past the cap there is killed.

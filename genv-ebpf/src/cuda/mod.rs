@@ -58,6 +58,10 @@ pub(crate) static PROC_CHARGE: LruHashMap<ProcGpu, Charge> =
 #[map]
 pub(crate) static PROC_ORDINALS: LruHashMap<u32, Ordinals> =
     LruHashMap::with_max_entries(MAX_CUDA_PROCESSES, 0);
+/// LRU: an evicted process is held to its environment's cap alone.
+#[map]
+pub(crate) static PROC_CAP: LruHashMap<u32, u64> =
+    LruHashMap::with_max_entries(MAX_CUDA_PROCESSES, 0);
 #[map]
 pub(crate) static CUDA_GPUS: Array<u32> = Array::with_max_entries(1, 0);
 /// Processes whose CUDA start was reported (one event per program image: a loop of

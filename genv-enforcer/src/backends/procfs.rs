@@ -198,12 +198,23 @@ pub fn environment_id(pid: u32) -> Result<Option<String>, EnvironError> {
 /// A variable of the process's initial environment as `getenv` reads it (the first
 /// assignment wins), where Python's `os.environ` (genv's reading) takes the last.
 pub fn first_environment_var(pid: u32, name: &str) -> Result<Option<String>, EnvironError> {
+    first_environment_vars(pid, [name]).map(|[value]| value)
+}
+
+/// Several variables of the process's initial environment, read at once, each as
+/// [`first_environment_var`] reads it.
+pub fn first_environment_vars<const N: usize>(
+    pid: u32,
+    names: [&str; N],
+) -> Result<[Option<String>; N], EnvironError> {
     let bytes = environ(pid)?;
-    Ok(bytes
-        .split(|b| *b == 0)
-        .filter_map(|entry| entry.strip_prefix(name.as_bytes())?.strip_prefix(b"="))
-        .next()
-        .map(|value| String::from_utf8_lossy(value).into_owned()))
+    Ok(names.map(|name| {
+        bytes
+            .split(|b| *b == 0)
+            .filter_map(|entry| entry.strip_prefix(name.as_bytes())?.strip_prefix(b"="))
+            .next()
+            .map(|value| String::from_utf8_lossy(value).into_owned())
+    }))
 }
 
 fn environ(pid: u32) -> Result<Vec<u8>, EnvironError> {

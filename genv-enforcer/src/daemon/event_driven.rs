@@ -246,7 +246,7 @@ impl Daemon {
             self.drain_every = DRAIN_EVERY;
         }
         if let Some(kernel) = self.kernel.as_mut() {
-            kernel.run_due_looks();
+            kernel.run_due_looks(self.enforcer.builder.devices());
         }
         self.sweep_holders();
         if let Some(first) = batch.unknown.first() {
@@ -324,7 +324,7 @@ impl Daemon {
             KernelEvent::Open(open) => {
                 counts.open_events += 1;
                 if let Some(kernel) = self.kernel.as_mut() {
-                    kernel.opened(open.pid, open.uid);
+                    kernel.opened(open.pid, open.uid, self.enforcer.builder.devices());
                 }
                 let counts = &mut self.status.counts;
                 if self.settings.verbose {

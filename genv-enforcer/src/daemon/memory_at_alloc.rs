@@ -23,6 +23,7 @@ use crate::bpf::alloc_maps::DeltasAround;
 use crate::bpf::cuda::Library;
 use crate::intake::OverCap;
 use crate::prevention::alloc::{Caps, names_a_uuid, ordinals};
+use crate::prevention::started_cap::{GPU_MEMORY_VAR, SHELL_VAR, StartedWith};
 use crate::state::Env;
 
 pub(super) struct AllocSide {
@@ -32,6 +33,8 @@ pub(super) struct AllocSide {
     copies: copies::Copies,
     /// Whether any library is attached.
     attached_any: bool,
+    /// The caps processes that started CUDA were started with, for the line.
+    started_caps: HashMap<u32, StartedWith>,
     /// Processes seen starting CUDA: only their exits have charges to take off.
     /// With the start time each had: a pid reused after a lost exit is another process.
     cuda_pids: HashMap<u32, u64>,
@@ -54,6 +57,7 @@ impl AllocSide {
             caps: Caps::default(),
             copies: copies::Copies::default(),
             attached_any: false,
+            started_caps: HashMap::new(),
             cuda_pids: HashMap::new(),
             exiting: HashMap::new(),
             unresolved: HashMap::new(),
@@ -163,7 +167,10 @@ impl AllocSide {
         }
     }
 
-    /// A process started CUDA: its device numbering, from its `CUDA_VISIBLE_DEVICES`.
+    /// A process started CUDA (or maps a copy just probed): its device numbering, from
+    /// its `CUDA_VISIBLE_DEVICES`, and the cap it was started with (`GENV_GPU_MEMORY`),
+    /// below which it is never killed at the allocation (see
+    /// [`crate::prevention::started_cap`]).
     pub(super) fn cuda_started(
         &mut self,
         programs: &mut KernelPrograms,
@@ -180,8 +187,9 @@ impl AllocSide {
             return; // read at its first CUDA call already
         }
         // CUDA reads it with getenv: the first assignment wins.
-        let visible = match procfs::first_environment_var(pid, "CUDA_VISIBLE_DEVICES") {
-            Ok(visible) => visible,
+        let names = ["CUDA_VISIBLE_DEVICES", GPU_MEMORY_VAR, SHELL_VAR];
+        let [visible, gpu_memory, shell] = match procfs::first_environment_vars(pid, names) {
+            Ok(values) => values,
             Err(e) => {
                 if self.verbose {
                     tracing::info!(
@@ -190,6 +198,14 @@ impl AllocSide {
                 }
                 return;
             }
+        };
+        let own = StartedWith::of(gpu_memory.as_deref(), shell.as_deref());
+        if let Err(e) = maps.set_started_cap(pid, own.as_ref().map(StartedWith::kernel_bytes)) {
+            tracing::warn!("Cannot record the cap process {pid} was started with: {e}");
+        }
+        match own {
+            Some(own) => self.started_caps.insert(pid, own),
+            None => self.started_caps.remove(&pid),
         };
         if gpus.is_empty() && visible.as_deref().is_some_and(names_a_uuid) {
             self.unresolved.insert(pid, started);
@@ -225,13 +241,30 @@ impl AllocSide {
     /// the nodes in `cuInit` and at each context, after loading the library and before
     /// any allocation; NVML opens them too, maybe before, so every open counts (see
     /// [`copies`]).
-    pub(super) fn opened(&mut self, programs: &mut KernelPrograms, pid: u32, uid: u32) {
+    pub(super) fn opened(
+        &mut self,
+        programs: &mut KernelPrograms,
+        (pid, uid): (u32, u32),
+        gpus: &[GpuInfo],
+    ) {
         self.copies.opened(programs, pid, uid);
+        self.probed(programs, gpus);
     }
 
     /// The looks at processes owed by now (opens that came too soon after a look).
-    pub(super) fn run_due(&mut self, programs: &mut KernelPrograms) {
+    pub(super) fn run_due(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
         self.copies.run_due(programs);
+        self.probed(programs, gpus);
+    }
+
+    /// Processes a copy was just probed for have started CUDA, or are about to (the
+    /// probes may have missed their `cuInit`): they are read as at their first CUDA
+    /// call, and only then is the copy said to be probed.
+    fn probed(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
+        for (pid, line) in self.copies.take_probed() {
+            self.cuda_started(programs, pid, gpus);
+            tracing::info!("{line}");
+        }
     }
 
     /// When the next owed look is due.
@@ -245,6 +278,7 @@ impl AllocSide {
     pub(super) fn exited(&mut self, programs: &mut KernelPrograms, pid: u32, exiting: bool) {
         self.copies.gone(programs, pid);
         self.unresolved.remove(&pid);
+        self.started_caps.remove(&pid);
         let Some(started) = self.cuda_pids.remove(&pid) else {
             return;
         };
@@ -272,7 +306,7 @@ impl AllocSide {
 
     /// The line for what the kernel decided about an allocation.
     pub(super) fn line(&self, over: &OverCap) -> String {
-        self.caps.line(over)
+        self.caps.line(over, self.started_caps.get(&over.pid))
     }
 }
 

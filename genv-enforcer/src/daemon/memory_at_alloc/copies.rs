@@ -57,6 +57,8 @@ pub(super) struct Copies {
     budget: Budget,
     /// When a budget refusal was last said, by uid.
     said: HashMap<u32, Instant>,
+    /// Copies probed since [`Self::take_probed`]: the process, and the line to say.
+    probed: Vec<(u32, String)>,
 }
 
 impl Copies {
@@ -87,6 +89,12 @@ impl Copies {
         for (pid, uid) in self.looks.due(now) {
             self.look(programs, pid, uid, now);
         }
+    }
+
+    /// The copies probed since the last call, by the process each was found in, with
+    /// the line that says so.
+    pub(super) fn take_probed(&mut self) -> Vec<(u32, String)> {
+        std::mem::take(&mut self.probed)
     }
 
     pub(super) fn next_look(&self) -> Option<Instant> {
@@ -206,12 +214,12 @@ impl Copies {
         }
         match programs.attach_cuda(&library, &exports) {
             Ok(attachment) => {
-                tracing::info!(
+                self.probed.push((pid, format!(
                     "--memory-at-alloc: process {pid} maps a libcuda not probed yet ({}, device {}, inode {}); allocations through it are held to their environment's gpu_memory",
                     library.name,
                     id.0,
                     id.1
-                );
+                )));
                 let mappers = HashMap::from([(pid, started)]);
                 let copy = Copy {
                     attachment,
