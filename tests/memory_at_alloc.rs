@@ -933,6 +933,8 @@ fn a_place_in_the_copy_budget_comes_back_when_its_processes_exit() {
             &mut env,
             &node.dir.join(format!("c{at}/libcuda.so.1")),
         );
+        // In an environment (of no one): the daemon looks only at processes in one.
+        env.push(("GENV_ENVIRONMENT_ID".into(), "budget".into()));
         let mut command = Command::new(artefact("cuda-user"));
         std::os::unix::process::CommandExt::uid(&mut command, USER);
         let mut user = CudaUser::spawn(node, &env, command);

@@ -240,13 +240,18 @@ impl AllocSide {
     /// container's, a user's, whatever it is called) is probed from now on. CUDA opens
     /// the nodes in `cuInit` and at each context, after loading the library and before
     /// any allocation; NVML opens them too, maybe before, so every open counts (see
-    /// [`copies`]).
+    /// [`copies`]). Not for a process the kernel knows to be outside any environment
+    /// (monitoring agents open GPU nodes all the time): its allocations are charged to
+    /// nobody.
     pub(super) fn opened(
         &mut self,
         programs: &mut KernelPrograms,
         (pid, uid): (u32, u32),
         gpus: &[GpuInfo],
     ) {
+        if programs.policy().identity(pid) == Some(genv_ebpf_common::identity::NO_ENV) {
+            return;
+        }
         self.copies.opened(programs, pid, uid);
         self.probed(programs, gpus);
     }
