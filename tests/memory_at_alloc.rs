@@ -371,6 +371,25 @@ fn a_context_on_gpu_1_does_not_count_against_gpu_0() {
     assert_eq!(ledger_total(&node, &[other.pid], 1), 600 * MIB);
 }
 
+/// A context destroyed while current is popped, as the driver does: the thread is back
+/// on the context below it, and charged there.
+#[test]
+fn a_destroyed_context_is_popped_off_its_threads_stack() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "rho", &[0, 1]);
+    user.init(&daemon, "0,1");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    let other = user.ok("create 1");
+    user.ok(&format!("destroy {other}"));
+    // Back on device 0, which holds 600 MiB.
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
+    assert!(line.contains(" on device 0 "), "{line}");
+}
+
 /// Any user may rewrite `envs.json` (genv makes it 0666) and lower another user's
 /// `gpu_memory`: the owner's program is still held, at the allocation, to the cap it was
 /// started with (`GENV_GPU_MEMORY`, which genv's shell set from the owner's own

@@ -69,6 +69,7 @@ pub(super) struct Switch {
 const SWITCH_SET: u32 = 1;
 const SWITCH_PUSH: u32 = 2;
 const SWITCH_POP: u32 = 3;
+const SWITCH_DESTROY: u32 = 4;
 
 /// Thread → the context switch it is in. A map of its own: a switch made inside an
 /// allocation call (the driver's own) leaves that call's record alone.
@@ -96,7 +97,15 @@ pub fn cu_ctx_pop(_ctx: ProbeContext) -> u32 {
     0
 }
 
-/// Return of the three above: the thread's stack changes only if the call succeeded
+/// `cuCtxDestroy_v2(CUcontext ctx)`: the context is gone, and popped if it was the
+/// calling thread's current one (as the driver does).
+#[uprobe]
+pub fn cu_ctx_destroy(ctx: ProbeContext) -> u32 {
+    switch_called(SWITCH_DESTROY, ctx.arg(0).unwrap_or(0));
+    0
+}
+
+/// Return of the four above: the thread's stack changes only if the call succeeded
 /// (a refused context, or a pop of an empty stack, leaves the driver's as it was).
 #[uretprobe]
 pub fn cu_ctx_switched(ctx: RetProbeContext) -> u32 {
@@ -119,15 +128,26 @@ pub fn cu_ctx_switched(ctx: RetProbeContext) -> u32 {
             let _ = THREAD_CTX.insert(&tid, &stack, 0);
         }
         SWITCH_PUSH => push_context(tid, switch.context),
-        SWITCH_POP => {
-            let mut stack = thread_stack(tid);
-            stack.ctx = [stack.ctx[1], stack.ctx[2], stack.ctx[3], 0];
-            stack.depth = stack.depth.saturating_sub(1);
-            let _ = THREAD_CTX.insert(&tid, &stack, 0);
+        SWITCH_POP => pop_context(tid),
+        SWITCH_DESTROY => {
+            let (pid, _) = current();
+            let _ = CTX_DEVICE.remove(&handle(pid, switch.context));
+            let stack = thread_stack(tid);
+            if stack.depth > 0 && stack.ctx[0] == switch.context {
+                pop_context(tid);
+            }
         }
         _ => {}
     }
     0
+}
+
+#[inline(always)]
+fn pop_context(tid: u32) {
+    let mut stack = thread_stack(tid);
+    stack.ctx = [stack.ctx[1], stack.ctx[2], stack.ctx[3], 0];
+    stack.depth = stack.depth.saturating_sub(1);
+    let _ = THREAD_CTX.insert(&tid, &stack, 0);
 }
 
 #[inline(always)]

@@ -4,10 +4,10 @@
 //!
 //! - Contexts: which CUDA device each context is on (`cuDevicePrimaryCtxRetain`,
 //!   `cuCtxCreate_v2`) and which context each thread has current (`cuCtxSetCurrent`,
-//!   `cuCtxPushCurrent_v2`, `cuCtxPopCurrent_v2`, applied when the call returns
-//!   success, so a refused switch changes nothing); the device number goes through the
-//!   process's `CUDA_VISIBLE_DEVICES` (`PROC_ORDINALS`, from the daemon) to the NVML
-//!   index.
+//!   `cuCtxPushCurrent_v2`, `cuCtxPopCurrent_v2`, `cuCtxDestroy_v2`, applied when the
+//!   call returns success, so a refused switch changes nothing); the device number goes
+//!   through the process's `CUDA_VISIBLE_DEVICES` (`PROC_ORDINALS`, from the daemon) to
+//!   the NVML index.
 //! - Allocations (`cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemAllocAsync`,
 //!   `cuMemAllocFromPoolAsync`, `cuMemCreate`): the entry probe charges the size to the
 //!   process's environment on that GPU *before* checking the cap, so two processes

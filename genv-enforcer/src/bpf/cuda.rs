@@ -48,6 +48,7 @@ const CONTEXT_SWITCHES: &[&str] = &[
     "cuCtxSetCurrent",
     "cuCtxPushCurrent_v2",
     "cuCtxPopCurrent_v2",
+    "cuCtxDestroy_v2",
 ];
 
 /// Each program and the libcuda symbols it is attached to. The entry and return probes
@@ -67,6 +68,7 @@ const PROBES: &[(&str, &[&str])] = &[
     ("cu_ctx_set_current", &["cuCtxSetCurrent"]),
     ("cu_ctx_push", &["cuCtxPushCurrent_v2"]),
     ("cu_ctx_pop", &["cuCtxPopCurrent_v2"]),
+    ("cu_ctx_destroy", &["cuCtxDestroy_v2"]),
     ("cu_ctx_switched", CONTEXT_SWITCHES),
 ];
 
