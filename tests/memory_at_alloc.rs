@@ -371,6 +371,93 @@ fn a_context_on_gpu_1_does_not_count_against_gpu_0() {
     assert_eq!(ledger_total(&node, &[other.pid], 1), 600 * MIB);
 }
 
+/// A context destroyed while current is popped, as the driver does: the thread is back
+/// on the context below it, and charged there.
+#[test]
+fn a_destroyed_context_is_popped_off_its_threads_stack() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "rho", &[0, 1]);
+    user.init(&daemon, "0,1");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    let other = user.ok("create 1");
+    user.ok(&format!("destroy {other}"));
+    // Back on device 0, which holds 600 MiB.
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
+    assert!(line.contains(" on device 0 "), "{line}");
+}
+
+/// Any user may rewrite `envs.json` (genv makes it 0666) and lower another user's
+/// `gpu_memory`: the owner's program is still held, at the allocation, to the cap it was
+/// started with (`GENV_GPU_MEMORY`, which genv's shell set from the owner's own
+/// `genv config`), not killed at its next allocation. (The memory rule follows the
+/// file at its polls, as genv's does: an hour apart here.)
+#[test]
+fn another_users_edit_of_gpu_memory_does_not_get_the_owners_allocation_killed() {
+    const OTHER: u32 = 64_612;
+    let _serial = serial();
+    let mut node = Node::new(2);
+    let (lib, cuda_env) = node.cuda();
+    let Some(daemon) = daemon(&node, &lib, "kill", &["--memory-interval", "3600"]) else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "tau", &[0]);
+    user.init(&daemon, "0");
+    user.ok("ctx 0");
+    // The other user's edit, in place, as genv writes.
+    let edit = "import json, sys\n\
+                d = json.load(open(sys.argv[1]))\n\
+                for e in d['envs']: e['config']['gpu_memory'] = '100m'\n\
+                open(sys.argv[1], 'w').write(json.dumps(d))";
+    let mut python = Command::new("python3");
+    python.args(["-c", edit]).arg(node.state.join("envs.json"));
+    std::os::unix::process::CommandExt::uid(&mut python, OTHER);
+    assert!(python.status().unwrap().success());
+    daemon.expect("caps held at the allocation: tau 100m");
+    user.ok("alloc 600");
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
+    assert!(
+        line.contains(&format!(
+            "which is 258m over 1g, which process {} was started with (envs.json says 100m)",
+            user.pid
+        )),
+        "{line}"
+    );
+}
+
+/// A context switch the driver refuses (here a destroyed context, set or pushed)
+/// leaves the thread's context as it was: the thread's allocations stay charged to
+/// the GPU they land on, and the one that takes it past the cap there is killed.
+#[test]
+fn a_failed_context_switch_leaves_the_threads_context_as_it_was() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let mut user = capped(&mut node, &cuda_env, &daemon, "sigma", &[0, 1]);
+    user.init(&daemon, "0,1");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    // A context on device 1, made (current), popped and destroyed.
+    let other = user.ok("create 1");
+    user.ok("pop");
+    user.ok(&format!("destroy {other}"));
+    assert_eq!(
+        user.call(&format!("setctx {other}")).as_deref(),
+        Some("err 201")
+    );
+    assert_eq!(
+        user.call(&format!("pushctx {other}")).as_deref(),
+        Some("err 201")
+    );
+    // Still on device 0, which holds 600 MiB.
+    let line = killed_at(&mut node, &daemon, &mut user, "alloc 600");
+    assert!(line.contains(" on device 0 "), "{line}");
+}
+
 /// `report`: the line, and the allocation goes on (here one from a memory pool, which
 /// counts as any other).
 #[test]
@@ -762,30 +849,33 @@ fn past_the_cap_after_a_quiet_poll(
     );
 }
 
-/// A libcuda the daemon was not told about (a user's copy, a container's own) is
-/// probed once a process that maps it opens a GPU node, which CUDA does in `cuInit`,
-/// before any allocation: the copy does not get past the cap.
-#[test]
-fn a_copy_of_libcuda_is_probed_when_its_process_opens_a_gpu() {
+/// A copy of the node's libcuda at `path` (its directories made), which a program
+/// started with `cuda_env` then loads, and whose `cuInit` opens GPU 0's node as CUDA's
+/// does. The node.
+fn use_copy(node: &Node, cuda_env: &mut CudaEnv, path: &Path) -> std::path::PathBuf {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::copy(artefact("libcuda_fake.so"), path).unwrap();
+    let gpu = node.dir.join("nvidia0");
+    if !gpu.exists() {
+        make_gpu_node(&gpu);
+    }
+    cuda_env.retain(|(key, _)| key != "GENV_FAKE_CUDA_LIB" && key != "GENV_FAKE_CUDA_OPENS");
+    cuda_env.push(("GENV_FAKE_CUDA_LIB".into(), path.to_str().unwrap().into()));
+    cuda_env.push(("GENV_FAKE_CUDA_OPENS".into(), gpu.to_str().unwrap().into()));
+    gpu
+}
+
+/// A program on a copy of libcuda at `path` (under the node's directory), in the
+/// environment `eid` capped at 1g: it starts CUDA, the daemon probes the copy, and the
+/// allocation that crosses the cap is killed in its call.
+fn copy_is_held_to_the_cap(path: &str, eid: &str) {
     let _serial = serial();
     let Some((mut node, mut cuda_env, daemon)) = setup("kill") else {
         return;
     };
-    let copy = node.dir.join("mine");
-    std::fs::create_dir(&copy).unwrap();
-    let copy = copy.join("libcuda.so.1");
-    std::fs::copy(artefact("libcuda_fake.so"), &copy).unwrap();
-    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
-    for (key, value) in cuda_env.iter_mut() {
-        if key == "GENV_FAKE_CUDA_LIB" {
-            *value = copy.to_str().unwrap().to_owned();
-        }
-    }
-    cuda_env.push((
-        "GENV_FAKE_CUDA_OPENS".to_owned(),
-        gpu.to_str().unwrap().to_owned(),
-    ));
-    let mut user = capped(&mut node, &cuda_env, &daemon, "nu", &[0]);
+    let path = node.dir.join(path);
+    use_copy(&node, &mut cuda_env, &path);
+    let mut user = capped(&mut node, &cuda_env, &daemon, eid, &[0]);
     user.ok("init");
     daemon.expect(&format!(
         "process {} maps a libcuda not probed yet",
@@ -794,6 +884,103 @@ fn a_copy_of_libcuda_is_probed_when_its_process_opens_a_gpu() {
     user.ok("ctx 0");
     user.ok("alloc 600");
     killed_at(&mut node, &daemon, &mut user, "alloc 600");
+}
+
+/// A libcuda the daemon was not told about (a user's copy, a container's own) is
+/// probed once a process that maps it opens a GPU node, which CUDA does in `cuInit`,
+/// before any allocation: the copy does not get past the cap.
+#[test]
+fn a_copy_of_libcuda_is_probed_when_its_process_opens_a_gpu() {
+    copy_is_held_to_the_cap("mine/libcuda.so.1", "nu");
+}
+
+/// A copy is known by what it exports, not by its name.
+#[test]
+fn a_renamed_copy_is_probed_and_killed_at_the_crossing_allocation() {
+    copy_is_held_to_the_cap("mine/libmine.so", "renamed");
+}
+
+/// The path of a mapping is everything after its fifth field, spaces and all.
+#[test]
+fn a_copy_under_a_path_with_a_space_is_probed() {
+    copy_is_held_to_the_cap("my libs/libcuda.so.1", "spaced");
+}
+
+/// NVML's init opens every GPU node (eight on an eight-GPU node), and a program may
+/// make it before it loads its own libcuda: those opens do not use up the looks, and
+/// CUDA's own open, once the library is loaded, has the copy probed.
+#[test]
+fn a_copy_loaded_after_eight_gpu_opens_is_probed_at_cudas_own_open() {
+    let _serial = serial();
+    let Some((mut node, mut cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let path = node.dir.join("late/libcuda.so.1");
+    let gpu = use_copy(&node, &mut cuda_env, &path);
+    cuda_env.push(("GENV_CUDA_USER_LAZY".into(), "1".into()));
+    let mut user = capped(&mut node, &cuda_env, &daemon, "late", &[0]);
+    for _ in 0..8 {
+        user.ok(&format!("open {}", gpu.display()));
+    }
+    // The daemon has handled all eight before the library is loaded.
+    daemon.expect_count(&format!("Process {} (thread", user.pid), 8);
+    user.ok("load");
+    user.ok("init");
+    daemon.expect(&format!(
+        "process {} maps a libcuda not probed yet",
+        user.pid
+    ));
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    killed_at(&mut node, &daemon, &mut user, "alloc 600");
+}
+
+/// A uid has a few copies probed at once; its next is refused while they are, and
+/// probed once one of their processes exits (its probes come off then). So copies
+/// that come and go with their processes (containers) never use the budget up.
+#[test]
+fn a_place_in_the_copy_budget_comes_back_when_its_processes_exit() {
+    const USER: u32 = 64_611;
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let start = |node: &mut Node, at: usize| {
+        let mut env = cuda_env.clone();
+        let gpu = use_copy(
+            node,
+            &mut env,
+            &node.dir.join(format!("c{at}/libcuda.so.1")),
+        );
+        // In an environment (of no one): the daemon looks only at processes in one.
+        env.push(("GENV_ENVIRONMENT_ID".into(), "budget".into()));
+        let mut command = Command::new(artefact("cuda-user"));
+        std::os::unix::process::CommandExt::uid(&mut command, USER);
+        let mut user = CudaUser::spawn(node, &env, command);
+        user.ok("init");
+        (user, gpu)
+    };
+    let probed = |pid: u32| format!("process {pid} maps a libcuda not probed yet");
+    let mut first = Vec::new();
+    for at in 0..4 {
+        let (user, _) = start(&mut node, at);
+        daemon.expect(&probed(user.pid));
+        first.push(user);
+    }
+    // The fifth's open is handled (its look made before the line), and its copy left.
+    let (mut fifth, gpu) = start(&mut node, 4);
+    daemon.expect(&format!("Process {} (thread", fifth.pid));
+    let lines = daemon.lines();
+    assert!(
+        !lines.iter().any(|l| l.contains(&probed(fifth.pid))),
+        "{lines:#?}"
+    );
+    let gone = first.remove(0);
+    drop(gone.stdin); // cuda-user exits at the end of its input
+    assert_eq!(node.wait_exit(gone.pid, DEATH), Some(0));
+    fifth.ok(&format!("open {}", gpu.display()));
+    daemon.expect(&probed(fifth.pid));
+    daemon.expect("no live process maps the libcuda copy");
 }
 
 /// A library on a FUSE mount (any user's server, which may never answer) is refused

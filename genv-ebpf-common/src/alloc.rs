@@ -28,19 +28,26 @@ pub const CUDA_GPUS_MAP: &str = "CUDA_GPUS";
 /// Process (tgid) → [`Ordinals`]: its CUDA device numbers to NVML indices, from its
 /// `CUDA_VISIBLE_DEVICES`, written by the daemon when the process starts CUDA.
 pub const PROC_ORDINALS_MAP: &str = "PROC_ORDINALS";
+/// Process (tgid) → the `gpu_memory` in bytes it was started with (`GENV_GPU_MEMORY`,
+/// which genv sets from the owner's own configuration; `u64::MAX` for a program genv's
+/// shell started with none): it is never killed at the allocation below this, whatever
+/// `envs.json` says since. Written by the daemon when the process starts CUDA.
+pub const PROC_CAP_MAP: &str = "PROC_CAP";
 
 /// Every map of the probes, the kernel side's own included: sized down to one entry
 /// when `--memory-at-alloc` is off, so that they cost no kernel memory.
-pub const ALL_MAPS: [&str; 10] = [
+pub const ALL_MAPS: [&str; 12] = [
     ENV_MEMORY_MAP,
     ALLOC_DELTA_MAP,
     ALLOC_BASE_MAP,
     PROC_CHARGE_MAP,
     PROC_ORDINALS_MAP,
+    PROC_CAP_MAP,
     "ALLOCS",
     "CTX_DEVICE",
     "THREAD_CTX",
     "PENDING",
+    "SWITCHES",
     "ANNOUNCED",
 ];
 

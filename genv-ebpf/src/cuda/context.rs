@@ -1,7 +1,8 @@
 //! Which GPU a thread's allocations land on: the device of each context made, the
 //! context each thread has current, and the process's device numbering.
 
-use aya_ebpf::macros::{uprobe, uretprobe};
+use aya_ebpf::macros::{map, uprobe, uretprobe};
+use aya_ebpf::maps::LruHashMap;
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use genv_ebpf_common::alloc::{CtxStack, MAX_ORDINALS, NO_GPU};
 use genv_ebpf_common::cuda_call;
@@ -55,37 +56,109 @@ pub fn cu_ctx_made(ctx: RetProbeContext) -> u32 {
     0
 }
 
-/// `cuCtxSetCurrent(CUcontext ctx)`: replaces the top of the stack.
+/// A context switch's call, as its entry probe left it for its return probe.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct Switch {
+    /// The context argument (`cuCtxSetCurrent`, `cuCtxPushCurrent_v2`).
+    context: u64,
+    call: u32,
+    _pad: u32,
+}
+
+const SWITCH_SET: u32 = 1;
+const SWITCH_PUSH: u32 = 2;
+const SWITCH_POP: u32 = 3;
+const SWITCH_DESTROY: u32 = 4;
+
+/// Thread → the context switch it is in. A map of its own: a switch made inside an
+/// allocation call (the driver's own) leaves that call's record alone.
+#[map]
+pub(super) static SWITCHES: LruHashMap<u32, Switch> = LruHashMap::with_max_entries(16 * 1024, 0);
+
+/// `cuCtxSetCurrent(CUcontext ctx)`: replaces the top of the stack, on success.
 #[uprobe]
 pub fn cu_ctx_set_current(ctx: ProbeContext) -> u32 {
-    let (_, tid) = current();
-    let context: u64 = ctx.arg(0).unwrap_or(0);
-    let mut stack = thread_stack(tid);
-    stack.ctx[0] = context;
-    if stack.depth == 0 {
-        stack.depth = 1;
-    }
-    let _ = THREAD_CTX.insert(&tid, &stack, 0);
+    switch_called(SWITCH_SET, ctx.arg(0).unwrap_or(0));
     0
 }
 
 /// `cuCtxPushCurrent_v2(CUcontext ctx)`.
 #[uprobe]
 pub fn cu_ctx_push(ctx: ProbeContext) -> u32 {
-    let (_, tid) = current();
-    push_context(tid, ctx.arg(0).unwrap_or(0));
+    switch_called(SWITCH_PUSH, ctx.arg(0).unwrap_or(0));
     0
 }
 
 /// `cuCtxPopCurrent_v2(CUcontext *pctx)`.
 #[uprobe]
 pub fn cu_ctx_pop(_ctx: ProbeContext) -> u32 {
+    switch_called(SWITCH_POP, 0);
+    0
+}
+
+/// `cuCtxDestroy_v2(CUcontext ctx)`: the context is gone, and popped if it was the
+/// calling thread's current one (as the driver does).
+#[uprobe]
+pub fn cu_ctx_destroy(ctx: ProbeContext) -> u32 {
+    switch_called(SWITCH_DESTROY, ctx.arg(0).unwrap_or(0));
+    0
+}
+
+/// Return of the four above: the thread's stack changes only if the call succeeded
+/// (a refused context, or a pop of an empty stack, leaves the driver's as it was).
+#[uretprobe]
+pub fn cu_ctx_switched(ctx: RetProbeContext) -> u32 {
     let (_, tid) = current();
+    // SAFETY: a plain lookup; the value is copied out at once.
+    let Some(switch) = (unsafe { SWITCHES.get(&tid) }).copied() else {
+        return 0;
+    };
+    let _ = SWITCHES.remove(&tid);
+    if ctx.ret::<i32>() != 0 {
+        return 0;
+    }
+    match switch.call {
+        SWITCH_SET => {
+            let mut stack = thread_stack(tid);
+            stack.ctx[0] = switch.context;
+            if stack.depth == 0 {
+                stack.depth = 1;
+            }
+            let _ = THREAD_CTX.insert(&tid, &stack, 0);
+        }
+        SWITCH_PUSH => push_context(tid, switch.context),
+        SWITCH_POP => pop_context(tid),
+        SWITCH_DESTROY => {
+            let (pid, _) = current();
+            let _ = CTX_DEVICE.remove(&handle(pid, switch.context));
+            let stack = thread_stack(tid);
+            if stack.depth > 0 && stack.ctx[0] == switch.context {
+                pop_context(tid);
+            }
+        }
+        _ => {}
+    }
+    0
+}
+
+#[inline(always)]
+fn pop_context(tid: u32) {
     let mut stack = thread_stack(tid);
     stack.ctx = [stack.ctx[1], stack.ctx[2], stack.ctx[3], 0];
     stack.depth = stack.depth.saturating_sub(1);
     let _ = THREAD_CTX.insert(&tid, &stack, 0);
-    0
+}
+
+#[inline(always)]
+fn switch_called(call: u32, context: u64) {
+    let (_, tid) = current();
+    let switch = Switch {
+        context,
+        call,
+        _pad: 0,
+    };
+    let _ = SWITCHES.insert(&tid, &switch, 0);
 }
 
 /// The NVML index of the process's CUDA device `device`.

@@ -10,8 +10,8 @@ use genv_ebpf_common::{AllocEvent, RawEvent, hook, identity, kind, policy, verdi
 use super::context::{current_device, nvml_index};
 use super::{
     ALLOC_BASE, ALLOC_DELTA, ALLOCS, BPF_NOEXIST, CALL_ALLOC, CALL_ALLOC_UNCHARGED, CALL_FREE,
-    CUDA_GPUS, ENV_MEMORY, LOCATION_DEVICE, PENDING, PROC_CHARGE, PROP_LOCATION, Pending, SIGKILL,
-    handle, read_user_u64, take_pending,
+    CUDA_GPUS, ENV_MEMORY, LOCATION_DEVICE, PENDING, PROC_CAP, PROC_CHARGE, PROP_LOCATION, Pending,
+    SIGKILL, handle, read_user_u64, take_pending,
 };
 use crate::kernel::current;
 use crate::maps::{ENVS, PROC_ENV, Wake, now_ns, policy, send};
@@ -215,6 +215,10 @@ fn charge(pid: u32, env: u64, gpu: u32, size: u64) -> bool {
     let Some(cap) = (unsafe { ENV_MEMORY.get(&env) }).copied() else {
         return false;
     };
+    // Never below what the process was started with: another user's edit of the
+    // environment's cap cannot have its allocations killed.
+    // SAFETY: a plain lookup; the value is copied out at once.
+    let cap = cap.max(unsafe { PROC_CAP.get(&pid) }.copied().unwrap_or(0));
     let Some(delta) = counter(&key) else {
         return false;
     };

@@ -4,9 +4,10 @@
 //!
 //! - Contexts: which CUDA device each context is on (`cuDevicePrimaryCtxRetain`,
 //!   `cuCtxCreate_v2`) and which context each thread has current (`cuCtxSetCurrent`,
-//!   `cuCtxPushCurrent_v2`, `cuCtxPopCurrent_v2`); the device number goes through the
-//!   process's `CUDA_VISIBLE_DEVICES` (`PROC_ORDINALS`, from the daemon) to the NVML
-//!   index.
+//!   `cuCtxPushCurrent_v2`, `cuCtxPopCurrent_v2`, `cuCtxDestroy_v2`, applied when the
+//!   call returns success, so a refused switch changes nothing); the device number goes
+//!   through the process's `CUDA_VISIBLE_DEVICES` (`PROC_ORDINALS`, from the daemon) to
+//!   the NVML index.
 //! - Allocations (`cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemAllocAsync`,
 //!   `cuMemAllocFromPoolAsync`, `cuMemCreate`): the entry probe charges the size to the
 //!   process's environment on that GPU *before* checking the cap, so two processes
@@ -56,6 +57,10 @@ pub(crate) static PROC_CHARGE: LruHashMap<ProcGpu, Charge> =
 /// LRU: an evicted process's devices count as CUDA's own numbering.
 #[map]
 pub(crate) static PROC_ORDINALS: LruHashMap<u32, Ordinals> =
+    LruHashMap::with_max_entries(MAX_CUDA_PROCESSES, 0);
+/// LRU: an evicted process is held to its environment's cap alone.
+#[map]
+pub(crate) static PROC_CAP: LruHashMap<u32, u64> =
     LruHashMap::with_max_entries(MAX_CUDA_PROCESSES, 0);
 #[map]
 pub(crate) static CUDA_GPUS: Array<u32> = Array::with_max_entries(1, 0);

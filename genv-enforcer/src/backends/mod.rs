@@ -1,8 +1,9 @@
 //! Where facts about the node come from: NVML for GPUs and their processes, `/proc` for
-//! processes (and for GPU use when NVML is missing), the device map that says which
-//! device node is which GPU, and the passwd database for user names.
+//! processes (and for GPU use when NVML is missing) and the files they map, the device
+//! map that says which device node is which GPU, and the passwd database for user names.
 
 pub mod devmap;
+pub mod maps;
 pub mod nvml;
 pub mod procfs;
 pub mod trust;

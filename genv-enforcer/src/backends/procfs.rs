@@ -129,34 +129,6 @@ fn read_all(path: &str) -> io::Result<Vec<u8>> {
     }
 }
 
-/// The largest `/proc/<pid>/maps` read for the libraries a process maps: a process
-/// with more mappings than this is looked at only this far.
-const MAPS_LIMIT: u64 = 4 << 20;
-
-/// The files a process maps whose name starts with `prefix` (`libcuda.so`), each once,
-/// as `/proc/<pid>/map_files/<range>` links: they name the very file mapped, whatever
-/// was renamed or replaced at its path since (and whichever mount namespace the process
-/// is in).
-pub fn mapped_files(pid: u32, prefix: &str) -> io::Result<Vec<std::path::PathBuf>> {
-    use std::io::Read;
-    let mut text = String::new();
-    std::fs::File::open(format!("/proc/{pid}/maps"))?
-        .take(MAPS_LIMIT)
-        .read_to_string(&mut text)?;
-    let mut seen = std::collections::HashSet::new();
-    Ok(text
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let range = fields.next()?;
-            let path = fields.nth(4)?;
-            let name = path.rsplit('/').next()?;
-            (name.starts_with(prefix) && seen.insert(path.to_owned()))
-                .then(|| format!("/proc/{pid}/map_files/{range}").into())
-        })
-        .collect())
-}
-
 /// `comm` may hold spaces and parentheses, so fields are counted after the last `)`.
 fn parse_stat(text: &str) -> Option<ProcStat> {
     let rest = &text[text.rfind(')')? + 1..];
@@ -226,12 +198,23 @@ pub fn environment_id(pid: u32) -> Result<Option<String>, EnvironError> {
 /// A variable of the process's initial environment as `getenv` reads it (the first
 /// assignment wins), where Python's `os.environ` (genv's reading) takes the last.
 pub fn first_environment_var(pid: u32, name: &str) -> Result<Option<String>, EnvironError> {
+    first_environment_vars(pid, [name]).map(|[value]| value)
+}
+
+/// Several variables of the process's initial environment, read at once, each as
+/// [`first_environment_var`] reads it.
+pub fn first_environment_vars<const N: usize>(
+    pid: u32,
+    names: [&str; N],
+) -> Result<[Option<String>; N], EnvironError> {
     let bytes = environ(pid)?;
-    Ok(bytes
-        .split(|b| *b == 0)
-        .filter_map(|entry| entry.strip_prefix(name.as_bytes())?.strip_prefix(b"="))
-        .next()
-        .map(|value| String::from_utf8_lossy(value).into_owned()))
+    Ok(names.map(|name| {
+        bytes
+            .split(|b| *b == 0)
+            .filter_map(|entry| entry.strip_prefix(name.as_bytes())?.strip_prefix(b"="))
+            .next()
+            .map(|value| String::from_utf8_lossy(value).into_owned())
+    }))
 }
 
 fn environ(pid: u32) -> Result<Vec<u8>, EnvironError> {

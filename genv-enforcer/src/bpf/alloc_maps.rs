@@ -8,7 +8,7 @@ use aya::Ebpf;
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError};
 use genv_ebpf_common::alloc::{
     ALLOC_BASE_MAP, ALLOC_DELTA_MAP, Baseline, CUDA_GPUS_MAP, Charge, Delta, ENV_MEMORY_MAP,
-    EnvGpu, Ordinals, PROC_CHARGE_MAP, PROC_ORDINALS_MAP, ProcGpu,
+    EnvGpu, Ordinals, PROC_CAP_MAP, PROC_CHARGE_MAP, PROC_ORDINALS_MAP, ProcGpu,
 };
 
 use super::error::{LoadError, map_error, take_map};
@@ -37,6 +37,7 @@ pub struct AllocMaps {
     base: BpfHashMap<MapData, EnvGpu, Baseline>,
     charges: BpfHashMap<MapData, ProcGpu, Charge>,
     ordinals: BpfHashMap<MapData, u32, Ordinals>,
+    started_caps: BpfHashMap<MapData, u32, u64>,
     gpus: Array<MapData, u32>,
     /// Accounts that kept their baseline at the last polls.
     kept: KeptPolls,
@@ -50,6 +51,7 @@ impl AllocMaps {
             base: take_map(ebpf, ALLOC_BASE_MAP)?,
             charges: take_map(ebpf, PROC_CHARGE_MAP)?,
             ordinals: take_map(ebpf, PROC_ORDINALS_MAP)?,
+            started_caps: take_map(ebpf, PROC_CAP_MAP)?,
             gpus: take_map(ebpf, CUDA_GPUS_MAP)?,
             kept: HashMap::new(),
         })
@@ -185,6 +187,7 @@ impl AllocMaps {
     /// atomic adds to the delta are never raced); its device numbering goes.
     pub fn process_exited(&mut self, pid: u32) {
         let _ = remove(&mut self.ordinals, &pid);
+        let _ = remove(&mut self.started_caps, &pid);
         let held: Vec<ProcGpu> = self
             .charges
             .keys()
@@ -212,6 +215,16 @@ impl AllocMaps {
             None => remove(&mut self.ordinals, &pid),
         }
         .map_err(map_error(PROC_ORDINALS_MAP))
+    }
+
+    /// Records the cap in bytes `pid` was started with (`None`: it holds to its
+    /// environment's alone).
+    pub fn set_started_cap(&mut self, pid: u32, bytes: Option<u64>) -> Result<(), LoadError> {
+        match bytes {
+            Some(bytes) => self.started_caps.insert(pid, bytes, 0),
+            None => remove(&mut self.started_caps, &pid),
+        }
+        .map_err(map_error(PROC_CAP_MAP))
     }
 }
 

@@ -7,7 +7,11 @@ use std::path::{Path, PathBuf};
 
 use aya::Ebpf;
 use aya::programs::UProbe;
-use aya::programs::uprobe::UProbeScope;
+use aya::programs::uprobe::{UProbeLinkId, UProbeScope};
+
+mod library;
+
+pub use library::{FileVersion, Handle, LIBRARY_LIMIT, Library};
 
 use super::alloc_maps::AllocMaps;
 use super::error::{LoadError, chain, program_error};
@@ -39,6 +43,13 @@ const FREES: &[&str] = &[
     "cuMemRelease",
 ];
 const CONTEXT_MADE: &[&str] = &["cuDevicePrimaryCtxRetain", "cuCtxCreate_v2"];
+/// The calls that change a thread's context stack, applied on their return.
+const CONTEXT_SWITCHES: &[&str] = &[
+    "cuCtxSetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuCtxDestroy_v2",
+];
 
 /// Each program and the libcuda symbols it is attached to. The entry and return probes
 /// of one call go together; a library must have the first two calls (the plain
@@ -57,6 +68,8 @@ const PROBES: &[(&str, &[&str])] = &[
     ("cu_ctx_set_current", &["cuCtxSetCurrent"]),
     ("cu_ctx_push", &["cuCtxPushCurrent_v2"]),
     ("cu_ctx_pop", &["cuCtxPopCurrent_v2"]),
+    ("cu_ctx_destroy", &["cuCtxDestroy_v2"]),
+    ("cu_ctx_switched", CONTEXT_SWITCHES),
 ];
 
 /// Without these a library is not a libcuda the probes can account for.
@@ -107,85 +120,32 @@ fn load(ebpf: &mut Ebpf, programs: &mut Vec<Attached>) -> Result<(), LoadError> 
 pub struct Attachment {
     /// Symbols the library does not have (their calls go unseen there).
     pub missing: Vec<&'static str>,
+    /// Each probe attached, for detaching them again ([`detach`]).
+    links: Vec<(&'static str, UProbeLinkId)>,
 }
 
-/// The largest library read: a libcuda is tens of MB.
-pub const LIBRARY_LIMIT: u64 = 256 << 20;
+/// Where a library's probed calls start in its file.
+#[derive(Debug)]
+pub struct Exports(HashMap<&'static str, u64>);
 
-/// An open library, to be probed. Everything is done through this one descriptor: its
-/// type and size are checked, its bytes read, and the probes attached through
-/// `/proc/self/fd/N` at offsets found in those bytes, so that nothing is looked up by
-/// a path someone else can change between the steps.
-pub struct Library {
-    file: std::fs::File,
-    /// What it is called in messages.
-    pub name: String,
-}
-
-impl Library {
-    /// Opens `path` (reached through the mount namespace `mountinfo` lists) for reading:
-    /// first as `O_PATH`, which asks the file system nothing, so that a FUSE mount (any
-    /// user's server, which could stall every request) is refused before any open, stat
-    /// or read reaches it; then for reading through that descriptor, without blocking
-    /// or taking a terminal. A regular file of at most [`LIBRARY_LIMIT`] bytes, else
-    /// refused.
-    pub fn open(path: &Path, name: String, mountinfo: &str) -> Result<Self, LoadError> {
-        use rustix::fs::{Mode, OFlags};
-        use std::os::fd::AsRawFd;
-        use std::os::unix::fs::OpenOptionsExt;
-        let refuse = |why: String| LoadError::Library(format!("{name}: {why}"));
-        let handle = rustix::fs::open(path, OFlags::PATH | OFlags::CLOEXEC, Mode::empty())
-            .map_err(|e| refuse(e.to_string()))?;
-        match crate::state::served_by_fuse(&handle, mountinfo) {
-            Ok(false) => {}
-            Ok(true) => return Err(refuse("on a FUSE file system: not read".into())),
-            Err(e) => return Err(refuse(format!("cannot tell its file system: {e}"))),
-        }
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(format!("/proc/self/fd/{}", handle.as_raw_fd()))
-            .map_err(|e| refuse(e.to_string()))?;
-        let meta = file.metadata().map_err(|e| refuse(e.to_string()))?;
-        if !meta.is_file() {
-            return Err(refuse("not a regular file".into()));
-        }
-        if meta.len() > LIBRARY_LIMIT {
-            return Err(refuse(format!(
-                "{} bytes, over {LIBRARY_LIMIT}",
-                meta.len()
-            )));
-        }
-        Ok(Self { file, name })
-    }
-
-    /// Its device and inode: the file, whatever path reached it.
-    pub fn identity(&self) -> Option<(u64, u64)> {
-        use std::os::unix::fs::MetadataExt;
-        let meta = self.file.metadata().ok()?;
-        Some((meta.dev(), meta.ino()))
-    }
-
-    /// Whether it starts as an ELF shared object for this machine: a cheap look before
-    /// the whole file is read.
-    pub fn looks_like_a_library(&self) -> bool {
-        use std::os::unix::fs::FileExt;
-        let mut header = [0u8; 64];
-        if self.file.read_exact_at(&mut header, 0).is_err() {
-            return false;
-        }
-        header.starts_with(b"\x7fELF")
-            && header[4] == 2 // 64-bit
-            && header[16] == 3 // ET_DYN
+impl Exports {
+    /// Whether it has the calls the probes cannot account without (the plain
+    /// allocation and its free): what makes a file a libcuda, whatever it is called.
+    pub fn is_libcuda(&self) -> bool {
+        REQUIRED.iter().all(|s| self.0.contains_key(s))
     }
 }
 
-/// Attaches every probe to `library`. A library without the required symbols, or for
-/// another architecture, is refused whole; the others missing are listed.
-pub(super) fn attach(ebpf: &mut Ebpf, library: &Library) -> Result<Attachment, LoadError> {
+/// Attaches every probe to `library` at `exports`. A library without the required
+/// symbols is refused whole, as is one a probe cannot be attached to (those attached
+/// already are taken off again); the others missing are listed.
+pub(super) fn attach(
+    ebpf: &mut Ebpf,
+    library: &Library,
+    exports: &Exports,
+) -> Result<Attachment, LoadError> {
     use std::os::fd::AsRawFd;
-    let offsets = symbol_offsets(library)?;
-    if let Some(absent) = REQUIRED.iter().find(|s| !offsets.contains_key(**s)) {
+    if let Some(absent) = REQUIRED.iter().find(|s| !exports.0.contains_key(**s)) {
         return Err(LoadError::Library(format!(
             "{}: no {absent} (not a libcuda)",
             library.name
@@ -195,76 +155,52 @@ pub(super) fn attach(ebpf: &mut Ebpf, library: &Library) -> Result<Attachment, L
     let target = PathBuf::from(format!("/proc/self/fd/{}", library.file.as_raw_fd()));
     let mut attachment = Attachment::default();
     for &(name, wanted) in PROBES {
-        let probe: &mut UProbe = program_mut(ebpf, name)?
-            .try_into()
-            .map_err(program_error(name))?;
         for &symbol in wanted {
-            let Some(&offset) = offsets.get(symbol) else {
+            let Some(&offset) = exports.0.get(symbol) else {
                 if !attachment.missing.contains(&symbol) {
                     attachment.missing.push(symbol);
                 }
                 continue;
             };
-            probe
-                .attach(offset, &target, UProbeScope::AllProcesses)
-                .map_err(|e| LoadError::Program {
-                    program: name,
-                    message: format!("attaching to {symbol} in {}: {}", library.name, chain(&e)),
-                })?;
+            let attached = probe_mut(ebpf, name).and_then(|probe| {
+                probe
+                    .attach(offset, &target, UProbeScope::AllProcesses)
+                    .map_err(|e| LoadError::Program {
+                        program: name,
+                        message: format!(
+                            "attaching to {symbol} in {}: {}",
+                            library.name,
+                            chain(&e)
+                        ),
+                    })
+            });
+            match attached {
+                Ok(link) => attachment.links.push((name, link)),
+                Err(e) => {
+                    detach(ebpf, attachment);
+                    return Err(e);
+                }
+            }
         }
     }
     Ok(attachment)
 }
 
-/// The file offsets of the dynamic symbols a library defines, read from its bytes
-/// (through the descriptor, bounded).
-fn symbol_offsets(library: &Library) -> Result<HashMap<String, u64>, LoadError> {
-    use object::{Object, ObjectSection, ObjectSymbol};
-    use std::io::Read;
-    let refuse = |why: String| LoadError::Library(format!("{}: {why}", library.name));
-    let mut bytes = Vec::new();
-    (&library.file)
-        .take(LIBRARY_LIMIT + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| refuse(e.to_string()))?;
-    if bytes.len() as u64 > LIBRARY_LIMIT {
-        return Err(refuse(format!("over {LIBRARY_LIMIT} bytes")));
-    }
-    let file = object::File::parse(&*bytes).map_err(|e| refuse(e.to_string()))?;
-    // ldconfig lists the 32-bit library too: its calls pass arguments elsewhere, so the
-    // probes would read other registers as sizes.
-    if file.architecture() != host_architecture() {
-        return Err(refuse(format!(
-            "built for {:?}, not this machine's {:?}",
-            file.architecture(),
-            host_architecture()
-        )));
-    }
-    let mut offsets = HashMap::new();
-    for symbol in file.dynamic_symbols().filter(|s| s.is_definition()) {
-        let (Ok(name), Some(index)) = (symbol.name(), symbol.section_index()) else {
-            continue;
-        };
-        // A symbol's file offset: where its section's bytes sit in the file, plus its
-        // distance from the section's start in memory.
-        let offset = file.section_by_index(index).ok().and_then(|section| {
-            let (start, _) = section.file_range()?;
-            Some(start + symbol.address().checked_sub(section.address())?)
-        });
-        if let Some(offset) = offset {
-            offsets.insert(name.to_owned(), offset);
+/// Takes the probes of one [`attach`] off again.
+pub(super) fn detach(ebpf: &mut Ebpf, attachment: Attachment) {
+    for (name, link) in attachment.links {
+        if let Err(e) =
+            probe_mut(ebpf, name).and_then(|probe| probe.detach(link).map_err(program_error(name)))
+        {
+            tracing::warn!("--memory-at-alloc: cannot take a probe off: {e}");
         }
     }
-    Ok(offsets)
 }
 
-fn host_architecture() -> object::Architecture {
-    match std::env::consts::ARCH {
-        "x86_64" => object::Architecture::X86_64,
-        "aarch64" => object::Architecture::Aarch64,
-        "powerpc64" => object::Architecture::PowerPc64,
-        _ => object::Architecture::Unknown,
-    }
+fn probe_mut<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, LoadError> {
+    program_mut(ebpf, name)?
+        .try_into()
+        .map_err(program_error(name))
 }
 
 /// The libraries to probe: `ldconfig`'s `libcuda.so.1`, the one beside NVML (where the

@@ -246,14 +246,23 @@ impl KernelPrograms {
             .collect()
     }
 
-    /// Attaches the libcuda probes to `library` (`--memory-at-alloc`).
-    pub fn attach_cuda(&mut self, library: &cuda::Library) -> Result<Attachment, LoadError> {
+    /// Attaches the libcuda probes to `library`, at its `exports` (`--memory-at-alloc`).
+    pub fn attach_cuda(
+        &mut self,
+        library: &cuda::Library,
+        exports: &cuda::Exports,
+    ) -> Result<Attachment, LoadError> {
         if self.alloc.is_none() {
             return Err(LoadError::Object(
                 "the libcuda probes are not loaded".into(),
             ));
         }
-        cuda::attach(&mut self.ebpf, library)
+        cuda::attach(&mut self.ebpf, library, exports)
+    }
+
+    /// Takes the probes of one [`Self::attach_cuda`] off again.
+    pub fn detach_cuda(&mut self, attachment: Attachment) {
+        cuda::detach(&mut self.ebpf, attachment);
     }
 
     /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.

@@ -10,6 +10,7 @@
 pub mod alloc_maps;
 pub mod btf;
 pub mod cuda;
+mod elf_symbols;
 pub mod error;
 mod fmod_ret;
 pub mod lifecycle;

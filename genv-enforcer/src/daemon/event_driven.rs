@@ -92,6 +92,7 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
             daemon.watchlist.next_wake(),
             daemon.enforcer.executor.next_deadline(),
             intake.as_ref().map(|_| Instant::now() + daemon.drain_every),
+            daemon.kernel.as_ref().and_then(KernelSide::next_look),
         ]);
         tokio::select! {
             biased;
@@ -244,6 +245,9 @@ impl Daemon {
         if self.kernel.as_mut().is_some_and(KernelSide::settle_exits) {
             self.drain_every = DRAIN_EVERY;
         }
+        if let Some(kernel) = self.kernel.as_mut() {
+            kernel.run_due_looks(self.enforcer.builder.devices());
+        }
         self.sweep_holders();
         if let Some(first) = batch.unknown.first() {
             if !self.said_unknown {
@@ -320,7 +324,7 @@ impl Daemon {
             KernelEvent::Open(open) => {
                 counts.open_events += 1;
                 if let Some(kernel) = self.kernel.as_mut() {
-                    kernel.opened(open.pid, open.uid);
+                    kernel.opened(open.pid, open.uid, self.enforcer.builder.devices());
                 }
                 let counts = &mut self.status.counts;
                 if self.settings.verbose {

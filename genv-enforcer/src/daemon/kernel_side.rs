@@ -296,10 +296,22 @@ impl KernelSide {
 
     /// A process opened a GPU node (`--memory-at-alloc`: a libcuda copy it maps is
     /// probed).
-    pub(super) fn opened(&mut self, pid: u32, uid: u32) {
+    pub(super) fn opened(&mut self, pid: u32, uid: u32, gpus: &[nvml::GpuInfo]) {
         if let Some(alloc) = &mut self.alloc {
-            alloc.opened(&mut self.programs, pid, uid);
+            alloc.opened(&mut self.programs, (pid, uid), gpus);
         }
+    }
+
+    /// `--memory-at-alloc`: the looks at GPU openers' libraries owed by now.
+    pub(super) fn run_due_looks(&mut self, gpus: &[nvml::GpuInfo]) {
+        if let Some(alloc) = &mut self.alloc {
+            alloc.run_due(&mut self.programs, gpus);
+        }
+    }
+
+    /// When the next owed look is due.
+    pub(super) fn next_look(&self) -> Option<std::time::Instant> {
+        self.alloc.as_ref().and_then(|alloc| alloc.next_due())
     }
 
     /// A process exec'ed or (`exiting`) began exiting.

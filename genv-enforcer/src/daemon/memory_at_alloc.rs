@@ -1,12 +1,17 @@
 //! `--memory-at-alloc` in the daemon: the libcuda probes attached to every libcuda
 //! found (ldconfig's, the one beside NVML once it loads, `--cuda-lib`, and any copy a
-//! process that opens a GPU node maps), and their maps
+//! process that opens a GPU node maps, see [`copies`]), and their maps
 //! kept true: caps from genv's state at each full cycle, NVML's baselines at each
 //! memory poll, each CUDA process's device numbering when it starts CUDA, its charges
 //! taken off when it exits. The kernel decides; this prints what it decided.
 
+mod budget;
+mod copies;
+mod looks;
+
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use genv_ebpf_common::alloc::{Delta, EnvGpu};
 
@@ -18,30 +23,18 @@ use crate::bpf::alloc_maps::DeltasAround;
 use crate::bpf::cuda::Library;
 use crate::intake::OverCap;
 use crate::prevention::alloc::{Caps, names_a_uuid, ordinals};
+use crate::prevention::started_cap::{GPU_MEMORY_VAR, SHELL_VAR, StartedWith};
 use crate::state::Env;
-
-/// How many libraries first seen in processes are read, in the daemon's life, in all
-/// and per uid (root's count to the total only).
-const MAX_READ: usize = 64;
-const MAX_READ_PER_UID: usize = 4;
-/// How often a process that opens GPU nodes is looked at for a libcuda it maps.
-const LOOKS_PER_PROCESS: u8 = 4;
 
 pub(super) struct AllocSide {
     caps: Caps,
-    /// Libraries the probes are attached to, or that were refused, by device and inode:
-    /// each file is read once.
-    known: HashSet<(u64, u64)>,
+    /// The libraries given (or found by ldconfig and beside NVML) are known here too,
+    /// so that a process mapping one is not looked into for it.
+    copies: copies::Copies,
     /// Whether any library is attached.
     attached_any: bool,
-    /// How often each process's mappings were looked at for libcuda copies (until it
-    /// execs or exits).
-    looks: HashMap<u32, u8>,
-    /// Libraries first seen in processes that were read, by the processes' uid.
-    read_by: HashMap<u32, usize>,
-    /// Libraries first seen in a process that were read: a libcuda is tens of MB to
-    /// parse, and a user could map file after file, so there is a bound.
-    read: usize,
+    /// The caps processes that started CUDA were started with, for the line.
+    started_caps: HashMap<u32, StartedWith>,
     /// Processes seen starting CUDA: only their exits have charges to take off.
     /// With the start time each had: a pid reused after a lost exit is another process.
     cuda_pids: HashMap<u32, u64>,
@@ -62,11 +55,9 @@ impl AllocSide {
     pub(super) fn start(programs: &mut KernelPrograms, settings: &Settings) -> Self {
         let mut side = Self {
             caps: Caps::default(),
-            known: HashSet::new(),
+            copies: copies::Copies::default(),
             attached_any: false,
-            looks: HashMap::new(),
-            read_by: HashMap::new(),
-            read: 0,
+            started_caps: HashMap::new(),
             cuda_pids: HashMap::new(),
             exiting: HashMap::new(),
             unresolved: HashMap::new(),
@@ -93,23 +84,26 @@ impl AllocSide {
         for path in crate::bpf::cuda::libraries(given, beside_nvml) {
             let name = path.display().to_string();
             match Library::open(&path, name.clone(), "/proc/thread-self/mountinfo") {
-                Ok(library) => self.attach(programs, &library, None),
+                Ok(library) => self.attach(programs, &library),
                 Err(e) => tracing::warn!("--memory-at-alloc: not probing {e}"),
             }
         }
     }
 
-    /// Probes `library` unless it was already (attached or refused), by its device and
-    /// inode; `pid` is the process it was first seen in, if not named by the admin.
-    fn attach(&mut self, programs: &mut KernelPrograms, library: &Library, pid: Option<u32>) {
-        let Some((dev, ino)) = library.identity() else {
+    /// Probes `library` (given, or found by ldconfig or beside NVML) unless it is
+    /// already, by its device and inode.
+    fn attach(&mut self, programs: &mut KernelPrograms, library: &Library) {
+        let Some(version) = library.version() else {
             return;
         };
-        if !self.known.insert((dev, ino)) {
+        if self.copies.is_probed(version.id()) {
             return;
         }
-        match (programs.attach_cuda(library), pid) {
-            (Ok(attachment), None) => {
+        let attached = library
+            .exports()
+            .and_then(|exports| programs.attach_cuda(library, &exports));
+        match attached {
+            Ok(attachment) => {
                 let missing = match attachment.missing.is_empty() {
                     true => String::new(),
                     false => format!(" (it has no {})", attachment.missing.join(", ")),
@@ -118,12 +112,10 @@ impl AllocSide {
                     "--memory-at-alloc: allocations through {} are held to their environment's gpu_memory{missing}",
                     library.name
                 );
+                self.copies.given(version);
                 self.attached_any = true;
             }
-            (Ok(_), Some(pid)) => tracing::info!(
-                "--memory-at-alloc: process {pid} maps a libcuda not probed yet (device {dev}, inode {ino}); allocations through it are held to their environment's gpu_memory"
-            ),
-            (Err(e), _) => tracing::warn!("--memory-at-alloc: not probing {e}"),
+            Err(e) => tracing::warn!("--memory-at-alloc: not probing {e}"),
         }
     }
 
@@ -175,7 +167,10 @@ impl AllocSide {
         }
     }
 
-    /// A process started CUDA: its device numbering, from its `CUDA_VISIBLE_DEVICES`.
+    /// A process started CUDA (or maps a copy just probed): its device numbering, from
+    /// its `CUDA_VISIBLE_DEVICES`, and the cap it was started with (`GENV_GPU_MEMORY`),
+    /// below which it is never killed at the allocation (see
+    /// [`crate::prevention::started_cap`]).
     pub(super) fn cuda_started(
         &mut self,
         programs: &mut KernelPrograms,
@@ -192,8 +187,9 @@ impl AllocSide {
             return; // read at its first CUDA call already
         }
         // CUDA reads it with getenv: the first assignment wins.
-        let visible = match procfs::first_environment_var(pid, "CUDA_VISIBLE_DEVICES") {
-            Ok(visible) => visible,
+        let names = ["CUDA_VISIBLE_DEVICES", GPU_MEMORY_VAR, SHELL_VAR];
+        let [visible, gpu_memory, shell] = match procfs::first_environment_vars(pid, names) {
+            Ok(values) => values,
             Err(e) => {
                 if self.verbose {
                     tracing::info!(
@@ -202,6 +198,14 @@ impl AllocSide {
                 }
                 return;
             }
+        };
+        let own = StartedWith::of(gpu_memory.as_deref(), shell.as_deref());
+        if let Err(e) = maps.set_started_cap(pid, own.as_ref().map(StartedWith::kernel_bytes)) {
+            tracing::warn!("Cannot record the cap process {pid} was started with: {e}");
+        }
+        match own {
+            Some(own) => self.started_caps.insert(pid, own),
+            None => self.started_caps.remove(&pid),
         };
         if gpus.is_empty() && visible.as_deref().is_some_and(names_a_uuid) {
             self.unresolved.insert(pid, started);
@@ -232,61 +236,54 @@ impl AllocSide {
         }
     }
 
-    /// A process opened a GPU node: a libcuda it maps from a file not probed yet (a
-    /// container's, a user's copy) is probed from now on. CUDA opens the nodes in
-    /// `cuInit`, after loading the library and before any allocation. A process that
-    /// maps none yet (NVML opens the nodes too) is looked at again at its next open, a
-    /// few times. Each file is opened once, through `/proc/<pid>/map_files` (the very
-    /// file mapped) and then only through that descriptor; a uid gets a few such reads,
-    /// and all of them together a few more, so that junk files cannot keep the daemon
-    /// reading, nor use up what real copies need.
-    pub(super) fn opened(&mut self, programs: &mut KernelPrograms, pid: u32, uid: u32) {
-        let looks = self.looks.entry(pid).or_insert(0);
-        if *looks >= LOOKS_PER_PROCESS || self.read >= MAX_READ {
+    /// A process opened a GPU node: a libcuda copy it maps that is not probed yet (a
+    /// container's, a user's, whatever it is called) is probed from now on. CUDA opens
+    /// the nodes in `cuInit` and at each context, after loading the library and before
+    /// any allocation; NVML opens them too, maybe before, so every open counts (see
+    /// [`copies`]). Not for a process the kernel knows to be outside any environment
+    /// (monitoring agents open GPU nodes all the time): its allocations are charged to
+    /// nobody.
+    pub(super) fn opened(
+        &mut self,
+        programs: &mut KernelPrograms,
+        (pid, uid): (u32, u32),
+        gpus: &[GpuInfo],
+    ) {
+        if programs.policy().identity(pid) == Some(genv_ebpf_common::identity::NO_ENV) {
             return;
         }
-        *looks += 1;
-        let Ok(files) = procfs::mapped_files(pid, "libcuda.so") else {
-            return;
-        };
-        if !files.is_empty() {
-            self.looks.insert(pid, LOOKS_PER_PROCESS); // found: not looked at again
+        self.copies.opened(programs, pid, uid);
+        self.probed(programs, gpus);
+    }
+
+    /// The looks at processes owed by now (opens that came too soon after a look).
+    pub(super) fn run_due(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
+        self.copies.run_due(programs);
+        self.probed(programs, gpus);
+    }
+
+    /// Processes a copy was just probed for have started CUDA, or are about to (the
+    /// probes may have missed their `cuInit`): they are read as at their first CUDA
+    /// call, and only then is the copy said to be probed.
+    fn probed(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
+        for (pid, line) in self.copies.take_probed() {
+            self.cuda_started(programs, pid, gpus);
+            tracing::info!("{line}");
         }
-        for link in files {
-            let name = format!("the libcuda process {pid} maps");
-            let mountinfo = format!("/proc/{pid}/mountinfo");
-            let library = match Library::open(&link, name, &mountinfo) {
-                Ok(library) => library,
-                Err(e) => {
-                    tracing::warn!("--memory-at-alloc: not probing {e}");
-                    continue;
-                }
-            };
-            let seen = library
-                .identity()
-                .is_some_and(|id| self.known.contains(&id));
-            if seen || !library.looks_like_a_library() {
-                continue;
-            }
-            let read_by_uid = self.read_by.entry(uid).or_insert(0);
-            if self.read >= MAX_READ || (uid != 0 && *read_by_uid >= MAX_READ_PER_UID) {
-                tracing::warn!(
-                    "--memory-at-alloc: not reading the libcuda process {pid} (uid {uid}) maps: too many copies read already; give it with --cuda-lib"
-                );
-                return;
-            }
-            *read_by_uid += 1;
-            self.read += 1;
-            self.attach(programs, &library, Some(pid));
-        }
+    }
+
+    /// When the next owed look is due.
+    pub(super) fn next_due(&self) -> Option<Instant> {
+        self.copies.next_look()
     }
 
     /// A process exec'ed (`exiting: false`: its old image's memory is gone) or began
     /// exiting: its charges come off now, or once it is gone ([`Self::settle_exits`],
     /// which the daemon calls after every batch of events).
     pub(super) fn exited(&mut self, programs: &mut KernelPrograms, pid: u32, exiting: bool) {
-        self.looks.remove(&pid);
+        self.copies.gone(programs, pid);
         self.unresolved.remove(&pid);
+        self.started_caps.remove(&pid);
         let Some(started) = self.cuda_pids.remove(&pid) else {
             return;
         };
@@ -314,7 +311,7 @@ impl AllocSide {
 
     /// The line for what the kernel decided about an allocation.
     pub(super) fn line(&self, over: &OverCap) -> String {
-        self.caps.line(over)
+        self.caps.line(over, self.started_caps.get(&over.pid))
     }
 }
 

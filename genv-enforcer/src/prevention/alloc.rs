@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use genv_ebpf_common::alloc::{EnvGpu, MAX_ORDINALS, NO_GPU, Ordinals};
 use genv_ebpf_common::{env_id_hash, policy};
 
+use super::started_cap::StartedWith;
 use crate::backends::nvml::GpuInfo;
 use crate::intake::{AllocOutcome, OverCap};
 use crate::snapshot::GpuProcess;
@@ -68,13 +69,25 @@ impl Caps {
     /// genv's wording, for what the kernel decided: `Environment E would use Nm on
     /// device I which is Mm over its capacity of C; killed process P at the
     /// allocation`.
-    pub fn line(&self, over: &OverCap) -> String {
+    /// `started`: the cap the process was started with, which it is held to where it
+    /// allows more than the environment's (see [`super::started_cap`]).
+    pub fn line(&self, over: &OverCap, started: Option<&StartedWith>) -> String {
         let (eid, cap, excess) = match self.by_identity.get(&over.env) {
-            Some((eid, cap)) => (
-                eid.clone(),
-                cap.to_string(),
-                over.would_use.saturating_sub(cap.bytes()),
-            ),
+            Some((eid, cap)) => match started.filter(|s| s.exceeds(cap)) {
+                Some(StartedWith::Cap(own)) => (
+                    eid.clone(),
+                    format!(
+                        "{own}, which process {} was started with (envs.json says {cap})",
+                        over.pid
+                    ),
+                    over.would_use.saturating_sub(own.bytes()),
+                ),
+                _ => (
+                    eid.clone(),
+                    format!("its capacity of {cap}"),
+                    over.would_use.saturating_sub(cap.bytes()),
+                ),
+            },
             None => (format!("{:016x}", over.env), "its cap".to_owned(), 0),
         };
         let outcome = match over.outcome {
@@ -89,7 +102,7 @@ impl Caps {
             ),
         };
         format!(
-            "Environment {eid} would use {} on device {} which is {} over its capacity of {cap}; {outcome}",
+            "Environment {eid} would use {} on device {} which is {} over {cap}; {outcome}",
             format_megabytes(over.would_use),
             over.index,
             format_megabytes(excess)
@@ -303,9 +316,13 @@ mod tests {
             outcome: AllocOutcome::Killed,
             at_ns: 0,
         };
+        let line = "Environment 21364 would use 1200m on device 0 which is 200m over its capacity of 1g; killed process 42 at the allocation";
+        assert_eq!(caps.line(&over, None), line);
+        let started = |text: &str| StartedWith::Cap(MemorySpec::parse(text).unwrap());
+        assert_eq!(caps.line(&over, Some(&started("500m"))), line, "the file's");
         assert_eq!(
-            caps.line(&over),
-            "Environment 21364 would use 1200m on device 0 which is 200m over its capacity of 1g; killed process 42 at the allocation"
+            caps.line(&over, Some(&started("1100m"))),
+            "Environment 21364 would use 1200m on device 0 which is 100m over 1100m, which process 42 was started with (envs.json says 1g); killed process 42 at the allocation"
         );
     }
 }

@@ -13,6 +13,7 @@ pub mod decisions;
 pub mod holders;
 pub mod identity;
 pub mod mirror;
+pub mod started_cap;
 
 pub use decisions::{decision_line, guarantee};
 pub use identity::{identity_of, resolve_identity, resync_identities, seed_identities};

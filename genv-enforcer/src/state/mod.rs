@@ -33,7 +33,7 @@ pub use json::to_python_json;
 pub use lock::{GlobalLock, LockError, LockErrorKind};
 pub use memory::MemorySpec;
 pub use model::{Attachment, Device, Env, EnvConfig};
-pub use mounts::served_by_fuse;
+pub use mounts::{MountTable, served_by_fuse};
 pub use safe_open::{FileKind, MountKind, Refusal};
 
 #[derive(Debug, thiserror::Error)]

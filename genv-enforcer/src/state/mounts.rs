@@ -10,6 +10,7 @@
 //! file system type): text the kernel writes from its own records, without asking the
 //! file system anything. Never from `stat`/`statfs` of the mount, which FUSE serves.
 
+use std::collections::HashSet;
 use std::fs;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
@@ -42,7 +43,77 @@ pub(super) fn of(fd: impl AsFd) -> io::Result<Mount> {
 /// process maps: `/proc/<pid>/mountinfo`). Mount ids are the kernel's, across
 /// namespaces.
 pub fn served_by_fuse(fd: impl AsFd, mountinfo: &str) -> io::Result<bool> {
-    Ok(of_in(fd, mountinfo)?.is_fuse())
+    MountTable::read(mountinfo)?.serves_fuse(fd)
+}
+
+/// The largest `mountinfo` read: a namespace with more mounts than this is refused.
+const MOUNTINFO_LIMIT: u64 = 8 << 20;
+
+/// A mount namespace's table, read once, for asking about many descriptors (every file
+/// a process maps): which mounts, and which devices, FUSE serves.
+pub struct MountTable {
+    /// The `mountinfo` read, for messages.
+    source: String,
+    listed: HashSet<u64>,
+    fuse: HashSet<u64>,
+    fuse_devices: HashSet<u64>,
+}
+
+impl MountTable {
+    /// Reads `mountinfo` (`/proc/<pid>/mountinfo`: the namespace a file was reached
+    /// through).
+    pub fn read(mountinfo: &str) -> io::Result<Self> {
+        use io::Read;
+        let mut text = String::new();
+        let read = fs::File::open(mountinfo)
+            .and_then(|f| f.take(MOUNTINFO_LIMIT + 1).read_to_string(&mut text))
+            .map_err(|e| context(mountinfo, e))?;
+        if read as u64 > MOUNTINFO_LIMIT {
+            return Err(invalid(mountinfo, "too many mounts to read"));
+        }
+        let mut table = Self {
+            source: mountinfo.to_owned(),
+            listed: HashSet::new(),
+            fuse: HashSet::new(),
+            fuse_devices: HashSet::new(),
+        };
+        for line in text.lines() {
+            let Some(mount) = parse_line(line) else {
+                continue;
+            };
+            table.listed.insert(mount.id);
+            if mount.is_fuse() {
+                table.fuse.insert(mount.id);
+                table.fuse_devices.extend(device(line));
+            }
+        }
+        Ok(table)
+    }
+
+    /// Whether `fd` (an `O_PATH` descriptor is enough) lies on a FUSE mount; an error if
+    /// its mount is not in this table.
+    pub fn serves_fuse(&self, fd: impl AsFd) -> io::Result<bool> {
+        let fd = fd.as_fd().as_raw_fd();
+        let fdinfo = format!("/proc/thread-self/fdinfo/{fd}");
+        let text = fs::read_to_string(&fdinfo).map_err(|e| context(&fdinfo, e))?;
+        let id = mount_id(&text).ok_or_else(|| invalid(&fdinfo, "no mnt_id"))?;
+        if !self.listed.contains(&id) {
+            return Err(invalid(&self.source, &format!("mount {id} is not listed")));
+        }
+        Ok(self.fuse.contains(&id))
+    }
+
+    /// Whether the device `dev` (`st_dev`'s encoding) is one a FUSE mount of this table
+    /// is on: a file there is refused without being opened at all.
+    pub fn is_fuse_device(&self, dev: u64) -> bool {
+        self.fuse_devices.contains(&dev)
+    }
+}
+
+/// The device field (`0:40`) of a `mountinfo` line, as `st_dev` encodes it.
+fn device(line: &str) -> Option<u64> {
+    let (major, minor) = line.split(' ').nth(2)?.split_once(':')?;
+    Some(libc::makedev(major.parse().ok()?, minor.parse().ok()?))
 }
 
 fn of_in(fd: impl AsFd, mountinfo: &str) -> io::Result<Mount> {
@@ -178,6 +249,28 @@ mod tests {
             parse_line("26 1 254:1 / / rw shared:1 ext4 /dev/vda1"),
             None
         );
+    }
+
+    #[test]
+    fn reads_the_device_of_a_mount() {
+        assert_eq!(device(LINES[1]), Some(libc::makedev(0, 40)));
+        assert_eq!(device(LINES[0]), Some(libc::makedev(254, 1)));
+        assert_eq!(device("69 46 zz / /"), None);
+    }
+
+    #[test]
+    fn a_table_answers_for_descriptors_it_lists() {
+        let table = MountTable::read("/proc/thread-self/mountinfo").unwrap();
+        let root = std::fs::File::open("/").unwrap();
+        assert!(!table.serves_fuse(&root).unwrap());
+        let empty = MountTable {
+            source: "none".into(),
+            listed: HashSet::new(),
+            fuse: HashSet::new(),
+            fuse_devices: HashSet::from([libc::makedev(0, 40)]),
+        };
+        assert!(empty.serves_fuse(&root).is_err(), "not listed: refused");
+        assert!(empty.is_fuse_device(libc::makedev(0, 40)));
     }
 
     #[test]

@@ -222,18 +222,33 @@ pub unsafe extern "C" fn cuCtxCreate_v2(ctx: *mut u64, _flags: c_uint, device: c
     SUCCESS
 }
 
+/// Whether `ctx` is a context made and not destroyed.
+fn valid(ctx: u64) -> bool {
+    with_driver(|driver| driver.contexts.contains_key(&ctx))
+}
+
+/// As the driver: a context not made, or destroyed, is refused; NULL unbinds the
+/// current one.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxSetCurrent(ctx: u64) -> CuResult {
+    if ctx != 0 && !valid(ctx) {
+        return ERROR_INVALID_CONTEXT;
+    }
     STACK.with(|s| {
         let mut stack = s.borrow_mut();
         stack.pop();
-        stack.push(ctx);
+        if ctx != 0 {
+            stack.push(ctx);
+        }
     });
     SUCCESS
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxPushCurrent_v2(ctx: u64) -> CuResult {
+    if !valid(ctx) {
+        return ERROR_INVALID_CONTEXT;
+    }
     STACK.with(|s| s.borrow_mut().push(ctx));
     SUCCESS
 }
@@ -242,11 +257,28 @@ pub extern "C" fn cuCtxPushCurrent_v2(ctx: u64) -> CuResult {
 /// The pointers are the caller's, valid for what libcuda writes through them.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxPopCurrent_v2(ctx: *mut u64) -> CuResult {
-    let popped = STACK.with(|s| s.borrow_mut().pop());
-    if let (false, Some(popped)) = (ctx.is_null(), popped) {
+    let Some(popped) = STACK.with(|s| s.borrow_mut().pop()) else {
+        return ERROR_INVALID_CONTEXT;
+    };
+    if !ctx.is_null() {
         // SAFETY: checked non-null; the caller's CUcontext.
         unsafe { ctx.write(popped) };
     }
+    SUCCESS
+}
+
+/// Destroys a context; current to the calling thread, it is popped too.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxDestroy_v2(ctx: u64) -> CuResult {
+    if with_driver(|driver| driver.contexts.remove(&ctx)).is_none() {
+        return ERROR_INVALID_CONTEXT;
+    }
+    STACK.with(|s| {
+        let mut stack = s.borrow_mut();
+        if stack.last() == Some(&ctx) {
+            stack.pop();
+        }
+    });
     SUCCESS
 }
 

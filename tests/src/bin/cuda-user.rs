@@ -6,6 +6,8 @@
 //! - `init`: `cuInit(0)`;
 //! - `ctx D`: `cuDevicePrimaryCtxRetain` on device D, then `cuCtxSetCurrent` (what the
 //!   runtime does); `create D`: `cuCtxCreate_v2`; `push D` / `pop`: the context stack;
+//!   `setctx CTX`, `pushctx CTX`: `cuCtxSetCurrent` and `cuCtxPushCurrent_v2` of a
+//!   context as answered (in hex); `destroy CTX`: `cuCtxDestroy_v2`;
 //! - `alloc MIB`: `cuMemAlloc_v2`; `async MIB`: `cuMemAllocAsync`; `pool MIB`:
 //!   `cuMemAllocFromPoolAsync`; `pitch MIB`:
 //!   `cuMemAllocPitch_v2` of 1 MiB rows; `vmm MIB D`: `cuMemCreate` on device D;
@@ -15,7 +17,10 @@
 //! - `free PTR`: `cuMemFree_v2`; `freeasync PTR`: `cuMemFreeAsync`; `release HANDLE`:
 //!   `cuMemRelease` (PTR and HANDLE as answered, in hex);
 //! - `loop N`: N pairs of `cuMemAlloc_v2` (1 MiB) and `cuMemFree_v2`, answering the
-//!   nanoseconds they took in all (the benchmark of the probes' cost).
+//!   nanoseconds they took in all (the benchmark of the probes' cost);
+//! - `open PATH`: opens PATH (a GPU node) and keeps it open, as NVML's init does;
+//! - `load`: loads the libcuda, when `GENV_CUDA_USER_LAZY` is set (else it is loaded
+//!   at start).
 
 use std::ffi::{CString, c_int, c_uint, c_void};
 use std::io::{BufRead, Write};
@@ -92,6 +97,33 @@ fn pitched(cuda: &Cuda, width: usize, height: usize, pointer: &mut u64) -> c_int
     )
 }
 
+/// The commands that are no CUDA call: `open` and `load`.
+fn outside_cuda(
+    command: &str,
+    words: &[&str],
+    loaded: &mut Option<Cuda>,
+    value: &mut u64,
+) -> Option<c_int> {
+    match command {
+        "open" => {
+            let file = std::fs::File::open(words.get(1).copied().unwrap_or_default());
+            Some(match file {
+                Ok(file) => {
+                    // Kept open for the process's life, as NVML keeps its descriptors.
+                    *value = std::os::fd::IntoRawFd::into_raw_fd(file) as u64;
+                    0
+                }
+                Err(e) => e.raw_os_error().unwrap_or(-1),
+            })
+        }
+        "load" => {
+            loaded.get_or_insert_with(Cuda::open);
+            Some(0)
+        }
+        _ => None,
+    }
+}
+
 fn answer(code: c_int, value: u64) -> String {
     match code {
         0 => format!("ok {value:#x}"),
@@ -100,7 +132,9 @@ fn answer(code: c_int, value: u64) -> String {
 }
 
 fn main() {
-    let cuda = Cuda::open();
+    let mut loaded = std::env::var_os("GENV_CUDA_USER_LAZY")
+        .is_none()
+        .then(Cuda::open);
     let mut out = std::io::stdout();
     writeln!(out, "ready {}", std::process::id()).unwrap();
     out.flush().unwrap();
@@ -114,9 +148,18 @@ fn main() {
             }
         };
         let mut value: u64 = 0;
-        let code = match words.first().copied().unwrap_or("") {
+        let command = words.first().copied().unwrap_or("");
+        if let Some(code) = outside_cuda(command, &words, &mut loaded, &mut value) {
+            writeln!(out, "{}", answer(code, value)).unwrap();
+            out.flush().unwrap();
+            continue;
+        }
+        let cuda = loaded
+            .as_ref()
+            .expect("libcuda is not loaded: say `load` first");
+        let code = match command {
             "init" => call!(cuda, "cuInit", fn(c_uint), 0),
-            "ctx" => match retain(&cuda, number(1), &mut value) {
+            "ctx" => match retain(cuda, number(1), &mut value) {
                 0 => call!(cuda, "cuCtxSetCurrent", fn(u64), value),
                 code => code,
             },
@@ -128,14 +171,17 @@ fn main() {
                 0,
                 number(1) as c_int
             ),
-            "push" => match retain(&cuda, number(1), &mut value) {
+            "push" => match retain(cuda, number(1), &mut value) {
                 0 => call!(cuda, "cuCtxPushCurrent_v2", fn(u64), value),
                 code => code,
             },
             "pop" => call!(cuda, "cuCtxPopCurrent_v2", fn(*mut u64), &mut value),
-            "alloc" => alloc(&cuda, number(1) as usize * MIB, &mut value),
-            "bytes" => alloc(&cuda, number(1) as usize, &mut value),
-            "pitchw" => pitched(&cuda, number(1) as usize, number(2) as usize, &mut value),
+            "setctx" => call!(cuda, "cuCtxSetCurrent", fn(u64), number(1)),
+            "pushctx" => call!(cuda, "cuCtxPushCurrent_v2", fn(u64), number(1)),
+            "destroy" => call!(cuda, "cuCtxDestroy_v2", fn(u64), number(1)),
+            "alloc" => alloc(cuda, number(1) as usize * MIB, &mut value),
+            "bytes" => alloc(cuda, number(1) as usize, &mut value),
+            "pitchw" => pitched(cuda, number(1) as usize, number(2) as usize, &mut value),
             "async" => call!(
                 cuda,
                 "cuMemAllocAsync",
@@ -153,7 +199,7 @@ fn main() {
                 0,
                 0
             ),
-            "pitch" => pitched(&cuda, MIB, number(1) as usize, &mut value),
+            "pitch" => pitched(cuda, MIB, number(1) as usize, &mut value),
             "vmm" => {
                 let prop = AllocationProp {
                     kind: 1,

@@ -25,8 +25,8 @@ impl Daemon {
         }
     }
 
-    /// A process started CUDA. At `cuInit` its device numbering is read for the probes'
-    /// accounting. Once it has made a context (the call succeeded: `cuInit` alone is
+    /// A process started CUDA. At its first CUDA call seen its device numbering, and the
+    /// cap it was started with, are read for the probes' accounting. Once it has made a context (the call succeeded: `cuInit` alone is
     /// only a probe, as `torch.cuda.is_available()` is), it is computing, which is what
     /// the non-env rule waits for NVML to show (on a real GPU some 230 ms after the
     /// open, mostly CUDA's own start-up): a process the kernel knows to be outside any
@@ -37,8 +37,10 @@ impl Daemon {
         let Some(kernel) = self.kernel.as_mut() else {
             return;
         };
+        // At its first CUDA call seen, whichever (the probes of a copy found at the
+        // open in its `cuInit` see its contexts first).
+        kernel.cuda_started(start.pid, self.enforcer.builder.devices());
         if start.call == CudaCall::Init {
-            kernel.cuda_started(start.pid, self.enforcer.builder.devices());
             return;
         }
         if !self.enforcer.rules.non_env_processes || !kernel.definitely_outside(start.pid) {
