@@ -116,15 +116,19 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
         }
     }
 
-    // Programs and maps go with `kernel` and `intake` (pinned ones stay, without this
-    // daemon's exemption); the status file with `instance`.
+    shut_down(intake, daemon, instance);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Programs and maps go with the kernel side and the intake (pinned ones stay, without
+/// this daemon's exemption); the status file with the instance.
+fn shut_down<I>(intake: Option<I>, mut daemon: Daemon, instance: Instance) {
     drop(intake);
     if let Some(kernel) = daemon.kernel.take() {
         kernel.release();
     }
     drop(daemon);
     drop(instance);
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Environments as the kernel read them at exec, not as /proc shows them now.
