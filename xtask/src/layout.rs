@@ -112,7 +112,7 @@ pub fn files(prefix: Prefix, binary: &[u8], enforcer_path: &str) -> Result<Vec<E
             &format!("/{}", prefix.doc_dir()),
         );
     let doc = prefix.doc_dir();
-    Ok(vec![
+    let mut entries = vec![
         file(prefix.binary(), binary.to_vec(), 0o755),
         file(format!("{front_dir}/genv"), front.into_bytes(), 0o755),
         // In /etc: a conffile, as Debian's policy has it.
@@ -149,7 +149,33 @@ pub fn files(prefix: Prefix, binary: &[u8], enforcer_path: &str) -> Result<Vec<E
             gzip(&read("deploy/packaging/changelog")?)?,
             0o644,
         ),
-    ])
+    ];
+    // The README's links, beside it: SECURITY.md and docs/, as in the source tree.
+    for doc_file in documentation(&repo)? {
+        let bytes = read(&doc_file)?;
+        entries.push(file(format!("{doc}/{doc_file}"), bytes, 0o644));
+    }
+    Ok(entries)
+}
+
+/// The documents the README links to, relative to the work tree, sorted: SECURITY.md
+/// and every `.md` under docs/.
+fn documentation(repo: &std::path::Path) -> Result<Vec<String>> {
+    let mut found = vec!["SECURITY.md".to_owned()];
+    let mut dirs = vec!["docs".to_owned()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(repo.join(&dir)).with_context(|| format!("reading {dir}"))? {
+            let entry = entry?;
+            let name = format!("{dir}/{}", entry.file_name().to_string_lossy());
+            if entry.file_type()?.is_dir() {
+                dirs.push(name);
+            } else if name.ends_with(".md") {
+                found.push(name);
+            }
+        }
+    }
+    found.sort();
+    Ok(found)
 }
 
 /// `gzip -9n`: no name, no time stamp, so the same text gives the same bytes.
