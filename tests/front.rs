@@ -229,17 +229,14 @@ fn the_front_runs_no_enforcer_another_user_could_replace() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Root ignores `GENV_ENFORCER`. The front asks `id` who runs it: an `id` first on a
-/// user's PATH (kept by su or a lax sudo) that says "1000" must not make root run that
-/// user's program.
-#[test]
-fn root_is_told_apart_by_the_systems_id_not_one_on_path() {
+/// A scratch directory with uid 1000's own `genv-enforcer` in `home/bin` (theirs, and
+/// trusted for them, never for root), which leaves the mark when it runs: (scratch,
+/// mark, bin).
+fn a_users_own_enforcer() -> (PathBuf, PathBuf, PathBuf) {
     let dir = scratch();
     let mark = dir.join("ran-as-root");
     let user_bin = dir.join("home/bin");
     plant(&user_bin.join("genv-enforcer"), &mark);
-    std::fs::write(user_bin.join("id"), "#!/bin/sh\necho 1000\n").unwrap();
-    std::fs::set_permissions(user_bin.join("id"), std::fs::Permissions::from_mode(0o755)).unwrap();
     for path in [
         dir.join("home"),
         user_bin.clone(),
@@ -247,6 +244,18 @@ fn root_is_told_apart_by_the_systems_id_not_one_on_path() {
     ] {
         chown(&path, 1000);
     }
+    (dir, mark, user_bin)
+}
+
+/// Root ignores `GENV_ENFORCER`. The front asks `id` who runs it: an `id` first on a
+/// user's PATH (kept by su or a lax sudo) that says "1000" must not make root run that
+/// user's program.
+#[test]
+fn root_is_told_apart_by_the_systems_id_not_one_on_path() {
+    let (dir, mark, user_bin) = a_users_own_enforcer();
+    std::fs::write(user_bin.join("id"), "#!/bin/sh\necho 1000\n").unwrap();
+    std::fs::set_permissions(user_bin.join("id"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    chown(&user_bin.join("id"), 1000);
     let root = dir.join("root");
     install(&root, Some(&root.join("usr/local/bin/genv-enforcer")));
     let output = run_as_root(
@@ -273,17 +282,7 @@ fn root_is_told_apart_by_the_systems_id_not_one_on_path() {
 /// front's own first-line flags.
 #[test]
 fn a_bash_as_sh_imports_no_function_from_a_users_environment() {
-    let dir = scratch();
-    let mark = dir.join("ran-as-root");
-    let user_bin = dir.join("home/bin");
-    plant(&user_bin.join("genv-enforcer"), &mark);
-    for path in [
-        dir.join("home"),
-        user_bin.clone(),
-        user_bin.join("genv-enforcer"),
-    ] {
-        chown(&path, 1000);
-    }
+    let (dir, mark, user_bin) = a_users_own_enforcer();
     let root = dir.join("root");
     install(&root, Some(&root.join("usr/local/bin/genv-enforcer")));
     let source = std::fs::read_to_string(front(&root)).unwrap();

@@ -623,14 +623,17 @@ fn with_usage_watch_a_violation_is_acted_on_without_waiting_for_the_interval() {
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(500));
-    // alice attaches a device on the second host: two, one over; the first host's goes.
+    // alice attaches a device on the second host: two, one over. Her job runs on the
+    // first host's; the new attachment runs nothing yet, so it is the one to go (an idle
+    // environment's devices go before a busy one's: entries anyone could write cost
+    // their own attachments first), and her job lives.
     let attached = Instant::now();
     fleet.hosts[1].node.write_state(
         envs,
         json!([device_record(0, &["a2"]), device_record(1, &[])]),
     );
     let deadline = attached + Duration::from_secs(60);
-    while fleet.hosts[0].node.try_attached("a1") != Some(Vec::new()) {
+    while fleet.hosts[1].node.try_attached("a2") != Some(Vec::new()) {
         assert!(
             Instant::now() < deadline,
             "not detached within 60 s (the interval is 600 s)"
@@ -641,22 +644,19 @@ fn with_usage_watch_a_violation_is_acted_on_without_waiting_for_the_interval() {
         "detached {:?} after the attach, over SSH",
         attached.elapsed()
     );
+    let second = &fleet.hosts[1].name;
     assert_eq!(
-        fleet.hosts[0].node.wait_exit(victim, DEATH),
-        Some(libc::SIGTERM)
-    );
-    assert_eq!(fleet.hosts[1].node.attached("a2"), [0]);
-    let first = &fleet.hosts[0].name;
-    assert_eq!(
-        enforcer.lines(3, Duration::from_secs(30)),
+        enforcer.lines(2, Duration::from_secs(30)),
         [
             "User alice is using 2 devices on 2 hosts which is 1 more than the maximum allowed"
                 .to_owned(),
-            format!(
-                "[{first}] Terminating process {victim} from environment a1 that is running on GPU(s) 0"
-            ),
-            format!("[{first}] Detaching environment a1 of user alice from device 0"),
+            format!("[{second}] Detaching environment a2 of user alice from device 0"),
         ]
+    );
+    assert_eq!(fleet.hosts[0].node.attached("a1"), [0]);
+    assert!(
+        fleet.hosts[0].node.alive(victim),
+        "alice's running job lives"
     );
     enforcer.stop();
 }
