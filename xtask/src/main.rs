@@ -136,6 +136,10 @@ fn test_phases(extra: &[String]) -> Result<()> {
     timings::phase("install tools", || {
         ensure_python_venv()?;
         ensure_openssh()?;
+        // The dist suite checks the packages with these (apt lists updated first, as a
+        // fresh machine needs).
+        ensure_apt(&["lintian"], "lintian")?;
+        ensure_apt(&["rpm"], "rpmbuild")?;
         toolchain::ensure_ebpf_toolchain()
     })?;
     timings::phase("fmt", || {
