@@ -26,11 +26,10 @@ use super::StopSignals;
 use super::state_watch::StateWatch;
 use crate::backends::procfs;
 use crate::bpf::{KernelPrograms, LoadOptions, TierChoice};
+use crate::cycle::LockPolicy;
 use crate::intake::{EventIntake, KernelEvent};
 use crate::snapshot::{Snapshot, SnapshotBuilder};
 
-/// How long a snapshot waits for genv's lock before reading without it.
-const LOCK_WAIT: Duration = Duration::from_millis(100);
 /// After a GPU open, when to look again: the process makes its compute context (and
 /// appears in NVML's list) some time after it opens the device.
 const AFTER_OPEN: [Duration; 4] = [
@@ -101,7 +100,7 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
             None
         }
     };
-    let mut watcher = Watcher::default();
+    let mut watcher = Watcher::new();
     let mut rechecks: Vec<Instant> = Vec::new();
     let mut due = true;
     let mut next_poll = Instant::now();
@@ -190,16 +189,29 @@ struct Watcher {
     known: HashSet<u32>,
     /// When a line was last printed (none before the first snapshot).
     printed_at: Option<Instant>,
+    /// How a snapshot takes genv's lock.
+    lock: LockPolicy,
 }
 
 impl Watcher {
+    fn new() -> Self {
+        Self {
+            // The daemons' policy: a user holding genv's lock (or putting a FIFO there)
+            // delays a snapshot by 100 ms once, then not at all until it is free.
+            lock: LockPolicy::bounded(LockPolicy::DAEMON_WAIT),
+            ..Self::default()
+        }
+    }
+
     /// Takes a snapshot and prints it if it changed; `false` once stdout is closed.
     fn emit(
         &mut self,
         builder: &mut SnapshotBuilder,
         programs: Option<&mut KernelPrograms>,
     ) -> bool {
-        let lock = builder.state().lock_within(LOCK_WAIT).ok();
+        // Any other error taking it (the state directory unreadable) is the snapshot's
+        // to report: it reads without the lock, as before.
+        let lock = self.lock.take(builder.state()).ok().flatten();
         let (mut snapshot, mut warnings) = builder.take();
         drop(lock);
         warnings.extend(snapshot.name_confirmed_owners(crate::backends::users::name_of));
