@@ -137,18 +137,18 @@ impl NvmlBackend {
     }
 }
 
-/// The NVML library this process mapped, from `/proc/self/maps`.
+/// The NVML library this process mapped, from its maps (read as `backends::maps` reads
+/// any process's: the whole path, spaces included).
 pub fn loaded_library() -> Option<PathBuf> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
+    super::maps::executable_files(std::process::id())
+        .ok()?
+        .into_iter()
+        .map(|mapping| PathBuf::from(mapping.path))
         .find(|path| {
-            Path::new(path)
-                .file_name()
+            path.file_name()
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with("libnvidia-ml") || n.contains("nvidia_ml"))
         })
-        .map(PathBuf::from)
 }
 
 impl GpuBackend for NvmlBackend {
