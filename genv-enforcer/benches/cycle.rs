@@ -1,5 +1,5 @@
 //! One full enforcement cycle (lock, NVML, `/proc`, state files, rules, report) with
-//! 0, 100 and 1,000 GPU processes on a simulated node. Run through `cargo xtask bench`,
+//! 0, 100, 1,000 and 10,000 GPU processes on a simulated node. Run through `cargo xtask bench`,
 //! which builds the fake NVML and writes the table to docs/bench.md.
 //!
 //! Every process is real (a `sleep` in environment `bench`, attached to its device), so
@@ -56,7 +56,7 @@ fn main() {
     println!("| GPU processes | median | p99 | max |");
     println!("|---:|---:|---:|---:|");
     let mut children: Vec<Child> = Vec::new();
-    for count in [0usize, 100, 1000] {
+    for count in [0usize, 100, 1000, 10_000] {
         while children.len() < count {
             children.push(
                 Command::new("sleep")

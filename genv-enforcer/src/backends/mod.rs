@@ -5,6 +5,7 @@
 pub mod devmap;
 pub mod maps;
 pub mod nvml;
+pub mod proc_events;
 pub mod procfs;
 pub mod trust;
 pub mod users;

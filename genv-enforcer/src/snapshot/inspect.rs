@@ -7,6 +7,7 @@ use std::io;
 use std::path::PathBuf;
 
 use crate::backends::devmap::DeviceMap;
+use crate::backends::proc_events::ProcEvents;
 use crate::backends::procfs::{self, EnvironError, ProcStat, StatFile};
 
 /// What the snapshot reads of processes; a trait so assembly can be tested on made-up
@@ -28,6 +29,12 @@ pub trait ProcessInspector: Sync {
         None
     }
     fn real_uid(&self, pid: u32) -> io::Result<u32>;
+    /// A subscription to the kernel's exec, exit and uid events of these processes,
+    /// where there is one: with it, a process with no event since it was read need not
+    /// be read again. `None` (the default) re-reads every process each cycle.
+    fn process_events(&self) -> Option<ProcEvents> {
+        None
+    }
     /// Processes holding GPU nodes open (by `map`), with the GPU indices they hold.
     fn gpu_node_holders(&self, map: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>>;
 }
@@ -65,6 +72,15 @@ impl ProcessInspector for Procfs {
     }
     fn real_uid(&self, pid: u32) -> io::Result<u32> {
         procfs::real_uid(pid)
+    }
+    fn process_events(&self) -> Option<ProcEvents> {
+        ProcEvents::subscribe()
+            .inspect_err(|e| {
+                tracing::info!(
+                    "No process events from the kernel ({e}): each cycle reads every GPU process's /proc/<pid>/stat"
+                )
+            })
+            .ok()
     }
     fn gpu_node_holders(&self, map: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>> {
         procfs::gpu_node_holders(&self.root, &|major, minor| map.index_of(major, minor))

@@ -11,6 +11,7 @@ use super::order::python_set_order;
 use super::orphans::{DroppedEnvs, Orphan, OrphanPolicy};
 use super::{GpuProcess, Usage, Warning};
 use crate::backends::nvml::ComputeContext;
+use crate::backends::proc_events::{Changes, ProcEvents};
 use crate::backends::procfs::{EnvironError, ProcStat, StatFile};
 use crate::state::Env;
 
@@ -46,10 +47,23 @@ struct Known {
 pub(crate) struct ProcessTable {
     known: HashMap<u32, Known>,
     stat_files: HashMap<u32, Option<StatFile>>,
+    /// The kernel's exec, exit and uid events, where it gives them: a known process
+    /// with none since it was read is the same image, and its `stat` is not re-read.
+    feed: Feed,
     /// Environments genv dropped, as they last were.
     pub(crate) dropped: DroppedEnvs,
     /// The last assembly's orphans.
     pub(crate) orphans: Vec<Orphan>,
+}
+
+#[derive(Debug, Default)]
+enum Feed {
+    #[default]
+    Untried,
+    Live(ProcEvents),
+    /// Not to be had (no connector, not in the initial network namespace, an inspector
+    /// of made-up processes): every process's `stat` is read each cycle.
+    Off,
 }
 
 impl ProcessTable {
@@ -57,6 +71,28 @@ impl ProcessTable {
     pub(crate) fn forget(&mut self, pid: u32) {
         self.known.remove(&pid);
         self.stat_files.remove(&pid);
+    }
+
+    /// Forgets what changed since the last assembly; `true` when the events say that
+    /// nothing else did, so that what is known may be used without reading `stat`.
+    /// Subscribes first, before any `stat` read that the events are to vouch for.
+    fn apply_changes(&mut self, inspector: &dyn ProcessInspector) -> bool {
+        if matches!(self.feed, Feed::Untried) {
+            self.feed = inspector.process_events().map_or(Feed::Off, Feed::Live);
+            return false;
+        }
+        let Feed::Live(events) = &mut self.feed else {
+            return false;
+        };
+        match events.drain() {
+            Changes::Pids(pids) => {
+                for pid in pids {
+                    self.forget(pid);
+                }
+                true
+            }
+            Changes::Unknown => false,
+        }
     }
 }
 
@@ -82,20 +118,57 @@ pub(crate) fn assemble_processes(
     table.known.retain(|pid, _| usage.contains_key(pid));
     table.orphans.clear();
     table.stat_files.retain(|pid, _| usage.contains_key(pid));
-    let stats = read_stats(&order, inspector, &mut table.stat_files, handle_budget());
+    let unchanged = table.apply_changes(inspector);
+    let to_read: Vec<u32> = order
+        .iter()
+        .copied()
+        .filter(|pid| !(unchanged && table.known.contains_key(pid)))
+        .collect();
+    let stats = read_stats(&to_read, inspector, &mut table.stat_files, handle_budget());
+    let mut read = to_read.into_iter().zip(stats).peekable();
     let mut processes = Vec::with_capacity(order.len());
-    for (pid, stat) in order.into_iter().zip(stats) {
-        let Ok(stat) = stat else {
-            table.forget(pid);
-            continue; // gone since NVML listed it
+    for pid in order {
+        let start_time = match read.next_if(|(p, _)| *p == pid) {
+            None => table.known[&pid].start_time, // no event since it was read
+            Some((_, Err(_))) => {
+                table.forget(pid);
+                continue; // gone since NVML listed it
+            }
+            Some((_, Ok(stat))) if stat.is_kernel_thread() => continue,
+            Some((_, Ok(stat))) => {
+                if !refresh_known(table, pid, &stat, inspector, envs, warnings) {
+                    continue;
+                }
+                stat.start_time
+            }
         };
-        if stat.is_kernel_thread() {
-            continue;
-        }
-        if !refresh_known(table, pid, &stat, inspector, envs, warnings) {
-            continue;
-        }
-        let known = table.known.get_mut(&pid).expect("just checked or inserted");
+        let gpus = usage.remove(&pid).unwrap_or_default();
+        let place = Place { pid, start_time, envs, policy };
+        processes.extend(place.judge(table, gpus, inspector, warnings));
+    }
+    processes
+}
+
+/// One GPU process of this assembly, its image known.
+struct Place<'a> {
+    pid: u32,
+    start_time: u64,
+    envs: Option<&'a [Env]>,
+    policy: EnvPolicy,
+}
+
+impl Place<'_> {
+    /// The process with the environment it counts as being in (an orphan's own, noted
+    /// in the table); `None` when that cannot be told.
+    fn judge(
+        self,
+        table: &mut ProcessTable,
+        gpus: Vec<Usage>,
+        inspector: &dyn ProcessInspector,
+        warnings: &mut Vec<Warning>,
+    ) -> Option<GpuProcess> {
+        let Self { pid, start_time, envs, policy } = self;
+        let known = table.known.get_mut(&pid).expect("read this cycle or before");
         let mut uid = || match known.uid {
             Some(uid) => Ok(uid),
             None => inspector
@@ -103,40 +176,32 @@ pub(crate) fn assemble_processes(
                 .inspect(|uid| known.uid = Some(*uid)),
         };
         let claimed = known.claimed.clone();
-        let gpus = usage.get(&pid).map(Vec::as_slice).unwrap_or_default();
         let orphan = match (policy.orphans, claimed.as_deref(), envs) {
             (OrphanPolicy::Leave, Some(eid), Some(envs)) if !envs.iter().any(|e| e.eid == eid) => {
-                orphan_of(&table.dropped, eid, gpus, &mut uid)
+                orphan_of(&table.dropped, eid, &gpus, &mut uid)
             }
             _ => None,
         };
-        if let Some(orphan) = orphan {
-            if !std::mem::replace(&mut known.said_orphan, true) {
-                warnings.push(warning!(
-                    "Process {pid} of uid {} runs in environment {}, which genv dropped when its shells exited: left running on the GPUs it had (--orphans terminate to stop such processes)",
-                    orphan.uid, orphan.eid
-                ));
+        let eid = match orphan {
+            Some(orphan) => {
+                if !std::mem::replace(&mut known.said_orphan, true) {
+                    warnings.push(warning!(
+                        "Process {pid} of uid {} runs in environment {}, which genv dropped when its shells exited: left running on the GPUs it had (--orphans terminate to stop such processes)",
+                        orphan.uid, orphan.eid
+                    ));
+                }
+                table.orphans.push(Orphan { pid, ..orphan });
+                claimed
             }
-            table.orphans.push(Orphan { pid, ..orphan });
-            processes.push(GpuProcess {
-                pid,
-                start_time: Some(stat.start_time),
-                used_gpu_memory: usage.remove(&pid).unwrap_or_default(),
-                eid: claimed,
-            });
-            continue;
-        }
-        let Some(eid) = resolve_env(pid, claimed, envs, &mut uid, policy, warnings) else {
-            continue;
+            None => resolve_env(pid, claimed, envs, &mut uid, policy, warnings)?,
         };
-        processes.push(GpuProcess {
+        Some(GpuProcess {
             pid,
-            start_time: Some(stat.start_time),
-            used_gpu_memory: usage.remove(&pid).unwrap_or_default(),
+            start_time: Some(start_time),
+            used_gpu_memory: gpus,
             eid,
-        });
+        })
     }
-    processes
 }
 
 /// Reads what a process claims once per program image (the kernel's exec-time record
@@ -274,6 +339,9 @@ fn resolve_env(
         }
     }
 }
+
+#[cfg(test)]
+mod event_tests;
 
 #[cfg(test)]
 mod tests {
