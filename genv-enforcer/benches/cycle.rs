@@ -4,7 +4,8 @@
 //!
 //! Every process is real (a `sleep` in environment `bench`, attached to its device), so
 //! `/proc/<pid>/environ` and `/proc/<pid>/stat` are really read; nothing is found, so
-//! the cycle measures observation and judgement, not signalling.
+//! the cycle measures observation and judgement, not signalling. The fake NVML lists
+//! them without asking whether they run (they all do), as the driver knows its contexts.
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -76,7 +77,7 @@ fn main() {
             .collect();
         std::fs::write(
             &config,
-            json!({"devices": devices, "processes": processes}).to_string(),
+            json!({"devices": devices, "processes": processes, "assume_live": true}).to_string(),
         )
         .unwrap();
 
