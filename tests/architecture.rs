@@ -1,6 +1,6 @@
 //! The code's shape, checked: the daemon's modules depend only downward along the data
 //! flow (backends and state → snapshot → rules → report → actions → cycle; the kernel
-//! programs → intake → prevention → daemon → cli), and no file or function grows past
+//! programs → intake → service → alloc → sync → daemon → remote → cli), and no file or function grows past
 //! what a reader can hold at once. Reads the sources as text; needs no root.
 
 use std::collections::BTreeMap;
@@ -9,10 +9,12 @@ use std::path::{Path, PathBuf};
 use genv_enforcer_tests::workspace_root;
 
 /// `genv-enforcer/src`'s top-level modules, lowest first: a module may use only
-/// modules listed before it. (`bpf` needs only the backends' device map, so it sits
-/// low, below the intake that reads its events and the prevention stage that fills
-/// its maps.)
-const LAYERS: [&str; 13] = [
+/// modules listed before it. The batch path (backends and state → snapshot → rules →
+/// report → actions → cycle), then the event side by stage: the kernel programs'
+/// handles, the intake of their events, what the daemon publishes as a service,
+/// `--memory-at-alloc`'s userspace half, the sync of the maps with genv's state, the
+/// daemon's loop; then the fleet and the command line.
+const LAYERS: [&str; 15] = [
     "backends",
     "state",
     "snapshot",
@@ -20,9 +22,11 @@ const LAYERS: [&str; 13] = [
     "report",
     "actions",
     "cycle",
-    "bpf",
+    "kernel",
     "intake",
-    "prevention",
+    "service",
+    "alloc",
+    "sync",
     "daemon",
     "remote",
     "cli",

@@ -16,8 +16,8 @@ use super::budget::Budget;
 use super::looks::Looks;
 use crate::backends::maps::{self, Mapping};
 use crate::backends::procfs;
-use crate::bpf::KernelPrograms;
-use crate::bpf::cuda::{Attachment, FileVersion, Handle};
+use crate::kernel::KernelPrograms;
+use crate::kernel::cuda::{Attachment, FileVersion, Handle};
 use crate::state::MountTable;
 
 /// Files examined in one look at most; the rest at another look right after.

@@ -6,8 +6,10 @@
 //! taken off when it exits. The kernel decides; this prints what it decided.
 
 mod budget;
+pub mod caps;
 mod copies;
 mod looks;
+pub mod started_cap;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -15,18 +17,19 @@ use std::time::Instant;
 
 use genv_ebpf_common::alloc::{Delta, EnvGpu};
 
-use super::event_driven::Settings;
 use crate::backends::nvml::GpuInfo;
 use crate::backends::procfs;
-use crate::bpf::KernelPrograms;
-use crate::bpf::alloc_maps::DeltasAround;
-use crate::bpf::cuda::Library;
 use crate::intake::OverCap;
-use crate::prevention::alloc::{Caps, names_a_uuid, ordinals};
-use crate::prevention::started_cap::{GPU_MEMORY_VAR, SHELL_VAR, StartedWith};
-use crate::state::Env;
+use crate::kernel::KernelPrograms;
+use crate::kernel::alloc_maps::DeltasAround;
+use crate::kernel::cuda::Library;
+use caps::{Caps, names_a_uuid, ordinals};
+use started_cap::{GPU_MEMORY_VAR, SHELL_VAR, StartedWith};
 
-pub(super) struct AllocSide {
+use crate::state::Env;
+pub use caps::MemoryAtAlloc;
+
+pub struct AllocSide {
     caps: Caps,
     /// The libraries given (or found by ldconfig and beside NVML) are known here too,
     /// so that a process mapping one is not looked into for it.
@@ -52,7 +55,7 @@ pub(super) struct AllocSide {
 impl AllocSide {
     /// Attaches the probes to the libraries found now; none is a warning (NVML's
     /// directory is looked in again once it loads).
-    pub(super) fn start(programs: &mut KernelPrograms, settings: &Settings) -> Self {
+    pub fn start(programs: &mut KernelPrograms, given: &[PathBuf], verbose: bool) -> Self {
         let mut side = Self {
             caps: Caps::default(),
             copies: copies::Copies::default(),
@@ -61,11 +64,11 @@ impl AllocSide {
             cuda_pids: HashMap::new(),
             exiting: HashMap::new(),
             unresolved: HashMap::new(),
-            verbose: settings.verbose,
+            verbose,
         };
         // A given library that cannot be opened is said by name (never looked at by
         // path first: on a FUSE mount even a `stat` could wait for ever).
-        side.attach_found(programs, &settings.cuda_libs, None);
+        side.attach_found(programs, given, None);
         if !side.attached_any {
             tracing::warn!(
                 "--memory-at-alloc: no libcuda found (ldconfig -p lists no libcuda.so.1; give one with --cuda-lib); looking beside NVML once it loads"
@@ -75,13 +78,13 @@ impl AllocSide {
     }
 
     /// Attaches to each library not attached yet.
-    pub(super) fn attach_found(
+    pub fn attach_found(
         &mut self,
         programs: &mut KernelPrograms,
         given: &[PathBuf],
         beside_nvml: Option<&Path>,
     ) {
-        for path in crate::bpf::cuda::libraries(given, beside_nvml) {
+        for path in crate::kernel::cuda::libraries(given, beside_nvml) {
             let name = path.display().to_string();
             match Library::open(&path, name.clone(), "/proc/thread-self/mountinfo") {
                 Ok(library) => self.attach(programs, &library),
@@ -121,12 +124,7 @@ impl AllocSide {
 
     /// After a full cycle that read genv's state: the caps follow it (`None`:
     /// unreadable, the kernel keeps the last).
-    pub(super) fn follow_state(
-        &mut self,
-        programs: &mut KernelPrograms,
-        envs: Option<&[Env]>,
-        gpus: u32,
-    ) {
+    pub fn follow_state(&mut self, programs: &mut KernelPrograms, envs: Option<&[Env]>, gpus: u32) {
         let Some(envs) = envs else {
             return;
         };
@@ -148,13 +146,13 @@ impl AllocSide {
     }
 
     /// The deltas, read before NVML is asked (see `set_baselines`).
-    pub(super) fn deltas(programs: &mut KernelPrograms) -> Option<HashMap<EnvGpu, Delta>> {
+    pub fn deltas(programs: &mut KernelPrograms) -> Option<HashMap<EnvGpu, Delta>> {
         programs.alloc_mut().map(|maps| maps.deltas())
     }
 
     /// NVML answered: its figures become the baselines, where no allocation or free
     /// was in flight meanwhile (see `AllocMaps::set_baselines`).
-    pub(super) fn rebase(
+    pub fn rebase(
         programs: &mut KernelPrograms,
         deltas: DeltasAround<'_>,
         measured: &HashMap<EnvGpu, u64>,
@@ -170,13 +168,8 @@ impl AllocSide {
     /// A process started CUDA (or maps a copy just probed): its device numbering, from
     /// its `CUDA_VISIBLE_DEVICES`, and the cap it was started with (`GENV_GPU_MEMORY`),
     /// below which it is never killed at the allocation (see
-    /// [`crate::prevention::started_cap`]).
-    pub(super) fn cuda_started(
-        &mut self,
-        programs: &mut KernelPrograms,
-        pid: u32,
-        gpus: &[GpuInfo],
-    ) {
+    /// [`crate::alloc::started_cap`]).
+    pub fn cuda_started(&mut self, programs: &mut KernelPrograms, pid: u32, gpus: &[GpuInfo]) {
         let Some(maps) = programs.alloc_mut() else {
             return;
         };
@@ -223,7 +216,7 @@ impl AllocSide {
 
     /// After a full cycle, with NVML's devices as it listed them: the processes that
     /// named a GPU by UUID before any was listed are read again.
-    pub(super) fn devices_known(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
+    pub fn devices_known(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
         if gpus.is_empty() {
             return;
         }
@@ -243,7 +236,7 @@ impl AllocSide {
     /// [`copies`]). Not for a process the kernel knows to be outside any environment
     /// (monitoring agents open GPU nodes all the time): its allocations are charged to
     /// nobody.
-    pub(super) fn opened(
+    pub fn opened(
         &mut self,
         programs: &mut KernelPrograms,
         (pid, uid): (u32, u32),
@@ -257,7 +250,7 @@ impl AllocSide {
     }
 
     /// The looks at processes owed by now (opens that came too soon after a look).
-    pub(super) fn run_due(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
+    pub fn run_due(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
         self.copies.run_due(programs);
         self.probed(programs, gpus);
     }
@@ -273,14 +266,14 @@ impl AllocSide {
     }
 
     /// When the next owed look is due.
-    pub(super) fn next_due(&self) -> Option<Instant> {
+    pub fn next_due(&self) -> Option<Instant> {
         self.copies.next_look()
     }
 
     /// A process exec'ed (`exiting: false`: its old image's memory is gone) or began
     /// exiting: its charges come off now, or once it is gone ([`Self::settle_exits`],
     /// which the daemon calls after every batch of events).
-    pub(super) fn exited(&mut self, programs: &mut KernelPrograms, pid: u32, exiting: bool) {
+    pub fn exited(&mut self, programs: &mut KernelPrograms, pid: u32, exiting: bool) {
         self.copies.gone(programs, pid);
         self.unresolved.remove(&pid);
         self.started_caps.remove(&pid);
@@ -298,7 +291,7 @@ impl AllocSide {
 
     /// The exiting processes now gone have their charges taken off; whether some are
     /// still exiting (the daemon looks again soon).
-    pub(super) fn settle_exits(&mut self, programs: &mut KernelPrograms) -> bool {
+    pub fn settle_exits(&mut self, programs: &mut KernelPrograms) -> bool {
         self.exiting.retain(|&pid, &mut started| {
             let gone = !still_exiting(pid, started);
             if let (true, Some(maps)) = (gone, programs.alloc_mut()) {
@@ -310,7 +303,7 @@ impl AllocSide {
     }
 
     /// The line for what the kernel decided about an allocation.
-    pub(super) fn line(&self, over: &OverCap) -> String {
+    pub fn line(&self, over: &OverCap) -> String {
         self.caps.line(over, self.started_caps.get(&over.pid))
     }
 }

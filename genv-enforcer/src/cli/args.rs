@@ -7,10 +7,10 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::alloc::MemoryAtAlloc;
 use crate::backends::devmap::NodeOverride;
 use crate::backends::nvml::DEFAULT_LIBRARY;
-use crate::bpf::TierChoice;
-use crate::prevention::alloc::MemoryAtAlloc;
+use crate::kernel::TierChoice;
 use crate::snapshot::{OrphanPolicy, SnapshotJson};
 
 #[derive(Debug, Parser)]
@@ -52,7 +52,7 @@ pub enum Command {
     /// stops deciding about GPU opens until an enforcer runs again.
     Unpin {
         /// Where they are pinned.
-        #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::bpf::pins::DEFAULT_ROOT)]
+        #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::kernel::pins::DEFAULT_ROOT)]
         pin_dir: PathBuf,
     },
 }
@@ -239,7 +239,7 @@ pub struct EventArgs {
 
     /// Where --keep-pinned pins (a directory in bpffs), and where a starting daemon
     /// looks for a previous run's pins to take over from.
-    #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::bpf::pins::DEFAULT_ROOT)]
+    #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::kernel::pins::DEFAULT_ROOT)]
     pub pin_dir: PathBuf,
 
     /// Print why the kernel programs decided what they did about each GPU open, as
@@ -318,9 +318,9 @@ pub(super) fn positive_seconds(text: &str) -> Result<f64, String> {
 }
 
 /// `status --max-age`: long enough that an idle daemon's status (rewritten every
-/// [`HEARTBEAT`](crate::daemon::status::HEARTBEAT)) is never taken for a stuck one.
+/// [`HEARTBEAT`](crate::service::status::HEARTBEAT)) is never taken for a stuck one.
 fn status_max_age(text: &str) -> Result<u64, String> {
-    let least = 2 * crate::daemon::status::HEARTBEAT.as_secs();
+    let least = 2 * crate::service::status::HEARTBEAT.as_secs();
     match text.parse::<u64>() {
         Ok(s) if (least..=MAX_SECONDS as u64).contains(&s) => Ok(s),
         _ => Err(format!(

@@ -220,7 +220,9 @@ mod tests {
         let config = super::super::config::EnforceConfig::from_args(args).unwrap();
         assert!(config.rules.non_env_processes);
         match config.mode {
-            super::super::config::Mode::EventDriven(settings) => assert!(settings.keep_pinned),
+            super::super::config::Mode::EventDriven(settings) => {
+                assert!(settings.kernel.keep_pinned)
+            }
             other => panic!("{other:?}"),
         }
     }

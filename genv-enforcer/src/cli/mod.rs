@@ -52,7 +52,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     logging::init(cli.log_format);
     match cli.command {
         Command::Enforce(args) => enforce(args),
-        Command::Status { run_dir, max_age } => daemon::status::show(&run_dir, max_age),
+        Command::Status { run_dir, max_age } => crate::service::status::show(&run_dir, max_age),
         Command::Remote(args) => remote::run(args),
         Command::Usage(UsageCommand::Watch {
             poll_interval,
@@ -171,7 +171,7 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
 fn usage_watch(
     poll: f64,
     heartbeat: Option<f64>,
-    tier: crate::bpf::TierChoice,
+    tier: crate::kernel::TierChoice,
     gpu_nodes: Vec<crate::backends::devmap::NodeOverride>,
     sources: &args::SourceArgs,
 ) -> Result<ExitCode> {
@@ -181,12 +181,12 @@ fn usage_watch(
         EnvPolicy::default(),
     )
     .with_gpu_nodes(gpu_nodes);
-    let settings = daemon::usage_watch::WatchSettings {
+    let settings = crate::remote::usage_watch::WatchSettings {
         poll: std::time::Duration::from_secs_f64(poll),
         heartbeat: heartbeat.map(std::time::Duration::from_secs_f64),
         tier,
     };
-    runtime()?.block_on(daemon::usage_watch::run(builder, settings))
+    runtime()?.block_on(crate::remote::usage_watch::run(builder, settings))
 }
 
 /// The single-threaded runtime every long-running mode uses.
@@ -199,7 +199,7 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn unpin(root: &std::path::Path) -> Result<ExitCode> {
-    let removed = crate::bpf::pins::unpin_all(root)
+    let removed = crate::kernel::pins::unpin_all(root)
         .with_context(|| format!("removing the pins under {}", root.display()))?;
     if removed.links == 0 && removed.maps == 0 {
         println!("Nothing pinned under {}", root.display());

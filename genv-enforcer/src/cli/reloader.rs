@@ -9,7 +9,7 @@ use clap::Parser;
 use super::args::{Cli, Command, EnforceArgs};
 use super::config::{EnforceConfig, Mode};
 use super::config_file;
-use crate::daemon::reload::{Reloadable, Reloader};
+use crate::service::reload::{Reloadable, Reloader};
 
 /// What only a restart changes (the kernel side, the sources, the identity policy),
 /// each under its flag, its value as text: enough to say which ones a file changed.

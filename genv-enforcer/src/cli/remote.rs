@@ -72,7 +72,7 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
     }
     super::runtime()?.block_on(async {
         if let Some((addr, metrics)) = metrics {
-            crate::daemon::metrics::listen(addr, metrics)?;
+            crate::service::metrics::listen(addr, metrics)?;
         }
         crate::remote::run(fleet, mode).await
     })

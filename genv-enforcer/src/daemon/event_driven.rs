@@ -16,24 +16,22 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Result;
 
-use super::StopSignals;
-
 mod checks;
-mod cuda;
+mod events;
 mod reload;
-use super::instance::Instance;
-use super::kernel_inspector::KernelInspector;
-use super::kernel_side::KernelSide;
-use super::metrics::{self, Metrics};
-use super::reload::{Hangup, notify};
 use super::schedule::Schedule;
-pub use super::settings::Settings;
+use super::settings::Settings;
 use super::state_watch::{StateWatch, Target};
-use super::status::Status;
 use super::watchlist::Watchlist;
 use crate::cycle::Enforcer;
+use crate::intake::decisions::LineLimiter;
 use crate::intake::{BadRecord, EventIntake, KernelEvent, Verdict};
-use crate::prevention;
+use crate::kernel::inspector::KernelInspector;
+use crate::service::instance::Instance;
+use crate::service::metrics::{self, Metrics};
+use crate::service::signals::{Hangup, StopSignals, notify};
+use crate::service::status::Status;
+use crate::sync::KernelSide;
 
 /// How long a process terminated by a narrow check is left out of the next ones.
 const SETTLE: Duration = Duration::from_secs(2);
@@ -57,7 +55,8 @@ pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode>
         ..Status::default()
     };
     let metrics = settings.metrics_addr.map(metrics::serve).transpose()?;
-    let (kernel, mut intake) = KernelSide::start(&settings, &mut status)?.unzip();
+    let (kernel, mut intake) =
+        KernelSide::start(&settings.kernel, settings.interval, &mut status)?.unzip();
     if let Some(kernel) = &kernel {
         read_identities_from(kernel, &mut enforcer);
     }
@@ -175,7 +174,7 @@ struct Daemon {
     said_unknown: bool,
     /// GPUs the kernel killed an opener of since the last sweep for other holders.
     to_sweep: HashSet<u32>,
-    decision_lines: prevention::decisions::LineLimiter,
+    decision_lines: LineLimiter,
     /// The ring buffer's current look period ([`DRAIN_EVERY`] to [`DRAIN_IDLE`]).
     drain_every: Duration,
     /// Whether an environment had a memory cap at the last full cycle (or the state was
@@ -303,7 +302,7 @@ impl Daemon {
                     kernel.exited(pid, false);
                 }
                 if let (true, Some(kernel)) = (unresolved, self.kernel.as_mut()) {
-                    kernel.resolve_identity(pid, self.settings.verbose);
+                    kernel.resolve_identity(pid, self.settings.kernel.verbose);
                 }
             }
             KernelEvent::Fork {
@@ -311,7 +310,7 @@ impl Daemon {
             } => {
                 counts.fork_events += 1;
                 if let (true, Some(kernel)) = (unresolved, self.kernel.as_mut()) {
-                    kernel.resolve_identity(child, self.settings.verbose);
+                    kernel.resolve_identity(child, self.settings.kernel.verbose);
                 }
             }
             KernelEvent::Exit { pid } => {
@@ -331,7 +330,7 @@ impl Daemon {
                     kernel.opened(open.pid, open.uid, self.enforcer.builder.devices());
                 }
                 let counts = &mut self.status.counts;
-                if self.settings.verbose {
+                if self.settings.kernel.verbose {
                     tracing::info!(
                         target: "event", "Process {} (thread {}) {} GPU {} (node {}:{}) [{}; {}]",
                         open.pid,
@@ -380,7 +379,7 @@ impl Daemon {
         let Some(kernel) = &self.kernel else {
             return;
         };
-        for killed in kernel.sweep_holders(&self.settings, &gpus) {
+        for killed in kernel.sweep_holders(&self.settings.kernel, &gpus) {
             println!("{}", killed.line());
             self.status.counts.killed_holders += 1;
         }

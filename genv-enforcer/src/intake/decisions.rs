@@ -2,9 +2,9 @@
 //! tier gives, and a genv-style line for each refusal or kill.
 
 use crate::backends::users;
-use crate::bpf::Tier;
-use crate::bpf::policy_maps::DenyPolicy;
 use crate::intake::{GpuOpen, Verdict};
+use crate::kernel::Tier;
+use crate::kernel::policy_maps::DenyPolicy;
 
 /// What the kernel guarantees about GPU opens by processes outside any environment.
 pub fn guarantee(tier: Option<Tier>, deny: DenyPolicy) -> String {

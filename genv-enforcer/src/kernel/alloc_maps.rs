@@ -1,6 +1,6 @@
 //! The handles of `--memory-at-alloc`'s accounting maps (see `genv_ebpf_common::alloc`),
 //! which the daemon keeps in step with genv and NVML: caps, baselines, exits, device
-//! numbering. What they should hold is [`crate::prevention::alloc`]'s.
+//! numbering. What they should hold is [`crate::alloc::caps`]'s.
 
 use std::collections::{HashMap, HashSet};
 

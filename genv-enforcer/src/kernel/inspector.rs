@@ -6,16 +6,16 @@ use std::io;
 
 use crate::backends::devmap::DeviceMap;
 use crate::backends::procfs::{EnvironError, ProcStat, StatFile};
-use crate::bpf::policy_maps::IdentityReader;
+use crate::kernel::policy_maps::IdentityReader;
 use crate::snapshot::{ProcessInspector, Procfs};
 
-pub(super) struct KernelInspector {
+pub struct KernelInspector {
     procfs: Procfs,
     identities: IdentityReader,
 }
 
 impl KernelInspector {
-    pub(super) fn new(identities: IdentityReader) -> Self {
+    pub fn new(identities: IdentityReader) -> Self {
         Self {
             procfs: Procfs::default(),
             identities,

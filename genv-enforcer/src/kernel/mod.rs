@@ -13,6 +13,7 @@ pub mod cuda;
 mod elf_symbols;
 pub mod error;
 mod fmod_ret;
+pub mod inspector;
 pub mod lifecycle;
 pub mod loader;
 mod object;

@@ -224,7 +224,7 @@ fn ended(
 
 /// `usage watch`'s heartbeat line, which carries nothing.
 fn is_heartbeat(line: &[u8]) -> bool {
-    line.trim_ascii() == crate::daemon::usage_watch::HEARTBEAT_LINE.as_bytes()
+    line.trim_ascii() == crate::remote::usage_watch::HEARTBEAT_LINE.as_bytes()
 }
 
 impl Ended {

@@ -22,12 +22,12 @@ use anyhow::Result;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, sleep_until};
 
-use super::StopSignals;
-use super::state_watch::StateWatch;
 use crate::backends::procfs;
-use crate::bpf::{KernelPrograms, LoadOptions, TierChoice};
 use crate::cycle::LockPolicy;
+use crate::daemon::state_watch::StateWatch;
 use crate::intake::{EventIntake, KernelEvent};
+use crate::kernel::{KernelPrograms, LoadOptions, TierChoice};
+use crate::service::StopSignals;
 use crate::snapshot::{Snapshot, SnapshotBuilder};
 
 /// After a GPU open, when to look again: the process makes its compute context (and

@@ -5,12 +5,12 @@ use std::cell::RefCell;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use rustix::fs::{FlockOperation, flock};
 
-use super::status::{self, Status};
+use super::status::{self, HEARTBEAT, Status};
 
 pub struct Instance {
     _lock: File,
@@ -18,11 +18,6 @@ pub struct Instance {
     /// The status last written (its `updated` zeroed), and when.
     written: RefCell<Option<(Status, Instant)>>,
 }
-
-/// How old the status file's `updated` may get while nothing else in it changes: an idle
-/// daemon rewrites it this often instead of every second (a write and a rename per
-/// second is most of an idle daemon's cost).
-pub const HEARTBEAT: Duration = Duration::from_secs(10);
 
 impl Instance {
     pub fn claim(dir: &Path) -> Result<Self> {

@@ -10,6 +10,8 @@ use crate::actions::ExecutorConfig;
 use crate::cycle::Enforcer;
 use crate::rules::Rules;
 
+use super::signals::notify;
+
 /// What a reload can change in a running daemon.
 #[derive(Debug)]
 pub struct Reloadable {
@@ -78,41 +80,4 @@ pub fn reload(reloader: Option<&mut Reloader>, enforcer: &mut Enforcer) -> Optio
     });
     notify("READY=1");
     periods
-}
-
-/// SIGHUP, installed with the stop signals so that none is lost (its default would end
-/// the daemon).
-pub struct Hangup(tokio::signal::unix::Signal);
-
-impl Hangup {
-    pub fn install() -> anyhow::Result<Self> {
-        use anyhow::Context;
-        let signal = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-            .context("installing the SIGHUP handler")?;
-        Ok(Self(signal))
-    }
-
-    pub async fn recv(&mut self) {
-        self.0.recv().await;
-    }
-}
-
-/// `sd_notify`: tells systemd (`Type=notify`) how the daemon stands, when it runs under
-/// it (`NOTIFY_SOCKET`); nothing otherwise.
-pub fn notify(state: &str) {
-    use std::os::linux::net::SocketAddrExt;
-    use std::os::unix::net::{SocketAddr, UnixDatagram};
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
-        return;
-    };
-    let path = path.to_string_lossy().into_owned();
-    let address = match path.strip_prefix('@') {
-        Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
-        None => SocketAddr::from_pathname(&path),
-    };
-    let sent = UnixDatagram::unbound()
-        .and_then(|socket| address.and_then(|a| socket.send_to_addr(state.as_bytes(), &a)));
-    if let Err(e) = sent {
-        tracing::warn!("Cannot tell systemd {state:?} through {path}: {e}");
-    }
 }

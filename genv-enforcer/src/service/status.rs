@@ -3,16 +3,19 @@
 
 use std::path::Path;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::bpf::ProgramStats;
+use crate::kernel::ProgramStats;
 use crate::snapshot::Orphan;
 
 pub const FILE: &str = "status.json";
-/// How often an idle daemon rewrites the file at least.
-pub use super::instance::HEARTBEAT;
+/// How old the file's `updated` may get while nothing else in it changes: an idle
+/// daemon rewrites it this often instead of every second (a write and a rename per
+/// second is most of an idle daemon's cost).
+pub const HEARTBEAT: Duration = Duration::from_secs(10);
 /// `status`'s exit codes, as an LSB init script's `status`: not running, and running
 /// but stuck (its status not written for longer than `--max-age`).
 const NOT_RUNNING: u8 = 3;

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use genv_ebpf_common::{ExeKey, kernel_dev};
 
 use crate::backends::trust;
-use crate::bpf::policy_maps::PolicyMaps;
+use crate::kernel::policy_maps::PolicyMaps;
 
 /// NVIDIA's tools that open GPU nodes to monitor or manage them, allowed wherever they
 /// are found.

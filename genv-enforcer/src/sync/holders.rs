@@ -13,11 +13,11 @@ use std::path::Path;
 
 use rustix::process::Signal;
 
+use super::allowlist;
 use crate::actions::kill::{self, Protected};
 use crate::backends::devmap::DeviceMap;
 use crate::backends::{procfs, users};
-use crate::bpf::policy_maps::PolicyMaps;
-use crate::prevention::allowlist;
+use crate::kernel::policy_maps::PolicyMaps;
 
 /// A holder the sweep killed: its pid, uid and the GPUs it held.
 #[derive(Debug, PartialEq, Eq)]

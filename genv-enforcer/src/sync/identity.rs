@@ -6,7 +6,7 @@
 use genv_ebpf_common::{MAX_ENV_ID, env_id_hash, identity};
 
 use crate::backends::procfs;
-use crate::bpf::policy_maps::PolicyMaps;
+use crate::kernel::policy_maps::PolicyMaps;
 
 /// The identity the kernel gives a process whose `GENV_ENVIRONMENT_ID` is `id`.
 pub fn identity_of(id: Option<&str>) -> u64 {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use genv_ebpf_common::{EnvEntry, MAX_ENV_ID, MAX_ENVS, env_id_hash};
 
-use crate::bpf::policy_maps::PolicyMaps;
+use crate::kernel::policy_maps::PolicyMaps;
 use crate::snapshot::DroppedEnv;
 use crate::state::model::{Device, Env};
 

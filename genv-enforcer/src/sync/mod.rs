@@ -4,25 +4,32 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use genv_ebpf_common::alloc::{Delta, EnvGpu};
 
-use super::event_driven::Settings;
-use super::memory_at_alloc::AllocSide;
-use super::status::Status;
+pub mod allowlist;
+pub mod holders;
+pub mod identity;
+pub mod mirror;
+mod settings;
+
+pub use settings::KernelSettings;
+
+use crate::alloc::{AllocSide, MemoryAtAlloc};
 use crate::backends::devmap::DeviceMap;
 use crate::backends::{nvml, procfs};
-use crate::bpf::alloc_maps::DeltasAround;
-use crate::bpf::lifecycle::EnvScan;
-use crate::bpf::policy_maps::DenyPolicy;
-use crate::bpf::{KernelPrograms, LoadError, LoadOptions, TierChoice, pins};
 use crate::cycle::CycleSummary;
 use crate::intake::EventIntake;
 use crate::intake::OverCap;
 use crate::intake::decision_log::{self, EnvNames, Printer};
-use crate::prevention;
-use crate::prevention::alloc::MemoryAtAlloc;
+use crate::intake::decisions::guarantee;
+use crate::kernel::alloc_maps::DeltasAround;
+use crate::kernel::lifecycle::EnvScan;
+use crate::kernel::policy_maps::DenyPolicy;
+use crate::kernel::{KernelPrograms, LoadError, LoadOptions, TierChoice, pins};
+use crate::service::status::Status;
 use crate::snapshot::DroppedEnv;
 use crate::state::{Device, Env};
 
@@ -40,7 +47,7 @@ fn refuse_nested_pid_namespace() -> Result<()> {
     Ok(())
 }
 
-pub(super) struct KernelSide {
+pub struct KernelSide {
     programs: KernelPrograms,
     device_map: Option<DeviceMap>,
     /// The environments were mirrored into the kernel once and the policy (`--deny` or
@@ -70,17 +77,21 @@ fn start_decision_log(programs: &mut KernelPrograms) -> Result<EnvNames> {
 }
 
 /// What starting gives: the kernel side and its events, or neither (full cycle alone).
-pub(super) type Started = Option<(KernelSide, EventIntake)>;
+pub type Started = Option<(KernelSide, EventIntake)>;
 
 impl KernelSide {
     /// Loads the programs: a forced tier the kernel refuses is an error; under `auto`,
     /// no tier at all leaves the full cycle alone, said loudly. Then installs the
     /// allow-list and seeds the identities of the processes already running.
-    pub(super) fn start(settings: &Settings, status: &mut Status) -> Result<Started> {
-        let every = settings.interval.as_secs_f64();
+    pub fn start(
+        settings: &KernelSettings,
+        full_every: Duration,
+        status: &mut Status,
+    ) -> Result<Started> {
+        let every = full_every.as_secs_f64();
         if settings.tier == TierChoice::None {
             status.sees = format!("no BPF (--bpf-tier none): the full cycle alone, every {every}s");
-            status.guarantee = prevention::guarantee(None, DenyPolicy::default());
+            status.guarantee = guarantee(None, DenyPolicy::default());
             tracing::info!(
                 "--bpf-tier none: no kernel programs; enforcing with the full cycle alone every {every}s"
             );
@@ -110,7 +121,7 @@ impl KernelSide {
             Err(e) if settings.tier != TierChoice::Auto => {
                 bail!("--bpf-tier {}: {e}", settings.tier.name())
             }
-            Err(e) => return Ok(no_programs(settings, status, &e)),
+            Err(e) => return Ok(no_programs(settings, full_every, status, &e)),
         };
         describe_tier(&programs, status);
         if programs.env_scan() == EnvScan::Whole {
@@ -135,11 +146,15 @@ impl KernelSide {
             alloc: None,
         };
         if settings.memory_at_alloc != MemoryAtAlloc::Off {
-            side.alloc = Some(AllocSide::start(&mut side.programs, settings));
+            side.alloc = Some(AllocSide::start(
+                &mut side.programs,
+                &settings.cuda_libs,
+                settings.verbose,
+            ));
         }
         side.exempt_self(settings)?;
         status.allowed = side.install_allow_list(settings, None)?;
-        let seeded = prevention::seed_identities(side.programs.policy_mut());
+        let seeded = identity::seed_identities(side.programs.policy_mut());
         tracing::info!(
             "Environment identities of {seeded} running processes recorded in the kernel"
         );
@@ -149,12 +164,12 @@ impl KernelSide {
     /// The daemon opens GPU nodes itself (NVML): its process is exempt, by id, in its
     /// own maps and in those of an earlier run still pinned, whose programs decide until
     /// this run takes over.
-    fn exempt_self(&mut self, settings: &Settings) -> Result<()> {
+    fn exempt_self(&mut self, settings: &KernelSettings) -> Result<()> {
         let pid = std::process::id();
         let start_time = procfs::stat(pid)?.start_time;
         self.programs.policy_mut().exempt(pid, start_time)?;
         let own = self.pin_generation.as_deref();
-        let exe = prevention::allowlist::exe_key(Path::new("/proc/self/exe"))?;
+        let exe = allowlist::exe_key(Path::new("/proc/self/exe"))?;
         for old in pins::other_generations(&settings.pin_dir, own) {
             if let Err(e) = pins::exempt_in_generation(&old, pid, start_time, exe) {
                 tracing::warn!(
@@ -170,15 +185,11 @@ impl KernelSide {
     /// library (once known) and in the usual places, and those given.
     fn install_allow_list(
         &mut self,
-        settings: &Settings,
+        settings: &KernelSettings,
         nvml_dir: Option<&Path>,
     ) -> Result<String> {
-        let dirs = prevention::allowlist::tool_dirs(std::env::var_os("PATH"), nvml_dir);
-        let allowed = prevention::allowlist::install(
-            self.programs.policy_mut(),
-            &dirs,
-            &settings.allow_exes,
-        )?;
+        let dirs = allowlist::tool_dirs(std::env::var_os("PATH"), nvml_dir);
+        let allowed = allowlist::install(self.programs.policy_mut(), &dirs, &settings.allow_exes)?;
         tracing::info!("Allowed to open GPU nodes outside environments: {allowed}");
         Ok(allowed)
     }
@@ -186,9 +197,9 @@ impl KernelSide {
     /// After a full cycle: the watched nodes follow the snapshot's device map, and the kernel's
     /// environments follow the state the cycle read (`None`: unreadable, keep the last);
     /// `gpus`: NVML's devices, for the CUDA numberings that named a GPU by UUID.
-    pub(super) fn follow_cycle(
+    pub fn follow_cycle(
         &mut self,
-        settings: &Settings,
+        settings: &KernelSettings,
         status: &mut Status,
         (device_map, gpus): (&DeviceMap, &[nvml::GpuInfo]),
         summary: &mut CycleSummary,
@@ -210,7 +221,7 @@ impl KernelSide {
 
     /// Once NVML is loaded, its tools may sit beside it (`/usr/local/nvidia/lib64` and
     /// `bin`): the allow-list is looked for again there.
-    fn follow_nvml(&mut self, settings: &Settings, status: &mut Status) {
+    fn follow_nvml(&mut self, settings: &KernelSettings, status: &mut Status) {
         let dir = nvml::loaded_library().and_then(|lib| lib.parent().map(Path::to_path_buf));
         if dir.is_none() || dir == self.tools_beside {
             return;
@@ -226,19 +237,19 @@ impl KernelSide {
     }
 
     /// A reader of the identities the kernel recorded, for the snapshot.
-    pub(super) fn identity_reader(&self) -> Result<crate::bpf::policy_maps::IdentityReader> {
+    pub fn identity_reader(&self) -> Result<crate::kernel::policy_maps::IdentityReader> {
         Ok(self.programs.policy().identity_reader()?)
     }
 
     /// A process whose environment block the exec hook could not read in full.
-    pub(super) fn resolve_identity(&mut self, pid: u32, verbose: bool) {
-        prevention::resolve_identity(self.programs.policy_mut(), pid, verbose);
+    pub fn resolve_identity(&mut self, pid: u32, verbose: bool) {
+        identity::resolve_identity(self.programs.policy_mut(), pid, verbose);
     }
 
     /// Every full cycle (and so after every loss of events): no identity stays
     /// unresolved or missing. When the kernel could not record some (its map was full),
     /// the identities of processes gone unseen are dropped first.
-    fn resync_identities(&mut self, settings: &Settings, status: &mut Status) {
+    fn resync_identities(&mut self, settings: &KernelSettings, status: &mut Status) {
         let lost = self.programs.policy().decisions().identity_lost;
         let prune = lost > status.counts.identity_lost_in_kernel;
         if prune {
@@ -249,8 +260,7 @@ impl KernelSide {
             );
             status.counts.identity_lost_in_kernel = lost;
         }
-        let done =
-            prevention::resync_identities(self.programs.policy_mut(), prune, settings.verbose);
+        let done = identity::resync_identities(self.programs.policy_mut(), prune, settings.verbose);
         status.counts.identities_resolved += done.resolved as u64;
         status.counts.identities_seeded += done.seeded as u64;
         if done != Default::default() && settings.verbose {
@@ -264,14 +274,14 @@ impl KernelSide {
     }
 
     /// `--memory-at-alloc`: the accounting deltas, read before NVML is asked.
-    pub(super) fn alloc_deltas(&mut self) -> Option<HashMap<EnvGpu, Delta>> {
+    pub fn alloc_deltas(&mut self) -> Option<HashMap<EnvGpu, Delta>> {
         self.alloc.as_ref()?;
         AllocSide::deltas(&mut self.programs)
     }
 
     /// `--memory-at-alloc`: NVML's answer (the memory poll's) becomes the baselines;
     /// `deltas`: the accounting read before NVML was asked and after it answered.
-    pub(super) fn rebase(
+    pub fn rebase(
         &mut self,
         deltas: DeltasAround<'_>,
         measured: &HashMap<EnvGpu, u64>,
@@ -282,7 +292,7 @@ impl KernelSide {
 
     /// A process started CUDA; `gpus`: NVML's devices, which its `CUDA_VISIBLE_DEVICES`
     /// may name by UUID.
-    pub(super) fn cuda_started(&mut self, pid: u32, gpus: &[nvml::GpuInfo]) {
+    pub fn cuda_started(&mut self, pid: u32, gpus: &[nvml::GpuInfo]) {
         if let Some(alloc) = &mut self.alloc {
             alloc.cuda_started(&mut self.programs, pid, gpus);
         }
@@ -290,39 +300,39 @@ impl KernelSide {
 
     /// Whether the kernel recorded, at `pid`'s exec, that it has no environment id at
     /// all: not one still being resolved, not one naming an environment not mirrored yet.
-    pub(super) fn definitely_outside(&self, pid: u32) -> bool {
+    pub fn definitely_outside(&self, pid: u32) -> bool {
         self.programs.policy().identity(pid) == Some(genv_ebpf_common::identity::NO_ENV)
     }
 
     /// A process opened a GPU node (`--memory-at-alloc`: a libcuda copy it maps is
     /// probed).
-    pub(super) fn opened(&mut self, pid: u32, uid: u32, gpus: &[nvml::GpuInfo]) {
+    pub fn opened(&mut self, pid: u32, uid: u32, gpus: &[nvml::GpuInfo]) {
         if let Some(alloc) = &mut self.alloc {
             alloc.opened(&mut self.programs, (pid, uid), gpus);
         }
     }
 
     /// `--memory-at-alloc`: the looks at GPU openers' libraries owed by now.
-    pub(super) fn run_due_looks(&mut self, gpus: &[nvml::GpuInfo]) {
+    pub fn run_due_looks(&mut self, gpus: &[nvml::GpuInfo]) {
         if let Some(alloc) = &mut self.alloc {
             alloc.run_due(&mut self.programs, gpus);
         }
     }
 
     /// When the next owed look is due.
-    pub(super) fn next_look(&self) -> Option<std::time::Instant> {
+    pub fn next_look(&self) -> Option<std::time::Instant> {
         self.alloc.as_ref().and_then(|alloc| alloc.next_due())
     }
 
     /// A process exec'ed or (`exiting`) began exiting.
-    pub(super) fn exited(&mut self, pid: u32, exiting: bool) {
+    pub fn exited(&mut self, pid: u32, exiting: bool) {
         if let Some(alloc) = &mut self.alloc {
             alloc.exited(&mut self.programs, pid, exiting);
         }
     }
 
     /// Exits waiting for their processes to be gone; whether some still wait.
-    pub(super) fn settle_exits(&mut self) -> bool {
+    pub fn settle_exits(&mut self) -> bool {
         match &mut self.alloc {
             Some(alloc) => alloc.settle_exits(&mut self.programs),
             None => false,
@@ -330,14 +340,14 @@ impl KernelSide {
     }
 
     /// The line for an allocation the kernel found past its environment's cap.
-    pub(super) fn alloc_line(&self, over: &OverCap) -> Option<String> {
+    pub fn alloc_line(&self, over: &OverCap) -> Option<String> {
         self.alloc.as_ref().map(|alloc| alloc.line(over))
     }
 
     /// Before the daemon exits: its process id leaves the exemptions, which pinned maps
     /// would otherwise keep for whichever process gets that id next. (A daemon killed
     /// outright leaves it until the next daemon takes over and removes its pins.)
-    pub(super) fn release(mut self) {
+    pub fn release(mut self) {
         if let Err(e) = self.programs.policy_mut().unexempt(std::process::id()) {
             tracing::warn!("Cannot remove this daemon's exemption from the kernel: {e}");
         }
@@ -345,21 +355,21 @@ impl KernelSide {
 
     /// Kills the processes outside environments still holding `gpus`, which the kernel
     /// killed an opener of (see [`prevention::holders`]).
-    pub(super) fn sweep_holders(
+    pub fn sweep_holders(
         &self,
-        settings: &Settings,
+        settings: &KernelSettings,
         gpus: &HashSet<u32>,
-    ) -> Vec<prevention::holders::Killed> {
+    ) -> Vec<holders::Killed> {
         let Some(map) = &self.device_map else {
             return Vec::new();
         };
-        prevention::holders::sweep(self.programs.policy(), map, gpus, settings.deny_root)
+        holders::sweep(self.programs.policy(), map, gpus, settings.deny_root)
     }
 
     /// The programs' run statistics and the kernel's own decision counts; whether the
     /// kernel could not record identities since the last resynchronisation (which then
     /// is due at once).
-    pub(super) fn report(&self, status: &mut Status) -> bool {
+    pub fn report(&self, status: &mut Status) -> bool {
         status.programs = self.programs.stats();
         let decided = self.programs.policy().decisions();
         status.counts.refused_in_kernel = decided.refused;
@@ -386,7 +396,7 @@ impl KernelSide {
     /// that succeeds: before it, every environment's processes would count as outside.
     fn mirror_state(
         &mut self,
-        settings: &Settings,
+        settings: &KernelSettings,
         status: &mut Status,
         state: Option<(Vec<Env>, Vec<Device>)>,
         dropped: &[DroppedEnv],
@@ -396,10 +406,10 @@ impl KernelSide {
             names.clear();
             names.extend(
                 envs.iter()
-                    .map(|env| (prevention::identity_of(Some(&env.eid)), env.eid.clone())),
+                    .map(|env| (identity::identity_of(Some(&env.eid)), env.eid.clone())),
             );
         }
-        let current = prevention::sync_environments(self.programs.policy_mut(), state, dropped);
+        let current = mirror::sync_environments(self.programs.policy_mut(), state, dropped);
         if !current || self.armed {
             return;
         }
@@ -423,7 +433,7 @@ impl KernelSide {
                 "Allocations past an environment's gpu_memory kill their process in the call (--memory-at-alloc kill)"
             ),
         }
-        let guarantee = prevention::guarantee(Some(self.programs.tier()), deny);
+        let guarantee = guarantee(Some(self.programs.tier()), deny);
         tracing::info!("GPU opens outside any environment are {guarantee}");
         status.guarantee = guarantee;
         self.armed = true;
@@ -432,7 +442,7 @@ impl KernelSide {
 
     /// Our programs decide now: an earlier run's pinned programs can go. With
     /// `--keep-pinned`, ours stay after we exit.
-    fn take_over_pins(&mut self, settings: &Settings) {
+    fn take_over_pins(&mut self, settings: &KernelSettings) {
         let own = self.pin_generation.as_deref();
         for old in pins::other_generations(&settings.pin_dir, own) {
             match pins::remove_generation(&old) {
@@ -455,8 +465,13 @@ impl KernelSide {
 }
 
 /// Under `--bpf-tier auto`, no tier loaded: the full cycle alone, said loudly.
-fn no_programs(settings: &Settings, status: &mut Status, e: &LoadError) -> Started {
-    let every = settings.interval.as_secs_f64();
+fn no_programs(
+    settings: &KernelSettings,
+    full_every: Duration,
+    status: &mut Status,
+    e: &LoadError,
+) -> Started {
+    let every = full_every.as_secs_f64();
     tracing::warn!(
         "No BPF tier could be loaded ({e}); enforcing with the full cycle alone every {every}s, as genv does"
     );
@@ -465,7 +480,7 @@ fn no_programs(settings: &Settings, status: &mut Status, e: &LoadError) -> Start
         deny: settings.deny,
         root: settings.deny_root,
     };
-    status.guarantee = prevention::guarantee(None, deny);
+    status.guarantee = guarantee(None, deny);
     if settings.deny {
         tracing::warn!(
             "--deny cannot be kept without kernel programs: GPU opens outside any environment are {}",

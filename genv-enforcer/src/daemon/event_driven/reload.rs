@@ -3,9 +3,9 @@
 
 use std::time::Instant;
 
-use super::super::reload::reload;
 use super::super::schedule::Schedule;
 use super::Daemon;
+use crate::service::reload::reload;
 
 impl Daemon {
     pub(super) fn reload(&mut self, schedule: &mut Schedule) {

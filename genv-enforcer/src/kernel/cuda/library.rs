@@ -5,11 +5,11 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 
 use super::{Exports, PROBES};
-use crate::bpf::error::LoadError;
+use crate::kernel::error::LoadError;
 use crate::state::MountTable;
 
 /// The largest library opened: a libcuda is tens of MB (only its symbol tables are
-/// read, see [`crate::bpf::elf_symbols`]).
+/// read, see [`crate::kernel::elf_symbols`]).
 pub const LIBRARY_LIMIT: u64 = 256 << 20;
 
 /// A file reached, not opened: an `O_PATH` descriptor, which asks the file system
@@ -128,13 +128,13 @@ impl Library {
     }
 
     /// Where the probed calls start in it, read from its dynamic symbols (a bounded
-    /// read, see [`crate::bpf::elf_symbols`]).
+    /// read, see [`crate::kernel::elf_symbols`]).
     pub fn exports(&self) -> Result<Exports, LoadError> {
         let wanted: Vec<&'static str> = PROBES
             .iter()
             .flat_map(|(_, symbols)| symbols.iter().copied())
             .collect();
-        crate::bpf::elf_symbols::exported_offsets(&self.file, &wanted)
+        crate::kernel::elf_symbols::exported_offsets(&self.file, &wanted)
             .map(Exports)
             .map_err(|e| LoadError::Library(format!("{}: {e}", self.name)))
     }

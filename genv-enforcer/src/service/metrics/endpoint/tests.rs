@@ -2,7 +2,7 @@ use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpStream as StdStream};
 
 use super::*;
-use crate::daemon::metrics::Metrics;
+use crate::service::metrics::Metrics;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
