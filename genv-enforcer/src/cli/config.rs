@@ -6,7 +6,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::args::{EnforceArgs, ExecutionArgs, RuleArgs};
+use super::args::{EnforceArgs, ExecutionArgs};
+use super::shared_args::RuleArgs;
 use crate::actions::ExecutorConfig;
 use crate::alloc::MemoryAtAlloc;
 use crate::backends::devmap::NodeOverride;

@@ -9,6 +9,7 @@ mod reloader;
 mod remote;
 pub mod remote_args;
 mod session_end;
+pub mod shared_args;
 
 use std::io::Read;
 use std::process::ExitCode;

@@ -14,8 +14,8 @@ mod library;
 pub use library::{FileVersion, Handle, LIBRARY_LIMIT, Library};
 
 use super::alloc_maps::AllocMaps;
+use super::attached::{Attached, program_mut};
 use super::error::{LoadError, chain, program_error};
-use super::loader::{Attached, program_mut};
 
 /// Allocations on the current context's device, with `(dptr, size, …)` arguments; the
 /// `_ptsz` forms are the same calls on the per-thread default stream.

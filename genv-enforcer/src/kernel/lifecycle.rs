@@ -4,8 +4,8 @@
 use aya::Ebpf;
 use aya::programs::{RawTracePoint, TracePoint};
 
+use super::attached::{Attached, LinkId, program_mut};
 use super::error::{LoadError, program_error};
-use super::loader::{Attached, LinkId, program_mut};
 
 /// How much of an environment block the exec hook reads itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,10 +4,6 @@
 //! (unless pinned). The event maps are handed out raw: reading them is the intake's job.
 
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
-use aya::programs::fentry::FEntryLinkId;
-use aya::programs::lsm::LsmLinkId;
-use aya::programs::raw_trace_point::RawTracePointLinkId;
-use aya::programs::trace_point::TracePointLinkId;
 use aya::programs::{FEntry, Lsm, ProgramError, RawTracePoint, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 use genv_ebpf_common::{
@@ -15,6 +11,7 @@ use genv_ebpf_common::{
 };
 
 use super::alloc_maps::AllocMaps;
+use super::attached::{Attached, LinkId, program_mut};
 use super::btf::Btf;
 use super::cuda::{self, Attachment};
 use super::error::{LoadError, chain, map_error, program_error, take_map};
@@ -74,23 +71,6 @@ pub struct KernelPrograms {
     processes: u32,
     /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.
     alloc: Option<AllocMaps>,
-}
-
-/// An attached program: its name in the object, kernel id, and link (taken from the
-/// program when pinned).
-pub(super) struct Attached {
-    pub(super) name: &'static str,
-    pub(super) id: u32,
-    pub(super) link: Option<LinkId>,
-}
-
-pub(super) enum LinkId {
-    TracePoint(TracePointLinkId),
-    RawTracePoint(RawTracePointLinkId),
-    Lsm(LsmLinkId),
-    FEntry(FEntryLinkId),
-    /// The fmod_ret program's, which aya does not hold.
-    FmodRet(fmod_ret::Link),
 }
 
 /// One program's counters, as the kernel keeps them while `kernel.bpf_stats_enabled`
@@ -283,16 +263,6 @@ impl KernelPrograms {
         let wanted = map.kernel_entries().take(MAX_GPU_NODES as usize).collect();
         super::policy_maps::sync_map(&mut self.nodes, wanted).map_err(map_error(GPU_NODES_MAP))
     }
-}
-
-pub(super) fn program_mut<'a>(
-    ebpf: &'a mut Ebpf,
-    program: &'static str,
-) -> Result<&'a mut aya::programs::Program, LoadError> {
-    ebpf.program_mut(program).ok_or(LoadError::Program {
-        program,
-        message: "not in the object".into(),
-    })
 }
 
 /// 32-bit opens (`int 0x80`, 32-bit programs) fire no `sys_exit_open*` tracepoint:

@@ -8,6 +8,7 @@
 //! events the programs emit are read by [`crate::intake`].
 
 pub mod alloc_maps;
+mod attached;
 pub mod btf;
 pub mod cuda;
 mod elf_symbols;

@@ -13,8 +13,8 @@ use aya::Ebpf;
 use aya::programs::links::FdLink;
 use aya::programs::{FEntry, Lsm, RawTracePoint, TracePoint};
 
+use super::attached::{Attached, LinkId, program_mut};
 use super::error::{LoadError, chain};
-use super::loader::{Attached, LinkId, program_mut};
 
 /// Where pins go by default.
 pub const DEFAULT_ROOT: &str = "/sys/fs/bpf/genv-enforcer";
