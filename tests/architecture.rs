@@ -9,19 +9,33 @@ use std::path::{Path, PathBuf};
 use genv_enforcer_tests::workspace_root;
 
 /// `genv-enforcer/src`'s top-level modules, lowest first: a module may use only
-/// modules listed before it. The batch path (backends and state → snapshot → rules →
+/// modules listed before it. A warning said once (used by all), the batch path (backends and state → snapshot → rules →
 /// report → actions → cycle), then the event side by stage: the kernel programs'
 /// handles, the intake of their events, what the daemon publishes as a service,
 /// `--memory-at-alloc`'s userspace half, the sync of the maps with genv's state, the
 /// daemon's loop; then the fleet and the command line.
-const LAYERS: [&str; 15] = [
-    "backends", "state", "snapshot", "rules", "report", "actions", "cycle", "kernel", "intake",
-    "service", "alloc", "sync", "daemon", "remote", "cli",
+const LAYERS: [&str; 16] = [
+    "warn_once",
+    "backends",
+    "state",
+    "snapshot",
+    "rules",
+    "report",
+    "actions",
+    "cycle",
+    "kernel",
+    "intake",
+    "service",
+    "alloc",
+    "sync",
+    "daemon",
+    "remote",
+    "cli",
 ];
 
 /// Lines of code in a file, not counting its unit tests.
-const MAX_FILE_LINES: usize = 500;
-const MAX_FUNCTION_LINES: usize = 80;
+const MAX_FILE_LINES: usize = 400;
+const MAX_FUNCTION_LINES: usize = 60;
 
 /// The Rust sources the limits apply to: everything but the test suites and their
 /// harness.

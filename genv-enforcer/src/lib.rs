@@ -14,7 +14,7 @@
 //! command line into one validated configuration and runs it.
 //!
 //! Each module uses only modules below it in the layering that `tests/architecture.rs`
-//! checks (backends, state, snapshot, rules, report, actions, cycle, kernel, intake,
+//! checks (warn_once, backends, state, snapshot, rules, report, actions, cycle, kernel, intake,
 //! service, alloc, sync, daemon, remote, cli), and no file uses a sibling that uses it
 //! back.
 
@@ -33,3 +33,4 @@ pub mod service;
 pub mod snapshot;
 pub mod state;
 pub mod sync;
+pub mod warn_once;

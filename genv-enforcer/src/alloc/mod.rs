@@ -270,23 +270,31 @@ impl AllocSide {
         self.copies.next_look()
     }
 
-    /// A process exec'ed (`exiting: false`: its old image's memory is gone) or began
-    /// exiting: its charges come off now, or once it is gone ([`Self::settle_exits`],
-    /// which the daemon calls after every batch of events).
-    pub fn exited(&mut self, programs: &mut KernelPrograms, pid: u32, exiting: bool) {
+    /// A process exec'ed: its old image's memory is gone with its address space, and
+    /// its charges come off now.
+    pub fn execed(&mut self, programs: &mut KernelPrograms, pid: u32) {
+        if self.forget(programs, pid).is_some() {
+            if let Some(maps) = programs.alloc_mut() {
+                maps.process_exited(pid);
+            }
+        }
+    }
+
+    /// A process began exiting: its charges come off once it is gone
+    /// ([`Self::settle_exits`], which the daemon calls after every batch of events).
+    pub fn exiting(&mut self, programs: &mut KernelPrograms, pid: u32) {
+        if let Some(started) = self.forget(programs, pid) {
+            self.exiting.insert(pid, started);
+        }
+    }
+
+    /// What is known of `pid`'s image goes (its mappings, numbering, started cap); the
+    /// start time it had, if it ran CUDA (it then has charges to take off).
+    fn forget(&mut self, programs: &mut KernelPrograms, pid: u32) -> Option<u64> {
         self.copies.gone(programs, pid);
         self.unresolved.remove(&pid);
         self.started_caps.remove(&pid);
-        let Some(started) = self.cuda_pids.remove(&pid) else {
-            return;
-        };
-        if exiting {
-            self.exiting.insert(pid, started);
-            return;
-        }
-        if let Some(maps) = programs.alloc_mut() {
-            maps.process_exited(pid);
-        }
+        self.cuda_pids.remove(&pid)
     }
 
     /// The exiting processes now gone have their charges taken off; whether some are

@@ -13,6 +13,7 @@ use crate::alloc::MemoryAtAlloc;
 use crate::backends::devmap::NodeOverride;
 use crate::daemon::Settings;
 use crate::kernel::TierChoice;
+use crate::kernel::policy_maps::DenyPolicy;
 use crate::rules::{DeviceLimit, Rules};
 use crate::snapshot::EnvPolicy;
 use crate::sync::KernelSettings;
@@ -169,8 +170,10 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
             tier,
             ring_bytes: events.ring_buffer_bytes,
             verbose: events.verbose,
-            deny: events.deny,
-            deny_root: events.deny_root,
+            deny: DenyPolicy {
+                deny: events.deny,
+                root: events.deny_root,
+            },
             allow_exes: events.allow_exe.clone(),
             keep_pinned: events.keep_pinned,
             pin_dir: events.pin_dir.clone(),
@@ -298,7 +301,7 @@ mod tests {
             ok.mode,
             Mode::EventDriven(Settings {
                 kernel: KernelSettings {
-                    deny: true,
+                    deny: DenyPolicy { deny: true, .. },
                     keep_pinned: true,
                     ..
                 },

@@ -14,7 +14,7 @@ use super::{Snapshot, Warning};
 use crate::backends::devmap::{DeviceMap, NodeOverride};
 use crate::backends::nvml::{ComputeContext, GpuBackend, GpuInfo, NvmlBackend};
 use crate::backends::procfs;
-use crate::state::{Device, StateDir, memory::format_mebibytes};
+use crate::state::{Device, Env, StateDir, memory::format_mebibytes};
 
 /// Where GPU facts come from right now.
 enum Gpus {
@@ -233,16 +233,7 @@ impl SnapshotBuilder {
             }
         }
 
-        let envs = self.guard.envs(self.state.load_envs(), &mut warnings);
-        let devices = envs.as_ref().and_then(|envs| {
-            let read = self.state.load_devices(envs);
-            match self.guard.devices(read, envs, &mut warnings) {
-                Ok(Some(devices)) => Some(devices),
-                // genv would create the file with nothing attached.
-                Ok(None) => Some(self.unattached_devices()),
-                Err(()) => None,
-            }
-        });
+        let (envs, devices) = self.guarded_state(&mut warnings);
 
         if let Some(envs) = &envs {
             self.table.dropped.update(envs, devices.as_deref());
@@ -268,6 +259,34 @@ impl SnapshotBuilder {
             },
         };
         (snapshot, warnings)
+    }
+
+    /// genv's environments and devices, read through what is believed of them
+    /// ([`StateGuard`]). The caller holds genv's global lock.
+    fn guarded_state(
+        &mut self,
+        warnings: &mut Vec<Warning>,
+    ) -> (Option<Vec<Env>>, Option<Vec<Device>>) {
+        let envs = self.guard.envs(self.state.load_envs(), warnings);
+        let devices = envs.as_ref().and_then(|envs| {
+            let read = self.state.load_devices(envs);
+            match self.guard.devices(read, envs, warnings) {
+                Ok(Some(devices)) => Some(devices),
+                // genv would create the file with nothing attached.
+                Ok(None) => Some(self.unattached_devices()),
+                Err(()) => None,
+            }
+        });
+        (envs, devices)
+    }
+
+    /// genv's environments and devices as they are now, read again as a snapshot reads
+    /// them (the caller holds genv's global lock): after the caller's own write to them
+    /// (a detach). `None` when either cannot be read. Its warnings were the snapshot's
+    /// just taken, and are not said twice.
+    pub fn state_now(&mut self) -> Option<(Vec<Env>, Vec<Device>)> {
+        let (envs, devices) = self.guarded_state(&mut Vec::new());
+        envs.zip(devices)
     }
 
     fn unattached_devices(&self) -> Vec<Device> {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use crate::alloc::MemoryAtAlloc;
 use crate::kernel::TierChoice;
+use crate::kernel::policy_maps::DenyPolicy;
 
 #[derive(Debug)]
 pub struct KernelSettings {
@@ -12,13 +13,11 @@ pub struct KernelSettings {
     pub ring_bytes: Option<u32>,
     /// `--verbose`: every event and identity resolved is said.
     pub verbose: bool,
-    /// `--deny`: refuse (lsm, fmod_ret) or kill in the syscall (other tiers) outside
-    /// processes.
-    pub deny: bool,
+    /// `--deny` (refuse at the open on lsm and fmod_ret, kill in the syscall on the
+    /// other tiers, processes outside environments) and `--deny-root` (root's too).
+    pub deny: DenyPolicy,
     /// `--allow-exe`, beyond the defaults.
     pub allow_exes: Vec<PathBuf>,
-    /// `--deny-root`: root's processes outside environments are denied too.
-    pub deny_root: bool,
     /// `--keep-pinned`: pin under a generation of `pin_dir`.
     pub keep_pinned: bool,
     /// Where pins go, and where an earlier run's are looked for.
