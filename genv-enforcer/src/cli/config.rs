@@ -162,7 +162,13 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
             }
         }
     }
-    Ok(Mode::EventDriven(Settings {
+    Ok(Mode::EventDriven(settings(args, tier)))
+}
+
+/// The event-driven mode's settings, from flags checked together already.
+fn settings(args: &EnforceArgs, tier: TierChoice) -> Settings {
+    let events = &args.events;
+    Settings {
         interval: Duration::from_secs_f64(args.interval),
         memory_interval: Duration::from_secs_f64(events.memory_interval.unwrap_or(1.0)),
         run_dir: events.run_dir.clone(),
@@ -183,7 +189,7 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
         },
         reload: None,
         metrics_addr: events.metrics_addr,
-    }))
+    }
 }
 
 /// The first flag given that only the event-driven mode reads.

@@ -25,40 +25,7 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
     if let Some(warning) = enforce.rules.warning() {
         tracing::warn!("{warning}");
     }
-    let remote: Vec<String> = args
-        .remote_command
-        .split_whitespace()
-        .map(str::to_owned)
-        .collect();
-    if remote.is_empty() {
-        bail!(
-            "--remote-command is empty: give the command that runs genv-enforcer (or genv) on each host"
-        );
-    }
-    let ssh = Ssh::new(SshOptions {
-        program: "ssh".into(),
-        config: args.ssh_config.clone(),
-        connect_timeout: args.timeout,
-        multiplex: !args.no_multiplex,
-    });
-    let fleet = Fleet {
-        hosts: hosts_of(&args)?,
-        ssh,
-        rules: enforce.rules.rules(),
-        remote,
-        errors: match (args.exit_on_error, args.quiet) {
-            (true, _) => ErrorPolicy::Exit,
-            (false, true) => ErrorPolicy::Quiet,
-            (false, false) => ErrorPolicy::Report,
-        },
-        host_timeout: Duration::from_secs_f64(args.host_timeout),
-        parallel: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
-        executing: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
-        verbose: args.verbose,
-        host_options: args.host_option.clone(),
-        watch_options: args.watch_option.clone(),
-        metrics: None,
-    };
+    let fleet = fleet(&args)?;
     let metrics = args.metrics_addr.map(|addr| {
         let names = fleet.hosts.iter().map(|h| h.name.clone()).collect();
         (addr, Arc::new(FleetMetrics::new(names)))
@@ -75,6 +42,46 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
             crate::service::metrics::listen(addr, metrics)?;
         }
         crate::remote::run(fleet, mode).await
+    })
+}
+
+/// The hosts, how to reach them and what to run there, as the flags say (no metrics
+/// yet).
+fn fleet(args: &RemoteArgs) -> Result<Fleet> {
+    let RemoteCommand::Enforce(enforce) = &args.command;
+    let remote: Vec<String> = args
+        .remote_command
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    if remote.is_empty() {
+        bail!(
+            "--remote-command is empty: give the command that runs genv-enforcer (or genv) on each host"
+        );
+    }
+    let ssh = Ssh::new(SshOptions {
+        program: "ssh".into(),
+        config: args.ssh_config.clone(),
+        connect_timeout: args.timeout,
+        multiplex: !args.no_multiplex,
+    });
+    Ok(Fleet {
+        hosts: hosts_of(args)?,
+        ssh,
+        rules: enforce.rules.rules(),
+        remote,
+        errors: match (args.exit_on_error, args.quiet) {
+            (true, _) => ErrorPolicy::Exit,
+            (false, true) => ErrorPolicy::Quiet,
+            (false, false) => ErrorPolicy::Report,
+        },
+        host_timeout: Duration::from_secs_f64(args.host_timeout),
+        parallel: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
+        executing: Arc::new(tokio::sync::Semaphore::new(args.max_parallel as usize)),
+        verbose: args.verbose,
+        host_options: args.host_option.clone(),
+        watch_options: args.watch_option.clone(),
+        metrics: None,
     })
 }
 

@@ -43,17 +43,7 @@ pub fn exported_offsets(
     let cache = ReadCache::new(file);
     let data = &cache;
     let header = FileHeader64::<Endianness>::parse(data)?;
-    let endian = header.endian()?;
-    if header.e_type(endian) != elf::ET_DYN {
-        return Err(ElfError::NotALibrary("not a shared object".into()));
-    }
-    if header.e_machine(endian) != host_machine() {
-        return Err(ElfError::NotALibrary(format!(
-            "machine {}, not this one's {}",
-            header.e_machine(endian),
-            host_machine()
-        )));
-    }
+    let endian = library_for_this_machine(header)?;
     let count = header.shnum(endian, data)?;
     if count > MAX_SECTIONS {
         return Err(ElfError::TooLarge {
@@ -91,24 +81,47 @@ pub fn exported_offsets(
         let Some(&wanted) = wanted.iter().find(|w| w.as_bytes() == name) else {
             continue;
         };
-        let index = symbol.st_shndx(endian);
-        if index == elf::SHN_UNDEF || index >= elf::SHN_LORESERVE {
-            continue; // undefined here, or absolute: no code in the file
-        }
-        // A symbol's file offset: where its section's bytes sit in the file, plus its
-        // distance from the section's start in memory.
-        let offset = sections.get(usize::from(index)).and_then(|section| {
-            let into = symbol
-                .st_value(endian)
-                .checked_sub(section.sh_addr(endian))?;
-            (section.sh_type(endian) != elf::SHT_NOBITS && into < section.sh_size(endian))
-                .then(|| section.sh_offset(endian).checked_add(into))?
-        });
-        if let Some(offset) = offset.filter(|&o| o < len) {
+        if let Some(offset) = file_offset(symbol, sections, endian).filter(|&o| o < len) {
             found.insert(wanted, offset);
         }
     }
     Ok(found)
+}
+
+/// The header's byte order, for a shared object built for this machine.
+fn library_for_this_machine(header: &FileHeader64<Endianness>) -> Result<Endianness, ElfError> {
+    let endian = header.endian()?;
+    if header.e_type(endian) != elf::ET_DYN {
+        return Err(ElfError::NotALibrary("not a shared object".into()));
+    }
+    if header.e_machine(endian) != host_machine() {
+        return Err(ElfError::NotALibrary(format!(
+            "machine {}, not this one's {}",
+            header.e_machine(endian),
+            host_machine()
+        )));
+    }
+    Ok(endian)
+}
+
+/// Where a symbol's code starts in the file: where its section's bytes sit in the file,
+/// plus its distance from the section's start in memory. `None` for one undefined here,
+/// absolute, or outside its section.
+fn file_offset(
+    symbol: &elf::Sym64<Endianness>,
+    sections: &[elf::SectionHeader64<Endianness>],
+    endian: Endianness,
+) -> Option<u64> {
+    let index = symbol.st_shndx(endian);
+    if index == elf::SHN_UNDEF || index >= elf::SHN_LORESERVE {
+        return None;
+    }
+    let section = sections.get(usize::from(index))?;
+    let into = symbol
+        .st_value(endian)
+        .checked_sub(section.sh_addr(endian))?;
+    (section.sh_type(endian) != elf::SHT_NOBITS && into < section.sh_size(endian))
+        .then(|| section.sh_offset(endian).checked_add(into))?
 }
 
 /// The NUL-terminated name at `at` in a string table.

@@ -19,6 +19,7 @@ pub mod lifecycle;
 pub mod loader;
 mod object;
 pub mod offsets;
+mod open_tiers;
 pub mod pins;
 pub mod policy_maps;
 pub mod tier;

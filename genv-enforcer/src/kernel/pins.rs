@@ -150,48 +150,10 @@ pub(super) fn pin_all(
         })?;
     }
     for attached in programs.iter_mut() {
-        let path = links.join(attached.name);
-        let error = |message: String| LoadError::Pin {
-            path: path.clone(),
-            message,
-        };
         let Some(link) = attached.link.take() else {
             continue; // pinned already
         };
-        let name = attached.name;
-        let fd_link: FdLink = match link {
-            // Not aya's: pinned through its own descriptor.
-            LinkId::FmodRet(link) => {
-                link.pin(&path).map_err(|e| error(e.to_string()))?;
-                continue;
-            }
-            LinkId::TracePoint(id) => {
-                let p: &mut TracePoint = program_mut(ebpf, name)?
-                    .try_into()
-                    .map_err(|e| error(chain(&e)))?;
-                let link = p.take_link(id).map_err(|e| error(chain(&e)))?;
-                FdLink::try_from(link).map_err(|e| error(chain(&e)))?
-            }
-            LinkId::RawTracePoint(id) => {
-                let p: &mut RawTracePoint = program_mut(ebpf, name)?
-                    .try_into()
-                    .map_err(|e| error(chain(&e)))?;
-                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
-            }
-            LinkId::Lsm(id) => {
-                let p: &mut Lsm = program_mut(ebpf, name)?
-                    .try_into()
-                    .map_err(|e| error(chain(&e)))?;
-                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
-            }
-            LinkId::FEntry(id) => {
-                let p: &mut FEntry = program_mut(ebpf, name)?
-                    .try_into()
-                    .map_err(|e| error(chain(&e)))?;
-                p.take_link(id).map_err(|e| error(chain(&e)))?.into()
-            }
-        };
-        fd_link.pin(&path).map_err(|e| error(chain(&e)))?;
+        pin_link(ebpf, attached.name, link, &links.join(attached.name))?;
     }
     // The object's own sections (.rodata, .bss) are not the daemon's interface.
     for (name, map) in ebpf.maps().filter(|(name, _)| !name.starts_with('.')) {
@@ -201,5 +163,49 @@ pub(super) fn pin_all(
             message: chain(&e),
         })?;
     }
+    Ok(())
+}
+
+/// Pins one program's link at `path`, through aya's descriptor of it (or, for the
+/// fmod_ret program, which aya does not hold, through its own).
+fn pin_link(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    link: LinkId,
+    path: &Path,
+) -> Result<(), LoadError> {
+    let error = |message: String| LoadError::Pin {
+        path: path.to_path_buf(),
+        message,
+    };
+    let fd_link: FdLink = match link {
+        LinkId::FmodRet(link) => return link.pin(path).map_err(|e| error(e.to_string())),
+        LinkId::TracePoint(id) => {
+            let p: &mut TracePoint = program_mut(ebpf, name)?
+                .try_into()
+                .map_err(|e| error(chain(&e)))?;
+            let link = p.take_link(id).map_err(|e| error(chain(&e)))?;
+            FdLink::try_from(link).map_err(|e| error(chain(&e)))?
+        }
+        LinkId::RawTracePoint(id) => {
+            let p: &mut RawTracePoint = program_mut(ebpf, name)?
+                .try_into()
+                .map_err(|e| error(chain(&e)))?;
+            p.take_link(id).map_err(|e| error(chain(&e)))?.into()
+        }
+        LinkId::Lsm(id) => {
+            let p: &mut Lsm = program_mut(ebpf, name)?
+                .try_into()
+                .map_err(|e| error(chain(&e)))?;
+            p.take_link(id).map_err(|e| error(chain(&e)))?.into()
+        }
+        LinkId::FEntry(id) => {
+            let p: &mut FEntry = program_mut(ebpf, name)?
+                .try_into()
+                .map_err(|e| error(chain(&e)))?;
+            p.take_link(id).map_err(|e| error(chain(&e)))?.into()
+        }
+    };
+    fd_link.pin(path).map_err(|e| error(chain(&e)))?;
     Ok(())
 }

@@ -93,13 +93,7 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
     let mut stop = StopSignals::install()?;
     let mut hangup = stdin_hangup();
     let mut kernel = load_programs(settings.tier);
-    let mut state_watch = match StateWatch::new(builder.state()) {
-        Ok(watch) => Some(watch),
-        Err(e) => {
-            tracing::warn!("Cannot watch genv's state directory ({e}); polling it");
-            None
-        }
-    };
+    let mut state_watch = watch_state(&builder);
     let mut watcher = Watcher::new();
     let mut rechecks: Vec<Instant> = Vec::new();
     let mut due = true;
@@ -151,19 +145,35 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
         if let Some((_, intake)) = &mut kernel {
             intake.drain_now(&mut events, &mut Vec::new());
         }
-        let (opened, exited) = watcher.relevant(&events);
-        if opened {
-            // The latest open's schedule replaces an earlier one's: bounded however
-            // many opens come.
-            let now = Instant::now();
-            rechecks.retain(|at| *at <= now + AFTER_OPEN[0]);
-            rechecks.extend(AFTER_OPEN.iter().map(|d| now + *d));
-        }
-        if exited {
-            recheck_after_exit(&mut rechecks, Instant::now());
-        }
-        due |= opened || exited;
+        due |= recheck_after(watcher.relevant(&events), &mut rechecks);
     }
+}
+
+/// genv's state directory watched, or polled where it cannot be.
+fn watch_state(builder: &SnapshotBuilder) -> Option<StateWatch> {
+    match StateWatch::new(builder.state()) {
+        Ok(watch) => Some(watch),
+        Err(e) => {
+            tracing::warn!("Cannot watch genv's state directory ({e}); polling it");
+            None
+        }
+    }
+}
+
+/// After a GPU open or an exit among the events, the looks that follow them; whether
+/// one is due now.
+fn recheck_after((opened, exited): (bool, bool), rechecks: &mut Vec<Instant>) -> bool {
+    if opened {
+        // The latest open's schedule replaces an earlier one's: bounded however many
+        // opens come.
+        let now = Instant::now();
+        rechecks.retain(|at| *at <= now + AFTER_OPEN[0]);
+        rechecks.extend(AFTER_OPEN.iter().map(|d| now + *d));
+    }
+    if exited {
+        recheck_after_exit(rechecks, Instant::now());
+    }
+    opened || exited
 }
 
 /// Adds [`AFTER_EXIT`]'s looks, each unless one is due within the first of them after

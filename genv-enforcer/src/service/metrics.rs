@@ -66,50 +66,47 @@ impl Metrics {
             seen: Mutex::new((Counts::default(), 0)),
             registry: Registry::default(),
         };
-        registry.register(
-            "events",
-            "Kernel events seen, by kind",
-            metrics.events.clone(),
-        );
-        registry.register(
-            "decisions",
-            "Actions decided, by rule and action (at_open and at_alloc: in the kernel)",
-            metrics.decisions.clone(),
-        );
-        registry.register(
-            "reaction_seconds",
-            "From a GPU open to the action on its process",
-            metrics.reaction.clone(),
-        );
-        registry.register(
-            "cycle_seconds",
-            "Full cycles' duration",
-            metrics.cycle.clone(),
-        );
-        registry.register(
-            "lost_events",
-            "Events the ring buffer had no room for",
-            metrics.lost.clone(),
-        );
-        registry.register(
-            "resyncs",
-            "Full cycles run to resynchronise after lost events",
-            metrics.resyncs.clone(),
-        );
-        registry.register(
-            "tier",
-            "The open tier in use (1), none when 0 series",
-            metrics.tier.clone(),
-        );
-        registry.register(
-            "nvml_errors",
-            "NVML loads and queries that failed",
-            metrics.nvml_errors.clone(),
-        );
+        metrics.register(&mut registry);
         Arc::new(Self {
             registry,
             ..metrics
         })
+    }
+
+    /// Names and explains each metric in `registry`.
+    fn register(&self, registry: &mut Registry) {
+        registry.register("events", "Kernel events seen, by kind", self.events.clone());
+        registry.register(
+            "decisions",
+            "Actions decided, by rule and action (at_open and at_alloc: in the kernel)",
+            self.decisions.clone(),
+        );
+        registry.register(
+            "reaction_seconds",
+            "From a GPU open to the action on its process",
+            self.reaction.clone(),
+        );
+        registry.register("cycle_seconds", "Full cycles' duration", self.cycle.clone());
+        registry.register(
+            "lost_events",
+            "Events the ring buffer had no room for",
+            self.lost.clone(),
+        );
+        registry.register(
+            "resyncs",
+            "Full cycles run to resynchronise after lost events",
+            self.resyncs.clone(),
+        );
+        registry.register(
+            "tier",
+            "The open tier in use (1), none when 0 series",
+            self.tier.clone(),
+        );
+        registry.register(
+            "nvml_errors",
+            "NVML loads and queries that failed",
+            self.nvml_errors.clone(),
+        );
     }
 
     /// Carries over what the status counted since the last call.
