@@ -330,6 +330,7 @@ fn any_tier_a_storm_of_execs_loses_nothing_without_a_resync() {
         return;
     };
     let pid = daemon.daemon.pid() as i32;
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
     let storm = |n: u32| {
         let status = Command::new("sh")
@@ -343,6 +344,7 @@ fn any_tier_a_storm_of_execs_loses_nothing_without_a_resync() {
     };
     storm(300);
     let rogue = node.spawn_with(None, &[(0, 100)], &["--open", path(&gpu)], None);
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(pid, libc::SIGCONT) };
     daemon.expect("[WARNING] The kernel lost");
     daemon.expect(&format!(

@@ -786,6 +786,7 @@ fn a_process_gone_while_its_account_keeps_its_baseline_is_taken_off() {
     gates.hold(ENUMERATION);
     // Gone before NVML lists (its exit is read after the poll), and an allocation in
     // flight for the same account.
+    // SAFETY: kill(2) takes no pointer; the process is one this test started.
     unsafe { libc::kill(first.pid as i32, libc::SIGKILL) };
     assert_eq!(node.wait_exit(first.pid, DEATH), Some(libc::SIGKILL));
     second.ok("alloc 300");

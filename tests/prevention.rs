@@ -590,6 +590,7 @@ struct Stopped<'a>(&'a EventDaemon);
 impl<'a> Stopped<'a> {
     fn after_first_cycle(daemon: &'a EventDaemon) -> Self {
         daemon.wait_count("full_cycles");
+        // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
         unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGSTOP) };
         Stopped(daemon)
     }
@@ -597,6 +598,7 @@ impl<'a> Stopped<'a> {
 
 impl Drop for Stopped<'_> {
     fn drop(&mut self) {
+        // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
         unsafe { libc::kill(self.0.daemon.pid() as i32, libc::SIGCONT) };
     }
 }
@@ -738,6 +740,7 @@ fn any_tier_a_job_whose_environment_genv_dropped_is_left_running_unless_orphans_
         let job = node.spawn_with(Some("alice-env"), usage, &open, Some(ALICE));
         // The shell exits; genv's next read of envs.json drops the environment (and its
         // attachment). The rewrite wakes the daemon, whose cycle reads it so.
+        // SAFETY: kill(2) takes no pointer; the process is one this test started.
         unsafe { libc::kill(shell as i32, libc::SIGKILL) };
         node.wait_exit(shell, DEATH);
         let cycles = daemon.count("full_cycles");
@@ -1165,6 +1168,7 @@ fn tier_a_crashed_daemons_exemption_names_no_later_process() {
     };
     let tier = daemon.tier.clone();
     let crashed = daemon.daemon.pid();
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(crashed as i32, libc::SIGKILL) };
     daemon.daemon.stop(DEATH);
     let generation = generations(&pins.0).pop().expect("the pins stay");

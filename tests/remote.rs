@@ -103,6 +103,7 @@ impl Running {
 
     /// SIGTERM; its stderr.
     fn stop(&mut self) -> String {
+        // SAFETY: kill(2) takes no pointer; the child is this test's.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let _ = self.child.wait();
         std::thread::sleep(Duration::from_millis(50));
@@ -292,6 +293,7 @@ fn hosts_whose_genv_lock_is_held_or_refused_are_still_enforced() {
     let holder = hold_lock(&lock[0], fleet.hosts[0].uid("mallory"));
     let fifo =
         std::ffi::CString::new(lock[1].clone().into_os_string().into_encoded_bytes()).unwrap();
+    // SAFETY: `fifo` is a NUL-terminated path that lives across the call.
     assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0, "mkfifo");
     std::os::unix::fs::symlink(fleet.hosts[2].node.dir.join("elsewhere"), &lock[2]).unwrap();
     // alice holds device 1 on each host: one over the limit, the first host's goes.
@@ -934,6 +936,7 @@ fn looped_cycle_ms(fleet: &SshFleet, extra: &[&str]) -> f64 {
             break;
         }
     }
+    // SAFETY: kill(2) takes no pointer; the child is this test's.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
     median(cycles[1..].to_vec())
@@ -1037,6 +1040,7 @@ fn bench_remote() {
         .spawn()
         .unwrap();
     let theirs: Vec<f64> = (0..3).map(|_| reaction_ms(&mut python)).collect();
+    // SAFETY: kill(2) takes no pointer; the group is genv's, which this test started.
     unsafe { libc::kill(-(genv.id() as i32), libc::SIGTERM) };
     let _ = genv.wait();
     let range = |v: &[f64]| {
@@ -1154,6 +1158,7 @@ fn usage_watch_prints_a_line_at_each_change_as_it_happens() {
     let opened = next_where("the GPU open", &|doc| !pids(doc).is_empty());
     assert_eq!(pids(&opened), [u64::from(opener)]);
 
+    // SAFETY: kill(2) takes no pointer; the process is one this test started.
     unsafe { libc::kill(opener as i32, libc::SIGKILL) };
     assert_eq!(node.wait_exit(opener, DEATH), Some(libc::SIGKILL));
     let gone = next_where("the exit", &|doc| !pids(doc).contains(&u64::from(opener)));

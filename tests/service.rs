@@ -315,6 +315,7 @@ fn sighup_reloads_genvs_loop_too() {
     let outsider = node.spawn(None, &[(0, 100)]);
 
     std::fs::write(&config, "non-env-processes = true\ninterval = 3600\n").unwrap();
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(daemon.pid() as i32, libc::SIGHUP) };
     assert_eq!(systemd.heard(), "RELOADING=1");
     assert_eq!(systemd.heard(), "READY=1");
@@ -361,6 +362,7 @@ fn sighup_reads_the_config_file_again_with_the_programs_attached() {
     assert!(node.alive(rogue), "terminated with --non-env-processes off");
 
     std::fs::write(&config, "non-env-processes = true\nkill-after = 5\n").unwrap();
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
     assert_eq!(systemd.heard(), "RELOADING=1");
     assert_eq!(systemd.heard(), "READY=1");
@@ -382,6 +384,7 @@ fn sighup_reads_the_config_file_again_with_the_programs_attached() {
         "non-env-processes = false\nkill-after = 5\ndeny = true\n",
     )
     .unwrap();
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
     daemon.expect(
         "[ERROR] SIGHUP: the file changes settings only a restart changes (--deny: false -> true)",
@@ -393,6 +396,7 @@ fn sighup_reads_the_config_file_again_with_the_programs_attached() {
 
     // A file that does not parse leaves the running settings.
     std::fs::write(&config, "non-env-processes = maybe\n").unwrap();
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
     daemon.expect_count("[ERROR] SIGHUP:", 2);
     let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
@@ -710,6 +714,7 @@ struct Stopped(u32);
 
 impl Drop for Stopped {
     fn drop(&mut self) {
+        // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
         unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
     }
 }
@@ -793,6 +798,7 @@ fn the_daemonsets_pod_runs_with_its_capabilities_and_its_probes_see_it_stuck() {
     // Stuck: the status ages past --max-age (20 here, the least it takes; the pod's
     // is 60), and the probe says so.
     let _stopped = Stopped(second.daemon.pid());
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(second.daemon.pid() as i32, libc::SIGSTOP) };
     let stuck = || {
         run_probe(
@@ -810,6 +816,7 @@ fn the_daemonsets_pod_runs_with_its_capabilities_and_its_probes_see_it_stuck() {
         said.contains(&format!("pid {} is stuck", second.daemon.pid())),
         "{said}"
     );
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(second.daemon.pid() as i32, libc::SIGCONT) };
     probe_until(0, stuck);
 }

@@ -74,6 +74,7 @@ fn monotonic_us() -> u64 {
         tv_nsec: 0,
     };
     assert_eq!(
+        // SAFETY: `now` is a live `timespec` for the call to write.
         unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) },
         0
     );
@@ -338,6 +339,8 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
     let mut attempts = Attempts::start(&node.dir, &gpu);
     attempts.wait_for(3);
     let killed_at = monotonic_us();
+    // SAFETY: kill(2) takes no pointer; the pid is the unit's daemon, which this test
+    // started.
     assert_eq!(unsafe { libc::kill(first_pid, libc::SIGKILL) }, 0);
     let deadline = Instant::now() + Duration::from_secs(180);
     let second = loop {

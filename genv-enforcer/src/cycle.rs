@@ -464,6 +464,7 @@ mod tests {
         let fifo =
             std::ffi::CString::new(dir.join("genv.lock").into_os_string().into_encoded_bytes())
                 .unwrap();
+        // SAFETY: `fifo` is a NUL-terminated path that lives across the call.
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
         let mut child = std::process::Command::new("sleep")
             .arg("60")

@@ -63,6 +63,7 @@ pub fn make_gpu_node_for(path: &Path, gpu: usize) -> PathBuf {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     let (major, minor) = test_nodes()[gpu];
     let dev = libc::makedev(major, minor);
+    // SAFETY: `c` is a NUL-terminated path that lives across the call.
     let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, dev) };
     assert_eq!(
         rc,
@@ -353,6 +354,8 @@ pub fn program_loaded(id: u32) -> bool {
     const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
     // union bpf_attr for this command: { u32 prog_id; u32 next_id; u32 open_flags; }
     let attr: [u32; 3] = [id, 0, 0];
+    // SAFETY: `attr` is a live, initialised `bpf_attr` prefix of the size passed; the
+    // kernel only reads it.
     let fd = unsafe {
         libc::syscall(
             libc::SYS_bpf,
@@ -362,6 +365,8 @@ pub fn program_loaded(id: u32) -> bool {
         )
     };
     if fd >= 0 {
+        // SAFETY: closes the descriptor the syscall just returned, which nothing else
+        // owns.
         unsafe { libc::close(fd as i32) };
         return true;
     }
@@ -390,6 +395,8 @@ fn open_pinned(pin: &Path) -> std::os::fd::OwnedFd {
         bpf_fd: 0,
         file_flags: 0,
     };
+    // SAFETY: `attr` is a live, initialised `bpf_attr` prefix of the size passed; the
+    // kernel only reads it.
     let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr, size_of_val(&attr)) };
     assert!(
         fd >= 0,
@@ -423,6 +430,8 @@ pub fn pinned_map_get(pin: &Path, key: u32) -> Option<u64> {
         value: &mut value as *mut u64 as u64,
         flags: 0,
     };
+    // SAFETY: `attr` is a live, initialised `bpf_attr` prefix of the size passed; the
+    // kernel only reads it.
     let found = unsafe {
         libc::syscall(
             libc::SYS_bpf,
@@ -450,6 +459,8 @@ pub fn pinned_map_put(pin: &Path, key: u32, value: u64) {
         value: &value as *const u64 as u64,
         flags: 0,
     };
+    // SAFETY: `attr` is a live, initialised `bpf_attr` prefix of the size passed; the
+    // kernel only reads it.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_bpf,

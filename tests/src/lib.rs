@@ -426,6 +426,7 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         for pid in &self.foreign {
+            // SAFETY: kill(2) takes no pointer; these are processes the test started.
             unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
         }
         for child in self.children.values_mut() {
@@ -673,6 +674,7 @@ impl Daemon {
 
     /// Sends SIGTERM and waits up to `timeout` for the daemon to exit.
     pub fn stop(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        // SAFETY: kill(2) takes no pointer; the daemon is this harness's child.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         wait_for(&mut self.child, timeout)
     }

@@ -201,6 +201,7 @@ impl SshFleet {
 
     /// The host's sshd stops answering (SIGSTOP): connections open, nothing comes back.
     pub fn hang(&self, host: usize) {
+        // SAFETY: kill(2) takes no pointer; the sshd is this harness's child.
         unsafe { libc::kill(self.hosts[host].sshd.id() as i32, libc::SIGSTOP) };
     }
 }
@@ -408,6 +409,7 @@ fn write_script(path: &Path, body: &str) {
 
 impl Drop for SshHost {
     fn drop(&mut self) {
+        // SAFETY: kill(2) takes no pointer; the sshd is this harness's child.
         unsafe { libc::kill(self.sshd.id() as i32, libc::SIGCONT) };
         let _ = self.sshd.kill();
         let _ = self.sshd.wait();
@@ -418,6 +420,8 @@ impl Drop for SshHost {
             .map(|out| {
                 for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
                     if let Ok(pid) = pid.parse::<i32>() {
+                        // SAFETY: kill(2) takes no pointer; these are the test sshd's
+                        // own sessions, by pgrep.
                         unsafe { libc::kill(pid, libc::SIGKILL) };
                     }
                 }

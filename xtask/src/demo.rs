@@ -20,6 +20,7 @@ use crate::sim;
 const GPU1_NODE: &str = "1:7=1";
 
 pub fn run() -> Result<()> {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         bail!(
             "the demo loads kernel programs and makes a device node: run `sudo -E cargo xtask demo`"
@@ -66,6 +67,7 @@ fn demo(target: &Path, dir: &Path, state: &Path) -> Result<()> {
         "\n$ kill -TERM {}  # the daemon detaches its programs and exits",
         daemon.id()
     );
+    // SAFETY: kill(2) takes no pointer; the daemon is the demo's child.
     unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
     let status = daemon.wait()?;
     std::thread::sleep(Duration::from_millis(100));
@@ -198,6 +200,7 @@ fn spawn_helper(target: &Path, gpu1: &Path, eid: Option<&str>) -> Result<(Child,
 }
 
 fn write_state(state: &Path, shell: u32) -> Result<()> {
+    // SAFETY: getuid(2) takes nothing and cannot fail.
     let uid = unsafe { libc::getuid() };
     std::fs::write(
         state.join("envs.json"),

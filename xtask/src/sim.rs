@@ -17,6 +17,7 @@ pub const TEST_NODE: (u32, u32) = (1, 7);
 pub fn make_test_node(path: &Path) -> Result<()> {
     let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
     let dev = libc::makedev(TEST_NODE.0, TEST_NODE.1);
+    // SAFETY: `c_path` is a NUL-terminated path that lives across the call.
     if unsafe { libc::mknod(c_path.as_ptr(), libc::S_IFCHR | 0o666, dev) } != 0 {
         bail!(
             "mknod {}: {}",

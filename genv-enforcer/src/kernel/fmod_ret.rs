@@ -176,6 +176,7 @@ fn log_tail(log: &[u8]) -> String {
 fn info(fd: RawFd) -> io::Result<bpf_prog_info> {
     // SAFETY: all-zero is a valid `bpf_prog_info` and `bpf_attr` (plain integers).
     let mut record: bpf_prog_info = unsafe { std::mem::zeroed() };
+    // SAFETY: all-zero is a valid `bpf_attr` (a union of plain integers).
     let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
     // SAFETY: the `BPF_OBJ_GET_INFO_BY_FD` member of the union.
     let info = unsafe { &mut attr.info };
