@@ -86,10 +86,11 @@ fn usage_snapshot(
     part: Option<crate::snapshot::SnapshotJson>,
     sources: &args::SourceArgs,
 ) -> Result<ExitCode> {
-    let mut builder = SnapshotBuilder::new(
-        StateDir::new(&sources.genv_tmpdir),
+    let mut builder = snapshot_builder(
+        &sources.genv_tmpdir,
         sources.nvml_lib.clone(),
         EnvPolicy::default(),
+        Vec::new(),
     );
     let lock = LockPolicy::bounded(LockPolicy::COMMAND_WAIT)
         .take(builder.state())
@@ -141,12 +142,12 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
     }
     raise_open_file_limit();
     let mut enforcer = Enforcer {
-        builder: SnapshotBuilder::new(
-            StateDir::new(&config.state_dir),
+        builder: snapshot_builder(
+            &config.state_dir,
             config.nvml_lib,
             config.policy,
-        )
-        .with_gpu_nodes(config.gpu_nodes),
+            config.gpu_nodes,
+        ),
         rules: config.rules,
         executor: Executor::new(config.execution),
         lock: LockPolicy::blocking(),
@@ -168,6 +169,17 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
     }
 }
 
+/// How every command takes its snapshots: genv's state in `state_dir`, NVML loaded
+/// from `nvml_lib`, `policy` for environment claims, `--gpu-node`'s overrides.
+fn snapshot_builder(
+    state_dir: &std::path::Path,
+    nvml_lib: std::ffi::OsString,
+    policy: EnvPolicy,
+    gpu_nodes: Vec<crate::backends::devmap::NodeOverride>,
+) -> SnapshotBuilder {
+    SnapshotBuilder::new(StateDir::new(state_dir), nvml_lib, policy).with_gpu_nodes(gpu_nodes)
+}
+
 /// `usage watch`.
 fn usage_watch(
     poll: f64,
@@ -176,12 +188,12 @@ fn usage_watch(
     gpu_nodes: Vec<crate::backends::devmap::NodeOverride>,
     sources: &args::SourceArgs,
 ) -> Result<ExitCode> {
-    let builder = SnapshotBuilder::new(
-        StateDir::new(&sources.genv_tmpdir),
+    let builder = snapshot_builder(
+        &sources.genv_tmpdir,
         sources.nvml_lib.clone(),
         EnvPolicy::default(),
-    )
-    .with_gpu_nodes(gpu_nodes);
+        gpu_nodes,
+    );
     let settings = crate::remote::usage_watch::WatchSettings {
         poll: std::time::Duration::from_secs_f64(poll),
         heartbeat: heartbeat.map(std::time::Duration::from_secs_f64),
