@@ -5,7 +5,6 @@ pub mod args;
 pub mod config;
 pub mod config_file;
 pub mod logging;
-mod reloader;
 mod remote;
 pub mod remote_args;
 mod session_end;
@@ -130,7 +129,7 @@ fn usage_execute(execution: &args::ExecutionArgs) -> Result<ExitCode> {
 
 fn enforce(args: EnforceArgs) -> Result<ExitCode> {
     let mut reload = match (&args.config, ARGV.get()) {
-        (Some(_), Some(argv)) => Some(reloader::reloader(argv.clone(), &args)),
+        (Some(_), Some(argv)) => Some(config_file::reloader(argv.clone(), &args)),
         _ => None,
     };
     let mut config = EnforceConfig::from_args(args)?;
