@@ -14,13 +14,16 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
 pub mod events;
+pub mod harness;
 pub mod mounts;
 pub mod sshd;
+
+pub use harness::{PATIENCE, path, serial, wait_for, wait_for_or, wait_until, xtask};
 
 pub const MIB: u64 = 1024 * 1024;
 
@@ -387,7 +390,7 @@ impl Node {
     /// Waits up to `timeout` for the process to exit; returns the signal that ended it.
     pub fn wait_exit(&mut self, pid: u32, timeout: Duration) -> Option<i32> {
         let child = self.children.get_mut(&pid).expect("a process of this node");
-        wait_for(child, timeout)
+        harness::wait_exit(child, timeout)
             .map(|status| std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0))
     }
 
@@ -633,38 +636,19 @@ impl Daemon {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let (tx, output) = std::sync::mpsc::channel();
-        for stream in [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send(line);
-                }
-            });
-        }
+        let output = harness::lines_of(&mut child, None);
         Self { child, output }
     }
 
     /// Waits (generously) for a line containing `needle`; returns every line seen.
     pub fn expect_line(&self, needle: &str, timeout: Duration) -> Vec<String> {
-        let deadline = Instant::now() + timeout;
-        let mut seen = Vec::new();
-        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-            match self.output.recv_timeout(left) {
-                Ok(line) => {
-                    let found = line.contains(needle);
-                    seen.push(line);
-                    if found {
-                        return seen;
-                    }
-                }
-                Err(_) => break,
+        match harness::until_line(&self.output, &[needle], timeout) {
+            Ok((line, mut seen)) => {
+                seen.push(line);
+                seen
             }
+            Err(seen) => panic!("no line containing {needle:?} within {timeout:?}; saw {seen:#?}"),
         }
-        panic!("no line containing {needle:?} within {timeout:?}; saw {seen:#?}");
     }
 
     pub fn pid(&self) -> u32 {
@@ -674,21 +658,7 @@ impl Daemon {
     /// Sends SIGTERM and waits up to `timeout` for the daemon to exit.
     pub fn stop(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        wait_for(&mut self.child, timeout)
-    }
-}
-
-/// Waits up to `timeout` for `child` to exit.
-fn wait_for(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return Some(status);
-        }
-        if Instant::now() > deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(10));
+        harness::wait_exit(&mut self.child, timeout)
     }
 }
 
