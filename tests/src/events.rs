@@ -60,17 +60,8 @@ pub fn make_gpu_node(path: &Path) -> PathBuf {
 
 /// Makes a character node with GPU `gpu`'s test number (0 or 1) at `path`.
 pub fn make_gpu_node_for(path: &Path, gpu: usize) -> PathBuf {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    let (major, minor) = test_nodes()[gpu];
-    let dev = libc::makedev(major, minor);
-    let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, dev) };
-    assert_eq!(
-        rc,
-        0,
-        "mknod {}: {}",
-        path.display(),
-        std::io::Error::last_os_error()
-    );
+    crate::harness::mknod_char(path, test_nodes()[gpu])
+        .unwrap_or_else(|e| panic!("mknod {}: {e}", path.display()));
     path.to_owned()
 }
 

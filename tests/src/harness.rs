@@ -190,3 +190,22 @@ pub fn hold_lock(lock: &Path, uid: Option<u32>) -> KillOnDrop {
     );
     holder
 }
+
+/// Makes a character device node `major:minor` at `path` (mode 0666), which needs root.
+pub fn mknod_char(path: &Path, (major, minor): (u32, u32)) -> std::io::Result<()> {
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
+    let dev = libc::makedev(major, minor);
+    // SAFETY: a NUL-terminated path that lives across the call.
+    match unsafe { libc::mknod(c_path.as_ptr(), libc::S_IFCHR | 0o666, dev) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// Replaces `path` with `text` in one rename, so that a reader (the fake NVML re-reads
+/// its configuration) never sees half of it.
+pub fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
+    let temporary = path.with_extension("new");
+    std::fs::write(&temporary, text)?;
+    std::fs::rename(&temporary, path)
+}

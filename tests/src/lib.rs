@@ -197,9 +197,7 @@ impl Node {
 
     /// Writes a raw fake-NVML configuration (for failure injection).
     pub fn write_nvml(&self, config: Value) {
-        let tmp = self.config.with_extension("tmp");
-        std::fs::write(&tmp, config.to_string()).unwrap();
-        std::fs::rename(&tmp, &self.config).unwrap();
+        harness::write_atomically(&self.config, &config.to_string()).unwrap();
     }
 
     /// Writes genv's state files as genv writes them.
@@ -292,6 +290,18 @@ impl Node {
         );
     }
 
+    /// Lets a helper started with `--wait-stdin` do its opens, without waiting.
+    pub fn tell(&mut self, pid: u32) {
+        let child = self.children.get_mut(&pid).expect("a process of this node");
+        let stdin = child.stdin.as_mut().expect("started with a piped stdin");
+        stdin.write_all(b"go\n").unwrap();
+    }
+
+    /// The node's own process `pid` (to time its end finely).
+    pub fn child(&mut self, pid: u32) -> &mut Child {
+        self.children.get_mut(&pid).expect("a process of this node")
+    }
+
     /// Lets a helper started with `--wait-stdin` do its opens, and returns what it
     /// printed until it said `opened` or its output ended (it died): one `returned …`
     /// line per open that returned to it.
@@ -344,17 +354,12 @@ impl Node {
         self.list(pid, &[(gpu, mib)]);
     }
 
-    /// An environment's activating shell: alive, but not a GPU process.
     /// A character node `major:minor` named `name` in the node's directory (`mknod`,
     /// which needs root): a device recognised by its number, whatever its path.
     pub fn make_char_node(&self, name: &str, major: u32, minor: u32) -> PathBuf {
         let path = self.dir.join(name);
-        let status = Command::new("mknod")
-            .arg(&path)
-            .args(["c", &major.to_string(), &minor.to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success(), "mknod needs root");
+        harness::mknod_char(&path, (major, minor))
+            .unwrap_or_else(|e| panic!("mknod {} (needs root): {e}", path.display()));
         path
     }
 
@@ -369,6 +374,7 @@ impl Node {
         )
     }
 
+    /// An environment's activating shell: alive, but not a GPU process.
     pub fn shell(&mut self) -> u32 {
         self.spawn(None, &[])
     }
