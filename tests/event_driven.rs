@@ -83,9 +83,7 @@ fn any_tier_a_context_created_long_after_the_open_is_answered_before_the_full_cy
     let window_over = SystemTime::now() + genv_enforcer_window();
     let published = daemon.published_after(window_over);
     let checks = published["counts"]["open_checks"].as_u64().unwrap();
-    let after = daemon.wait_status("an open check past the window", |status| {
-        (status["counts"]["open_checks"].as_u64().unwrap() > checks).then(|| status.clone())
-    });
+    let after = daemon.wait_count_at_least("open_checks", checks + 1);
     assert_eq!(
         after["counts"]["terminated"],
         0,

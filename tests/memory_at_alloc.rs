@@ -494,9 +494,7 @@ fn a_process_outside_any_environment_is_stopped_when_it_starts_cuda() {
     // The daemon judges a CUDA start in the call that counts it: once the status counts
     // the outsider's `cuInit` (each process's is said once: the insider's, then its),
     // whatever was decided about it is in the same status.
-    let status = daemon.wait_status("the outsider's cuInit counted", |status| {
-        (status["counts"]["cuda_starts"].as_u64().unwrap() >= 2).then(|| status.clone())
-    });
+    let status = daemon.wait_count_at_least("cuda_starts", 2);
     assert_eq!(status["counts"]["terminated"], 0, "killed for probing CUDA");
     assert!(node.alive(pid), "killed for probing CUDA");
     // Answered or not (the signal may land first), the process is gone.

@@ -304,6 +304,15 @@ impl EventDaemon {
         })
     }
 
+    /// Waits (generously) until the status file's counter `name` is `count` or more
+    /// (the daemon handled that many events of a kind, ran that many checks or
+    /// cycles); returns that status, whose other counts include what that work did.
+    pub fn wait_count_at_least(&self, name: &str, count: u64) -> Value {
+        self.wait_status(&format!("counter {name} at {count}"), |status| {
+            (status["counts"][name].as_u64().unwrap() >= count).then(|| status.clone())
+        })
+    }
+
     /// The status file's counter `name` now.
     pub fn count(&self, name: &str) -> u64 {
         self.status()["counts"][name].as_u64().unwrap()
