@@ -148,6 +148,14 @@ impl Running {
     }
 }
 
+/// A test that failed while its enforcer ran leaves no enforcer behind.
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// alice holds device 0 on the first host and devices 0 and 1 on the second, a process
 /// on each: three devices, one more than `--max-devices-per-user 2` allows. genv counts
 /// across hosts and detaches the first host's device first. Her environments are
