@@ -12,14 +12,13 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use genv_enforcer_tests::events::{
     EventDaemon, holders_of, make_gpu_node, make_gpu_node_for, pinned_map_get, pinned_map_put,
     tier_refuses, tier_sees_failed_opens, ways_in,
 };
-use genv_enforcer_tests::{Genv, Node, device_record, env_record};
+use genv_enforcer_tests::{Genv, Node, device_record, env_record, path, serial};
 use serde_json::json;
 
 const DEATH: Duration = Duration::from_secs(30);
@@ -28,12 +27,6 @@ const BOB: u32 = 64_102;
 /// A user with no environment. (Root outside environments is let through unless
 /// --deny-root: see `tier_root_is_left_to_the_userspace_rules_unless_deny_root`.)
 const OUTSIDER: u32 = 64_103;
-
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A node with two GPUs, test nodes for both (reachable by every uid), and two
 /// environments: `alice-env` (uid ALICE) on GPU 0 and `bob-env` (uid BOB) on GPU 1.
@@ -60,10 +53,6 @@ fn node() -> (Node, [PathBuf; 2]) {
 
 fn set_mode(path: &Path, mode: u32) {
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 fn deny(node: &Node, extra: &[&str]) -> Option<EventDaemon> {
