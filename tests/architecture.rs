@@ -1,18 +1,21 @@
 //! The code's shape, checked: the daemon's modules depend only downward along the data
 //! flow (backends and state → snapshot → rules → report → actions → cycle; the kernel
-//! programs → intake → prevention → daemon → cli), and no file or function grows past
+//! programs → intake → service → alloc → sync → daemon → remote → cli), and no file or function grows past
 //! what a reader can hold at once. Reads the sources as text; needs no root.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use genv_enforcer_tests::workspace_root;
 
 /// `genv-enforcer/src`'s top-level modules, lowest first: a module may use only
-/// modules listed before it. (`bpf` needs only the backends' device map, so it sits
-/// low, below the intake that reads its events and the prevention stage that fills
-/// its maps.)
-const LAYERS: [&str; 13] = [
+/// modules listed before it. A warning said once (used by all), the batch path (backends and state → snapshot → rules →
+/// report → actions → cycle), then the event side by stage: the kernel programs'
+/// handles, the intake of their events, what the daemon publishes as a service,
+/// `--memory-at-alloc`'s userspace half, the sync of the maps with genv's state, the
+/// daemon's loop; then the fleet and the command line.
+const LAYERS: [&str; 16] = [
+    "warn_once",
     "backends",
     "state",
     "snapshot",
@@ -20,17 +23,19 @@ const LAYERS: [&str; 13] = [
     "report",
     "actions",
     "cycle",
-    "bpf",
+    "kernel",
     "intake",
-    "prevention",
+    "service",
+    "alloc",
+    "sync",
     "daemon",
     "remote",
     "cli",
 ];
 
 /// Lines of code in a file, not counting its unit tests.
-const MAX_FILE_LINES: usize = 500;
-const MAX_FUNCTION_LINES: usize = 80;
+const MAX_FILE_LINES: usize = 400;
+const MAX_FUNCTION_LINES: usize = 60;
 
 /// The Rust sources the limits apply to: everything but the test suites and their
 /// harness.
@@ -140,22 +145,28 @@ fn files_and_functions_stay_small() {
     let mut too_long = Vec::new();
     for dir in SOURCE_DIRS {
         for file in rust_files(&workspace_root().join(dir)) {
-            let lines = code_lines(&file);
             let name = file.strip_prefix(workspace_root()).unwrap().display();
-            if lines.len() > MAX_FILE_LINES {
-                too_long.push(format!("{name}: {} lines", lines.len()));
-            }
-            for (start, length, signature) in functions(&lines) {
-                if length > MAX_FUNCTION_LINES {
-                    too_long.push(format!("{name}:{start}: {signature}: {length} lines"));
-                }
-            }
+            too_long.extend(over_bounds(&name.to_string(), &code_lines(&file)));
         }
     }
     assert!(
         too_long.is_empty(),
         "over {MAX_FILE_LINES} lines a file or {MAX_FUNCTION_LINES} a function: {too_long:#?}"
     );
+}
+
+/// What in a file (`name`, its code `lines`) is over the bounds, one line each.
+fn over_bounds(name: &str, lines: &[String]) -> Vec<String> {
+    let mut too_long = Vec::new();
+    if lines.len() > MAX_FILE_LINES {
+        too_long.push(format!("{name}: {} lines", lines.len()));
+    }
+    for (start, length, signature) in functions(lines) {
+        if length > MAX_FUNCTION_LINES {
+            too_long.push(format!("{name}:{start}: {signature}: {length} lines"));
+        }
+    }
+    too_long
 }
 
 /// Each function's first line (1-based), length and signature, in rustfmt'd code: a
@@ -199,6 +210,368 @@ fn the_checks_see_what_they_check() {
         .chain(std::iter::once("}".to_owned()))
         .collect();
     assert_eq!(functions(&long), [(1, 102, "fn big() {".to_owned())]);
+}
+
+/// A function of `body` lines between its signature and its closing brace, indented
+/// as a method.
+fn planted_function(body: usize) -> Vec<String> {
+    std::iter::once("    pub(crate) fn planted(&self) -> u32 {".to_owned())
+        .chain((0..body).map(|i| format!("        let x{i} = {i};")))
+        .chain(std::iter::once("    }".to_owned()))
+        .collect()
+}
+
+#[test]
+fn a_function_one_line_over_the_bound_fails() {
+    let at_bound = planted_function(MAX_FUNCTION_LINES - 2);
+    assert_eq!(over_bounds("planted.rs", &at_bound), Vec::<String>::new());
+    let over = planted_function(MAX_FUNCTION_LINES - 1);
+    assert_eq!(
+        over_bounds("planted.rs", &over),
+        [format!(
+            "planted.rs:1: pub(crate) fn planted(&self) -> u32 {{: {} lines",
+            MAX_FUNCTION_LINES + 1
+        )]
+    );
+}
+
+#[test]
+fn a_file_one_line_over_the_bound_fails() {
+    let file = |lines: usize| -> Vec<String> { (0..lines).map(|i| format!("// {i}")).collect() };
+    assert_eq!(
+        over_bounds("planted.rs", &file(MAX_FILE_LINES)),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        over_bounds("planted.rs", &file(MAX_FILE_LINES + 1)),
+        [format!("planted.rs: {} lines", MAX_FILE_LINES + 1)]
+    );
+    // Unit tests after `#[cfg(test)]` are not counted.
+    let dir = std::env::temp_dir().join(format!("architecture-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("planted.rs");
+    let mut text = file(MAX_FILE_LINES).join("\n");
+    text.push_str("\n#[cfg(test)]\nmod tests {\n}\n");
+    std::fs::write(&path, text).unwrap();
+    assert_eq!(code_lines(&path).len(), MAX_FILE_LINES);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Planted files: `(path under src, code)`.
+fn planted(files: &[(&str, &str)]) -> Vec<Source> {
+    files
+        .iter()
+        .map(|(path, code)| Source {
+            module: module_path(Path::new(path)),
+            code: (*code).to_owned(),
+        })
+        .collect()
+}
+
+#[test]
+fn a_circle_inside_a_folder_fails() {
+    // Two files that use each other, one through a `use` group spread over lines.
+    let two = planted(&[
+        ("a/mod.rs", "mod x;\nmod y;\n"),
+        ("a/x.rs", "use super::y::Thing;\n"),
+        (
+            "a/y.rs",
+            "use super::{\n    other,\n    x::{self, f as g},\n};\n",
+        ),
+    ]);
+    assert_eq!(circles(&sibling_uses(&two)), ["a: x -> y -> x"]);
+    // Three, by `crate::` paths, one of them deeper (`a/z/inner.rs` is part of `z`),
+    // and one through a name the parent re-exports from its child.
+    let three = planted(&[
+        ("a/mod.rs", "mod x;\nmod y;\nmod z;\npub use x::Shared;\n"),
+        ("a/x.rs", "fn f() { crate::a::y::g() }\n"),
+        ("a/y.rs", "use crate::a::z::inner::h;\n"),
+        ("a/z.rs", "mod inner;\n"),
+        ("a/z/inner.rs", "use super::super::Shared;\n"),
+    ]);
+    assert_eq!(circles(&sibling_uses(&three)), ["a: x -> y -> z -> x"]);
+    // Not circles: a parent and its children (`super::Item` from a child, the parent
+    // declaring and using it), a chain one way, and the same names in comments.
+    let fine = planted(&[
+        (
+            "a/mod.rs",
+            "mod x;\nmod y;\npub struct Item;\nfn f() { x::run() }\n",
+        ),
+        ("a/x.rs", "use super::Item;\nuse super::y::leaf;\n"),
+        ("a/y.rs", "use super::Item;\n"),
+    ]);
+    assert_eq!(circles(&sibling_uses(&fine)), Vec::<String>::new());
+}
+
+/// A module's path from the crate root, from its file's path under `src`:
+/// `kernel/cuda/library.rs` → `[kernel, cuda, library]`, `kernel/mod.rs` → `[kernel]`.
+fn module_path(relative: &Path) -> Vec<String> {
+    let mut path: Vec<String> = relative
+        .iter()
+        .map(|part| part.to_str().unwrap().trim_end_matches(".rs").to_owned())
+        .collect();
+    if matches!(
+        path.last().map(String::as_str),
+        Some("mod" | "lib" | "main")
+    ) {
+        path.pop();
+    }
+    path
+}
+
+/// Code without its comments, up to the unit tests, as one text (a `use` may span
+/// lines).
+fn code_text(lines: &[String]) -> String {
+    let code: Vec<&str> = lines
+        .iter()
+        .map(|l| l.split("//").next().unwrap())
+        .collect();
+    code.join("\n")
+}
+
+/// Every path a code text names from `crate::`, `super::` or `self::`, or from `from`
+/// (a bare first segment, as a parent's `pub use child::…` names its children), with
+/// `{…}` groups spelt out: `use super::{a, b::{C, D as E}}` gives `super::a`,
+/// `super::b::C` and `super::b::E`'s path (the name it is known by last).
+fn named_paths(code: &str, from: &[&str]) -> Vec<Vec<String>> {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let bytes: Vec<char> = code.chars().collect();
+    let mut found = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let starts_word = at == 0 || !(ident(bytes[at - 1]) || bytes[at - 1] == ':');
+        let word: String = bytes[at..].iter().take_while(|c| ident(**c)).collect();
+        let is_root =
+            ["crate", "super", "self"].contains(&word.as_str()) || from.contains(&word.as_str());
+        let then_path = bytes[at + word.len()..].starts_with(&[':', ':']);
+        if starts_word && !word.is_empty() && is_root && then_path {
+            let (paths, end) = path_tree(&bytes, at);
+            found.extend(paths);
+            at = end;
+        } else {
+            at += word.len().max(1);
+        }
+    }
+    found
+}
+
+/// The paths of the tree starting at `bytes[at]` (`a::b::{c, d::e}`), and where it ends.
+fn path_tree(bytes: &[char], mut at: usize) -> (Vec<Vec<String>>, usize) {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let skip_space = |at: &mut usize| {
+        while *at < bytes.len() && bytes[*at].is_whitespace() {
+            *at += 1;
+        }
+    };
+    let mut prefix = Vec::new();
+    loop {
+        skip_space(&mut at);
+        if bytes.get(at) == Some(&'{') {
+            at += 1;
+            let mut paths = Vec::new();
+            loop {
+                skip_space(&mut at);
+                match bytes.get(at) {
+                    Some('}') => return (paths, at + 1),
+                    Some(',') => at += 1,
+                    None => return (paths, at),
+                    _ => {
+                        let (inner, end) = path_tree(bytes, at);
+                        for tail in inner {
+                            let whole: Vec<String> = prefix.iter().cloned().chain(tail).collect();
+                            paths.push(whole);
+                        }
+                        at = end;
+                    }
+                }
+            }
+        }
+        let word: String = bytes[at..].iter().take_while(|c| ident(**c)).collect();
+        if word.is_empty() {
+            return (vec![prefix], at);
+        }
+        at += word.len();
+        prefix.push(word);
+        skip_space(&mut at);
+        if bytes[at..].starts_with(&[':', ':']) {
+            at += 2;
+            continue;
+        }
+        // `x as y`: known by `y` from here on.
+        let rest: String = bytes[at..].iter().take(3).collect();
+        if rest == "as " {
+            at += 3;
+            skip_space(&mut at);
+            let alias: String = bytes[at..].iter().take_while(|c| ident(**c)).collect();
+            at += alias.len();
+            if let Some(last) = prefix.last_mut() {
+                *last = alias;
+            }
+        }
+        return (vec![prefix], at);
+    }
+}
+
+/// `path` (as written in module `module`) from the crate root; `None` for a bare path
+/// (an outside crate, or a name brought in by a `use`, which is itself followed).
+fn absolute(module: &[String], path: &[String]) -> Option<Vec<String>> {
+    let mut base = module.to_vec();
+    let mut rest = path;
+    match rest.first().map(String::as_str) {
+        Some("crate") => {
+            base.clear();
+            rest = &rest[1..];
+        }
+        Some("self") => rest = &rest[1..],
+        Some("super") => {
+            while rest.first().map(String::as_str) == Some("super") {
+                base.pop()?;
+                rest = &rest[1..];
+            }
+        }
+        _ => return None,
+    }
+    Some(base.into_iter().chain(rest.iter().cloned()).collect())
+}
+
+/// A file's module path and code (comments and unit tests left out).
+struct Source {
+    module: Vec<String>,
+    code: String,
+}
+
+fn sources(src: &Path) -> Vec<Source> {
+    rust_files(src)
+        .into_iter()
+        .map(|file| Source {
+            module: module_path(file.strip_prefix(src).unwrap()),
+            code: code_text(&code_lines(&file)),
+        })
+        .collect()
+}
+
+/// Within each module, which of its child modules use which: `(parent, user, used)`.
+/// A child's use of a name its parent re-exports (`pub use child::Name`) counts as a
+/// use of the child that defines it; the parent itself (a folder's `mod.rs`, which
+/// declares the children and may hold what they share) is no member of the graph.
+fn sibling_uses(sources: &[Source]) -> BTreeSet<(Vec<String>, String, String)> {
+    let modules: BTreeSet<&[String]> = sources.iter().map(|s| s.module.as_slice()).collect();
+    let children = |parent: &[String]| -> Vec<String> {
+        modules
+            .iter()
+            .filter(|m| m.len() == parent.len() + 1 && m.starts_with(parent))
+            .map(|m| m.last().unwrap().clone())
+            .collect()
+    };
+    // Names a parent re-exports, by the child they come from.
+    let mut reexported: BTreeMap<(Vec<String>, String), String> = BTreeMap::new();
+    for source in sources {
+        let kids = children(&source.module);
+        let kids: Vec<&str> = kids.iter().map(String::as_str).collect();
+        for path in named_paths(&source.code, &kids) {
+            if path.len() > 1 && kids.contains(&path[0].as_str()) {
+                let name = path.last().unwrap().clone();
+                reexported.insert((source.module.clone(), name), path[0].clone());
+            }
+        }
+    }
+    let mut uses = BTreeSet::new();
+    for source in sources {
+        for path in named_paths(&source.code, &[]) {
+            let Some(target) = absolute(&source.module, &path) else {
+                continue;
+            };
+            let common = source
+                .module
+                .iter()
+                .zip(&target)
+                .take_while(|(a, b)| a == b)
+                .count();
+            // Both below the module they share, in different children of it.
+            let (Some(user), Some(used)) = (source.module.get(common), target.get(common)) else {
+                continue;
+            };
+            let parent = source.module[..common].to_vec();
+            let used = if modules.contains(&target[..=common]) {
+                used.clone()
+            } else if let Some(child) = reexported.get(&(parent.clone(), used.clone())) {
+                child.clone()
+            } else {
+                continue; // an item the parent itself defines
+            };
+            if *user != used {
+                uses.insert((parent, user.clone(), used));
+            }
+        }
+    }
+    uses
+}
+
+/// Each circle among siblings, as `parent: a -> b -> a` (one per group of modules that
+/// reach each other).
+fn circles(uses: &BTreeSet<(Vec<String>, String, String)>) -> Vec<String> {
+    let mut by_parent: BTreeMap<&Vec<String>, BTreeMap<&str, Vec<&str>>> = BTreeMap::new();
+    for (parent, user, used) in uses {
+        let graph = by_parent.entry(parent).or_default();
+        graph.entry(user.as_str()).or_default().push(used.as_str());
+    }
+    let mut found = Vec::new();
+    for (parent, graph) in by_parent {
+        let mut reported: BTreeSet<&str> = BTreeSet::new();
+        for &start in graph.keys() {
+            if reported.contains(start) {
+                continue;
+            }
+            if let Some(circle) = path_back(&graph, start) {
+                reported.extend(circle.iter().copied());
+                let folder = if parent.is_empty() {
+                    "src".to_owned()
+                } else {
+                    parent.join("/")
+                };
+                found.push(format!("{folder}: {} -> {start}", circle.join(" -> ")));
+            }
+        }
+    }
+    found
+}
+
+/// A way from `start` back to itself through `graph`, breadth first (the shortest).
+fn path_back<'a>(graph: &BTreeMap<&'a str, Vec<&'a str>>, start: &'a str) -> Option<Vec<&'a str>> {
+    let mut came_from: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut queue = std::collections::VecDeque::from([start]);
+    while let Some(at) = queue.pop_front() {
+        for &next in graph.get(at).map_or(&[][..], Vec::as_slice) {
+            if next == start {
+                let mut circle = vec![at];
+                while let Some(&before) = came_from.get(circle.last().unwrap()) {
+                    circle.push(before);
+                }
+                circle.reverse();
+                return Some(circle);
+            }
+            if next != start && !came_from.contains_key(next) {
+                came_from.insert(next, at);
+                queue.push_back(next);
+            }
+        }
+    }
+    None
+}
+
+/// No two files of a folder use each other, directly or through others of it: each
+/// folder reads in one direction too, from the files that use to the files used.
+#[test]
+fn no_folder_has_a_circle() {
+    let mut found = Vec::new();
+    for dir in SOURCE_DIRS {
+        let uses = sibling_uses(&sources(&workspace_root().join(dir)));
+        found.extend(circles(&uses).into_iter().map(|c| format!("{dir}: {c}")));
+    }
+    assert!(
+        found.is_empty(),
+        "files that use each other (move what both need into a file of its own): {found:#?}"
+    );
 }
 
 /// The suites whose tests run on every BPF tier in the VM (xtask's `TIER_SUITES`).

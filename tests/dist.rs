@@ -15,7 +15,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use genv_enforcer_tests::events::{EventDaemon, make_gpu_node_for};
-use genv_enforcer_tests::{Node, artefact, device_record, env_record, target_dir, unique};
+use genv_enforcer_tests::{Node, device_record, env_record, target_dir, unique, xtask};
 use serde_json::json;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -53,10 +53,7 @@ fn out_dir() -> PathBuf {
 }
 
 fn xtask_dist() {
-    let status = Command::new(artefact("xtask"))
-        .arg("dist")
-        .status()
-        .unwrap();
+    let status = xtask().arg("dist").status().unwrap();
     assert!(status.success(), "cargo xtask dist failed");
 }
 
@@ -342,7 +339,7 @@ fn the_rpm_the_deb_the_tarball_and_xtask_install_lay_down_the_same_files() {
     // package's binary path, to compare the bytes).
     let installed = scratch("install");
     let binary = deb.join("usr/bin/genv-enforcer");
-    let status = Command::new(artefact("xtask"))
+    let status = xtask()
         .args(["install", "--root", installed.to_str().unwrap(), "--binary"])
         .arg(&binary)
         .args(["--enforcer-path", "/usr/bin/genv-enforcer"])

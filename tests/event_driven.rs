@@ -5,27 +5,20 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use genv_enforcer_tests::events::{
     EventDaemon, bpf_required, make_gpu_node, program_loaded, requested_tier,
     tier_sees_failed_opens, ways_in,
 };
-use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
+use genv_enforcer_tests::{
+    Daemon, Node, device_record, env_record, harness, path, serial, wait_for_or,
+};
 use serde_json::json;
 
 /// Generous: these machines are shared and noisy. Speed is measured by the benchmark.
 const DEATH: Duration = Duration::from_secs(30);
 const SIGTERM: i32 = libc::SIGTERM;
-
-/// The exec storm (every daemon on the machine sees its 2000 execs) and the test that
-/// requires no full cycle in its span (a daemon that lost events resynchronises with
-/// one) do not run at once.
-static STORM: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn storm_apart() -> std::sync::MutexGuard<'static, ()> {
-    STORM.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A node with two GPUs, no environment yet, and a test node for GPU 0.
 fn node() -> (Node, PathBuf) {
@@ -47,10 +40,6 @@ fn node_with_e_on_gpu0() -> (Node, PathBuf) {
         json!([device_record(0, &["E"]), device_record(1, &[])]),
     );
     (node, gpu)
-}
-
-fn path(p: &std::path::Path) -> &str {
-    p.to_str().unwrap()
 }
 
 #[test]
@@ -77,20 +66,31 @@ fn tier_a_process_outside_any_environment_is_terminated_when_it_opens_a_gpu() {
 /// one, not left to the next full cycle (an hour away here).
 #[test]
 fn any_tier_a_context_created_long_after_the_open_is_answered_before_the_full_cycle() {
-    let _apart = storm_apart();
+    // Apart from the exec storm, whose lost events would call for a full cycle.
+    let _serial = serial();
     let (mut node, gpu) = node();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
     };
     let rogue = node.spawn_with(None, &[], &["--open", path(&gpu)], None);
     daemon.expect(&format!("[EVENT] Process {rogue} (thread {rogue}) "));
-    // Past the window of quick checks, with no context all along.
-    std::thread::sleep(genv_enforcer_window() + Duration::from_secs(1));
-    assert!(
-        node.alive(rogue),
+    // The scenario: the program loads its data for longer than the window of quick
+    // checks before it creates a context. The daemon began the window when it read the
+    // open, before it printed the line just seen, so the window is over by
+    // `window_over`. The wait ends on the daemon's work: a status published after
+    // then, and a check (of the rogue, the one process it watches) counted above that
+    // status's, so begun after it: one past the window. It found no context.
+    let window_over = SystemTime::now() + genv_enforcer_window();
+    let published = daemon.published_after(window_over);
+    let checks = published["counts"]["open_checks"].as_u64().unwrap();
+    let after = daemon.wait_count_at_least("open_checks", checks + 1);
+    assert_eq!(
+        after["counts"]["terminated"],
+        0,
         "terminated without a context: {:#?}",
         daemon.lines()
     );
+    assert!(node.alive(rogue), "{:#?}", daemon.lines());
     let cycles = daemon.count("full_cycles");
     node.add_context(rogue, 0, 100);
     daemon.expect(&format!(
@@ -319,7 +319,8 @@ fn tier_opens_are_seen_whatever_the_way_in() {
 
 #[test]
 fn any_tier_a_storm_of_execs_loses_nothing_without_a_resync() {
-    let _apart = storm_apart();
+    // Apart from the test that allows no full cycle in its span.
+    let _serial = serial();
     let (mut node, gpu) = node();
     // A one-page ring buffer, and the daemon stopped while it fills: the rogue's open is
     // lost for sure, and only the resynchronising full cycle can find it.
@@ -330,6 +331,7 @@ fn any_tier_a_storm_of_execs_loses_nothing_without_a_resync() {
         return;
     };
     let pid = daemon.daemon.pid() as i32;
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
     let storm = |n: u32| {
         let status = Command::new("sh")
@@ -343,6 +345,7 @@ fn any_tier_a_storm_of_execs_loses_nothing_without_a_resync() {
     };
     storm(300);
     let rogue = node.spawn_with(None, &[(0, 100)], &["--open", path(&gpu)], None);
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(pid, libc::SIGCONT) };
     daemon.expect("[WARNING] The kernel lost");
     daemon.expect(&format!(
@@ -354,10 +357,7 @@ fn any_tier_a_storm_of_execs_loses_nothing_without_a_resync() {
     // baseline is a status published after the first storm was dealt with (its file
     // says the second it was written), and the daemon is then given as long as it
     // needs to count the second storm: a lost event that is never announced fails.
-    let published_after = unix_now() + 1;
-    let before = daemon.wait_status("a status newer than the first storm", |status| {
-        (status["updated"].as_u64().unwrap() > published_after).then(|| status["counts"].clone())
-    });
+    let before = daemon.barrier()["counts"].clone();
     storm(2000);
     let count = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
     let what = format!("every exec of the storm, or a loss and a resync, since {before}");
@@ -440,19 +440,19 @@ fn tier_one_instance_and_nothing_left_behind() {
     assert!(exit.success(), "{exit:?}");
     // The kernel frees a program once its last reference is gone, after an RCU grace
     // period: give it time.
-    let deadline = std::time::Instant::now() + DEATH;
-    let left = loop {
-        let left: Vec<u32> = programs
+    let left = || -> Vec<u32> {
+        programs
             .iter()
             .copied()
             .filter(|id| program_loaded(*id))
-            .collect();
-        if left.is_empty() || std::time::Instant::now() > deadline {
-            break left;
-        }
-        std::thread::sleep(Duration::from_millis(50));
+            .collect()
     };
-    assert!(left.is_empty(), "programs left loaded after exit: {left:?}");
+    wait_for_or(
+        "the programs unloaded after exit",
+        DEATH,
+        || left().is_empty().then_some(()),
+        || format!("{:?} loaded", left()),
+    );
     assert!(!daemon.run_dir.join("status.json").exists());
 }
 
@@ -545,16 +545,9 @@ fn any_tier_a_tier_the_kernel_refuses_is_an_error_when_forced_naming_why() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = std::time::Instant::now() + DEATH;
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if std::time::Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("--bpf-tier {tier} ran, where auto said the kernel refused it: {why}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let Some(status) = harness::wait_exit(&mut child, DEATH) else {
+            let _ = child.kill();
+            panic!("--bpf-tier {tier} ran, where auto said the kernel refused it: {why}");
         };
         let mut stderr = String::new();
         std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
@@ -568,11 +561,4 @@ fn any_tier_a_tier_the_kernel_refuses_is_an_error_when_forced_naming_why() {
             format!("[forced {tier}] refused as auto said: {why}\n").as_bytes(),
         );
     }
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
 }

@@ -27,7 +27,7 @@ fn scratch() -> PathBuf {
 /// `cargo xtask install` of the test build into `root`, the front naming `enforcer_path`
 /// (or the default, the node's own path).
 fn install(root: &Path, enforcer_path: Option<&Path>) {
-    let mut xtask = Command::new(artefact("xtask"));
+    let mut xtask = genv_enforcer_tests::xtask();
     xtask
         .arg("install")
         .arg("--root")

@@ -3,9 +3,8 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
-use std::time::Duration;
 
-use genv_enforcer_tests::{Genv, Node, artefact, device_record, env_record};
+use genv_enforcer_tests::{Genv, Node, PATIENCE, artefact, device_record, env_record, wait_until};
 use serde_json::{Value, json};
 
 /// A genv user's shell: activates `eid`, attaches `gpus` devices, caps memory, starts a
@@ -42,16 +41,10 @@ fn reads_what_genv_writes_and_prints_the_same_snapshot() {
     let genv = Genv::get();
     let gpu_pid = activate(&mut node, "interop", 2, &[(0, 300), (1, 200)]);
     // Wait until the GPU process runs in the environment (genv's shell is asynchronous).
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !std::fs::read(format!("/proc/{gpu_pid}/environ"))
-        .is_ok_and(|e| e.windows(22).any(|w| w == b"GENV_ENVIRONMENT_ID=in"))
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the GPU process is not in the environment after 30 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until("the GPU process in the environment", PATIENCE, || {
+        std::fs::read(format!("/proc/{gpu_pid}/environ"))
+            .is_ok_and(|e| e.windows(22).any(|w| w == b"GENV_ENVIRONMENT_ID=in"))
+    });
     let theirs = genv
         .command(&node)
         .args(["usage", "snapshot"])

@@ -12,22 +12,15 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use genv_enforcer_tests::events::{EventDaemon, make_gpu_node};
 use genv_enforcer_tests::mounts::{self, SilentFuse};
-use genv_enforcer_tests::{Genv, MIB, Node, artefact};
+use genv_enforcer_tests::{Genv, MIB, Node, artefact, serial, wait_until};
 
 const DEATH: Duration = Duration::from_secs(30);
 /// genv's `1g`: 10^9 bytes.
 const CAP: u64 = 1_000_000_000;
-
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn daemon(node: &Node, lib: &Path, mode: &str, extra: &[&str]) -> Option<EventDaemon> {
     let lib = lib.to_str().unwrap();
@@ -498,7 +491,11 @@ fn a_process_outside_any_environment_is_stopped_when_it_starts_cuda() {
     let pid = outsider.pid;
     // `cuInit` alone only asks whether there is a GPU (`torch.cuda.is_available()`).
     outsider.ok("init");
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // The daemon judges a CUDA start in the call that counts it: once the status counts
+    // the outsider's `cuInit` (each process's is said once: the insider's, then its),
+    // whatever was decided about it is in the same status.
+    let status = daemon.wait_count_at_least("cuda_starts", 2);
+    assert_eq!(status["counts"]["terminated"], 0, "killed for probing CUDA");
     assert!(node.alive(pid), "killed for probing CUDA");
     // Answered or not (the signal may land first), the process is gone.
     let _ = outsider.call("ctx 0");
@@ -688,11 +685,10 @@ impl NvmlGates {
 
     fn waiting(&self, call: &str, there: bool) {
         let marker = self.0.join(format!("gate-{call}.waiting"));
-        let deadline = std::time::Instant::now() + DEATH;
-        while marker.exists() != there {
-            assert!(std::time::Instant::now() < deadline, "the gate at {call}");
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        let state = if there { "waiting" } else { "passed" };
+        wait_until(format_args!("the gate at {call} {state}"), DEATH, || {
+            marker.exists() == there
+        });
     }
 
     /// The next call of `call` will wait (without waiting for it).
@@ -786,6 +782,7 @@ fn a_process_gone_while_its_account_keeps_its_baseline_is_taken_off() {
     gates.hold(ENUMERATION);
     // Gone before NVML lists (its exit is read after the poll), and an allocation in
     // flight for the same account.
+    // SAFETY: kill(2) takes no pointer; the process is one this test started.
     unsafe { libc::kill(first.pid as i32, libc::SIGKILL) };
     assert_eq!(node.wait_exit(first.pid, DEATH), Some(libc::SIGKILL));
     second.ok("alloc 300");

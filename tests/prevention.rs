@@ -12,14 +12,13 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use genv_enforcer_tests::events::{
     EventDaemon, holders_of, make_gpu_node, make_gpu_node_for, pinned_map_get, pinned_map_put,
     tier_refuses, tier_sees_failed_opens, ways_in,
 };
-use genv_enforcer_tests::{Genv, Node, device_record, env_record};
+use genv_enforcer_tests::{Genv, Node, device_record, env_record, path, serial};
 use serde_json::json;
 
 const DEATH: Duration = Duration::from_secs(30);
@@ -28,12 +27,6 @@ const BOB: u32 = 64_102;
 /// A user with no environment. (Root outside environments is let through unless
 /// --deny-root: see `tier_root_is_left_to_the_userspace_rules_unless_deny_root`.)
 const OUTSIDER: u32 = 64_103;
-
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A node with two GPUs, test nodes for both (reachable by every uid), and two
 /// environments: `alice-env` (uid ALICE) on GPU 0 and `bob-env` (uid BOB) on GPU 1.
@@ -60,10 +53,6 @@ fn node() -> (Node, [PathBuf; 2]) {
 
 fn set_mode(path: &Path, mode: u32) {
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 fn deny(node: &Node, extra: &[&str]) -> Option<EventDaemon> {
@@ -590,6 +579,7 @@ struct Stopped<'a>(&'a EventDaemon);
 impl<'a> Stopped<'a> {
     fn after_first_cycle(daemon: &'a EventDaemon) -> Self {
         daemon.wait_count("full_cycles");
+        // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
         unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGSTOP) };
         Stopped(daemon)
     }
@@ -597,6 +587,7 @@ impl<'a> Stopped<'a> {
 
 impl Drop for Stopped<'_> {
     fn drop(&mut self) {
+        // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
         unsafe { libc::kill(self.0.daemon.pid() as i32, libc::SIGCONT) };
     }
 }
@@ -738,6 +729,7 @@ fn any_tier_a_job_whose_environment_genv_dropped_is_left_running_unless_orphans_
         let job = node.spawn_with(Some("alice-env"), usage, &open, Some(ALICE));
         // The shell exits; genv's next read of envs.json drops the environment (and its
         // attachment). The rewrite wakes the daemon, whose cycle reads it so.
+        // SAFETY: kill(2) takes no pointer; the process is one this test started.
         unsafe { libc::kill(shell as i32, libc::SIGKILL) };
         node.wait_exit(shell, DEATH);
         let cycles = daemon.count("full_cycles");
@@ -1165,6 +1157,7 @@ fn tier_a_crashed_daemons_exemption_names_no_later_process() {
     };
     let tier = daemon.tier.clone();
     let crashed = daemon.daemon.pid();
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(crashed as i32, libc::SIGKILL) };
     daemon.daemon.stop(DEATH);
     let generation = generations(&pins.0).pop().expect("the pins stay");

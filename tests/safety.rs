@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use genv_enforcer_tests::harness::hold_lock;
 use genv_enforcer_tests::{Daemon, Node, device_record, env_record, run_with_stdin};
 use serde_json::json;
 
@@ -249,32 +250,7 @@ fn a_user_holding_genvs_lock_does_not_freeze_the_daemon() {
     let mut node = Node::new(1);
     node.write_state(json!([]), json!([device_record(0, &[])]));
     let lock = node.state.join("genv.lock");
-    let holder = KillOnDrop(
-        // --no-fork: flock(1) execs sleep itself, so the guard's kill ends the holder
-        // (and the lock) outright; no output, so nothing outlives the test on its pipes.
-        std::process::Command::new("flock")
-            .arg("--no-fork")
-            .arg(&lock)
-            .args(["sleep", "600"])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    // Marker: the lock is taken (flock(1) holds it before it runs sleep).
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !std::fs::read_to_string("/proc/locks")
-        .unwrap()
-        .lines()
-        .any(|l| l.contains(&format!(" {} ", holder.0.id())))
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "flock never took the lock"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let _holder = hold_lock(&lock, None);
     let rogue = node.spawn(None, &[(0, 100)]);
     let mut daemon = Daemon::start(&node, &["--interval", "0.2", "--non-env-processes"]);
     let seen = daemon.expect_line(
@@ -293,14 +269,4 @@ fn a_user_holding_genvs_lock_does_not_freeze_the_daemon() {
         "stopped {:?} after SIGTERM with genv.lock held",
         stopping.elapsed()
     );
-}
-
-/// A helper process killed (and reaped) however the test ends.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }

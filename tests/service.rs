@@ -9,12 +9,12 @@ use std::process::Command;
 use std::time::Duration;
 
 use genv_enforcer_tests::events::{self, EventDaemon};
-use genv_enforcer_tests::{Daemon, Genv, Node, artefact};
+use genv_enforcer_tests::{Daemon, Genv, Node, artefact, wait_for_or};
 
 const DEATH: Duration = Duration::from_secs(10);
 
 fn xtask(args: &[&str], root: &Path) {
-    let status = Command::new(artefact("xtask"))
+    let status = genv_enforcer_tests::xtask()
         .args(args)
         .arg("--root")
         .arg(root)
@@ -315,6 +315,7 @@ fn sighup_reloads_genvs_loop_too() {
     let outsider = node.spawn(None, &[(0, 100)]);
 
     std::fs::write(&config, "non-env-processes = true\ninterval = 3600\n").unwrap();
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(daemon.pid() as i32, libc::SIGHUP) };
     assert_eq!(systemd.heard(), "RELOADING=1");
     assert_eq!(systemd.heard(), "READY=1");
@@ -357,10 +358,22 @@ fn sighup_reads_the_config_file_again_with_the_programs_attached() {
     let gpu = events::make_gpu_node(&node.dir.join("gpu0"));
     let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
     daemon.expect(&format!("[EVENT] Process {rogue} "));
-    std::thread::sleep(Duration::from_millis(500));
+    // Its open is checked at once (it is listed on GPU 0: a check with the rule on ends
+    // it), in the loop's turn after the one that printed the line: a status published
+    // after the line counts that check, and any termination it made.
+    let status = daemon.barrier();
+    assert!(
+        status["counts"]["open_checks"].as_u64().unwrap() > 0,
+        "{status}"
+    );
+    assert_eq!(
+        status["counts"]["terminated"], 0,
+        "terminated with --non-env-processes off"
+    );
     assert!(node.alive(rogue), "terminated with --non-env-processes off");
 
     std::fs::write(&config, "non-env-processes = true\nkill-after = 5\n").unwrap();
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
     assert_eq!(systemd.heard(), "RELOADING=1");
     assert_eq!(systemd.heard(), "READY=1");
@@ -382,6 +395,7 @@ fn sighup_reads_the_config_file_again_with_the_programs_attached() {
         "non-env-processes = false\nkill-after = 5\ndeny = true\n",
     )
     .unwrap();
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
     daemon.expect(
         "[ERROR] SIGHUP: the file changes settings only a restart changes (--deny: false -> true)",
@@ -393,6 +407,7 @@ fn sighup_reads_the_config_file_again_with_the_programs_attached() {
 
     // A file that does not parse leaves the running settings.
     std::fs::write(&config, "non-env-processes = maybe\n").unwrap();
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(daemon.daemon.pid() as i32, libc::SIGHUP) };
     daemon.expect_count("[ERROR] SIGHUP:", 2);
     let rogue = node.spawn_with(None, &[(0, 100)], &["--open", gpu.to_str().unwrap()], None);
@@ -435,23 +450,23 @@ fn the_metrics_endpoint_counts_what_a_scenario_caused() {
         &format!("genv_enforcer_tier{{tier=\"{}\"}} 1", daemon.tier),
     ];
     // The counters the status keeps are carried over as it is published (every second).
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let text = loop {
-        let text = scrape();
-        let opens = text
-            .lines()
-            .find_map(|l| l.strip_prefix("genv_enforcer_events_total{kind=\"open\"} "))
-            .and_then(|n| n.parse::<u64>().ok())
-            .unwrap_or(0);
-        if wanted.iter().all(|w| text.contains(w)) && opens >= 2 {
-            break text;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "metrics lack {wanted:?} or 2 opens:\n{text}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let last = std::cell::RefCell::new(String::new());
+    let text = wait_for_or(
+        format_args!("metrics with {wanted:?} and 2 opens"),
+        Duration::from_secs(30),
+        || {
+            let text = scrape();
+            let opens = text
+                .lines()
+                .find_map(|l| l.strip_prefix("genv_enforcer_events_total{kind=\"open\"} "))
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0);
+            let done = wanted.iter().all(|w| text.contains(w)) && opens >= 2;
+            *last.borrow_mut() = text.clone();
+            done.then_some(text)
+        },
+        || last.take(),
+    );
     assert!(text.contains("genv_enforcer_cycle_seconds_count"), "{text}");
     assert!(text.contains("genv_enforcer_lost_events_total 0"), "{text}");
     // `genv-enforcer status`: the tier, the programs, what is watched, NVML as found,
@@ -710,24 +725,25 @@ struct Stopped(u32);
 
 impl Drop for Stopped {
     fn drop(&mut self) {
+        // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
         unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
     }
 }
 
 /// Waits (generously) until `probe` exits with `code`; returns what it said.
 fn probe_until(code: i32, probe: impl Fn() -> (Option<i32>, String)) -> String {
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let (exit, said) = probe();
-        if exit == Some(code) {
-            return said;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no exit {code} within 60 s; last {exit:?}: {said}"
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    let last = std::cell::RefCell::new((None, String::new()));
+    wait_for_or(
+        format_args!("the probe's exit {code}"),
+        Duration::from_secs(60),
+        || {
+            let (exit, said) = probe();
+            let found = (exit == Some(code)).then(|| said.clone());
+            *last.borrow_mut() = (exit, said);
+            found
+        },
+        || format!("{:?}", last.take()),
+    )
 }
 
 /// The DaemonSet's pod as near as this host gets: its ConfigMap's configuration (the
@@ -793,6 +809,7 @@ fn the_daemonsets_pod_runs_with_its_capabilities_and_its_probes_see_it_stuck() {
     // Stuck: the status ages past --max-age (20 here, the least it takes; the pod's
     // is 60), and the probe says so.
     let _stopped = Stopped(second.daemon.pid());
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(second.daemon.pid() as i32, libc::SIGSTOP) };
     let stuck = || {
         run_probe(
@@ -810,6 +827,7 @@ fn the_daemonsets_pod_runs_with_its_capabilities_and_its_probes_see_it_stuck() {
         said.contains(&format!("pid {} is stuck", second.daemon.pid())),
         "{said}"
     );
+    // SAFETY: kill(2) takes no pointer; the daemon is this test's child.
     unsafe { libc::kill(second.daemon.pid() as i32, libc::SIGCONT) };
     probe_until(0, stuck);
 }

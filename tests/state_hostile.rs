@@ -5,10 +5,10 @@
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use genv_enforcer_tests::mounts::{self, SilentFuse};
-use genv_enforcer_tests::{Daemon, Node, device_record, env_record};
+use genv_enforcer_tests::{Daemon, Node, device_record, env_record, wait_until};
 use serde_json::json;
 
 /// The unprivileged user who plants the links.
@@ -325,11 +325,7 @@ fn an_event_driven_daemon_under_a_silent_fuse_state_directory_stays_responsive()
         status["updated"].as_u64().unwrap()
     };
     let first = updated();
-    let deadline = Instant::now() + PROMPTLY;
-    while updated() <= first {
-        assert!(Instant::now() < deadline, "status.json is not updated");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until("status.json updated", PROMPTLY, || updated() > first);
     assert_stops_on_sigterm(&mut daemon);
 }
 

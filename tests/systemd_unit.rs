@@ -22,7 +22,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use genv_enforcer_tests::events::{make_gpu_node, requested_tier, test_node_flags, tier_refuses};
-use genv_enforcer_tests::{Node, artefact, device_record, env_record};
+use genv_enforcer_tests::{Node, artefact, device_record, env_record, wait_for_or};
 use serde_json::json;
 
 const UNIT: &str = "genv-enforcer";
@@ -74,6 +74,7 @@ fn monotonic_us() -> u64 {
         tv_nsec: 0,
     };
     assert_eq!(
+        // SAFETY: `now` is a live `timespec` for the call to write.
         unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) },
         0
     );
@@ -338,22 +339,21 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
     let mut attempts = Attempts::start(&node.dir, &gpu);
     attempts.wait_for(3);
     let killed_at = monotonic_us();
+    // SAFETY: kill(2) takes no pointer; the pid is the unit's daemon, which this test
+    // started.
     assert_eq!(unsafe { libc::kill(first_pid, libc::SIGKILL) }, 0);
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let second = loop {
-        let now = show();
-        if now["MainPID"] != first["MainPID"]
-            && now["MainPID"] != "0"
-            && now["ActiveState"] == "active"
-        {
-            break now;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "systemd did not restart the killed daemon within 180 s: {now:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let second = wait_for_or(
+        "systemd to restart the killed daemon",
+        Duration::from_secs(180),
+        || {
+            let now = show();
+            let restarted = now["MainPID"] != first["MainPID"]
+                && now["MainPID"] != "0"
+                && now["ActiveState"] == "active";
+            restarted.then_some(now)
+        },
+        || format!("{:?}", show()),
+    );
     let ready_at: u64 = second["ActiveEnterTimestampMonotonic"].parse().unwrap();
     assert_eq!(second["NRestarts"], "1", "{second:?}");
     assert!(ready_at > killed_at, "{second:?}");
@@ -365,23 +365,22 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
     config.push_str("interval = 7\n");
     std::fs::write(CONFIG, config).unwrap();
     systemctl(&["reload", UNIT]);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !journal().contains("SIGHUP: settings read again and in force") {
-        assert!(
-            Instant::now() < deadline,
-            "no reload within 60 s: {}",
+    wait_for_or(
+        "the reload said in the journal",
+        Duration::from_secs(60),
+        || {
             journal()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    while status()["interval_s"] != 7.0 {
-        assert!(
-            Instant::now() < deadline,
-            "status after the reload: {}",
-            status()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+                .contains("SIGHUP: settings read again and in force")
+                .then_some(())
+        },
+        journal,
+    );
+    wait_for_or(
+        "the status after the reload",
+        Duration::from_secs(60),
+        || (status()["interval_s"] == 7.0).then_some(()),
+        || status().to_string(),
+    );
     assert_eq!(show()["MainPID"], second["MainPID"]);
     assert_eq!(generations(), pinned_now, "a reload re-pinned the programs");
     attempts.wait_for(3);

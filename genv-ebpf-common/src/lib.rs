@@ -366,17 +366,30 @@ pub mod alloc;
 
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: plain `#[repr(C)]` integers with no padding holes.
+    // Each type below is `#[repr(C)]` with integer fields (or arrays of them) only,
+    // its padding written out as `_pad` fields, and its size pinned by the tests
+    // below: every bit pattern is a valid value, and no byte is left uninitialised.
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::RawEvent {}
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::AllocEvent {}
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::Offsets {}
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::EnvEntry {}
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::ExeKey {}
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::alloc::EnvGpu {}
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::alloc::Baseline {}
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::alloc::Delta {}
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::alloc::Charge {}
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::alloc::ProcGpu {}
+    // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::alloc::Ordinals {}
 }
 

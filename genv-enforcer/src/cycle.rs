@@ -192,7 +192,13 @@ impl Enforcer {
         }
         summary.gpu_pids = snapshot.processes.iter().map(|p| p.pid).collect();
         summary.measured = snapshot.memory_known.then_some(snapshot.processes);
-        summary.state = snapshot.envs.zip(snapshot.devices);
+        summary.state = match report.detach.is_empty() {
+            true => snapshot.envs.zip(snapshot.devices),
+            // The detaches just carried out rewrote devices.json: what the daemon
+            // mirrors into the kernel is the state after them, not the snapshot's from
+            // before (which only the inotify event of its own write would correct).
+            false => self.state_now(),
+        };
         summary.orphans = snapshot.orphans;
         summary.dropped_envs = snapshot.dropped_envs;
         summary
@@ -249,6 +255,21 @@ impl Enforcer {
             }
             Scope::Memory => run(&only(&|_| true), &memory_rule),
         }
+    }
+
+    /// genv's state read again, under its lock as this policy takes it (`None`: the
+    /// lock or a file could not be had; the daemon then keeps the last mirrored).
+    fn state_now(&mut self) -> Option<(Vec<Env>, Vec<Device>)> {
+        let lock = match self.lock.take(self.builder.state()) {
+            Ok(lock) => lock,
+            Err(e) => {
+                tracing::warn!("Cannot read genv's state again after detaching: {e}");
+                return None;
+            }
+        };
+        let state = self.builder.state_now();
+        drop(lock);
+        state
     }
 
     /// Carries out a report under genv's global lock, as [`execute_report`] does.
@@ -369,6 +390,44 @@ mod tests {
         })
     }
 
+    /// The state a check returns (which the daemon mirrors into the kernel) is genv's
+    /// after the check's own detaches, not the snapshot's from before them.
+    #[test]
+    fn a_check_that_detached_returns_the_state_after_it() {
+        let (state, dir) = state("after");
+        let devices = std::fs::read_to_string(dir.join("devices.json")).unwrap();
+        let mut devices: serde_json::Value = serde_json::from_str(&devices).unwrap();
+        let mut second = devices["devices"][0].clone();
+        second["index"] = 1.into();
+        devices["devices"].as_array_mut().unwrap().push(second);
+        std::fs::write(dir.join("devices.json"), devices.to_string()).unwrap();
+        let nvml = std::ffi::OsString::from("/nonexistent/libnvidia-ml.so.1");
+        let mut enforcer = Enforcer {
+            builder: SnapshotBuilder::new(state, nvml, Default::default()),
+            rules: Rules {
+                non_env_processes: false,
+                env_devices: false,
+                env_memory: false,
+                max_devices_per_user: Some(crate::rules::DeviceLimit {
+                    default: 1,
+                    per_user: Default::default(),
+                }),
+            },
+            executor: executor(),
+            lock: LockPolicy::blocking(),
+        };
+        let summary = enforcer.cycle();
+        assert_eq!(summary.detached, 1);
+        let (_, devices) = summary.state.expect("the state, read again");
+        let holding: Vec<u32> = devices
+            .iter()
+            .filter(|d| d.attachments.iter().any(|a| a.eid == "e"))
+            .map(|d| d.index)
+            .collect();
+        assert_eq!(holding.len(), 1, "e is still attached to {holding:?}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn without_the_lock_terminations_go_ahead_and_detaches_wait() {
         let (state, dir) = state("held");
@@ -405,6 +464,7 @@ mod tests {
         let fifo =
             std::ffi::CString::new(dir.join("genv.lock").into_os_string().into_encoded_bytes())
                 .unwrap();
+        // SAFETY: `fifo` is a NUL-terminated path that lives across the call.
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
         let mut child = std::process::Command::new("sleep")
             .arg("60")

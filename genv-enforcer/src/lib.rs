@@ -2,27 +2,35 @@
 //!
 //! Data flows one way: backends (NVML, `/proc`) and genv's state files make a
 //! [`snapshot`]; pure [`rules`] turn it into findings; findings become a [`report`];
-//! [`actions`] carry the report out; a [`cycle`] is all of that once. The event-driven
-//! [`daemon`] adds the kernel's view: the [`bpf`] programs report opens and process
-//! lifecycle through the [`intake`], and decide `--deny` at the open from the maps that
-//! [`prevention`] keeps in step with genv's state. [`remote`] runs the same rules over a
-//! fleet of hosts through OpenSSH. The [`cli`] turns `genv enforce`'s command line into
-//! one validated configuration and runs it.
+//! [`actions`] carry the report out; a [`cycle`] is all of that once.
+//!
+//! The event side adds the kernel's view, stage by stage: the [`kernel`] programs
+//! (loaded, attached, their maps' handles) report opens and process lifecycle through
+//! the [`intake`]; [`alloc`] is `--memory-at-alloc`'s userspace half; [`sync`] keeps
+//! the maps the programs decide from (`--deny` at the open, caps at the allocation) in
+//! step with genv's state; the [`daemon`] runs the loop that ties them to the cycle, and
+//! [`service`] is what it publishes and answers as a service. [`remote`] runs the same
+//! rules over a fleet of hosts through OpenSSH. The [`cli`] turns `genv enforce`'s
+//! command line into one validated configuration and runs it.
 //!
 //! Each module uses only modules below it in the layering that `tests/architecture.rs`
-//! checks (backends, state, snapshot, rules, report, actions, cycle, bpf, intake,
-//! prevention, daemon, remote, cli).
+//! checks (warn_once, backends, state, snapshot, rules, report, actions, cycle, kernel, intake,
+//! service, alloc, sync, daemon, remote, cli), and no file uses a sibling that uses it
+//! back.
 
 pub mod actions;
+pub mod alloc;
 pub mod backends;
-pub mod bpf;
 pub mod cli;
 pub mod cycle;
 pub mod daemon;
 pub mod intake;
-pub mod prevention;
+pub mod kernel;
 pub mod remote;
 pub mod report;
 pub mod rules;
+pub mod service;
 pub mod snapshot;
 pub mod state;
+pub mod sync;
+pub mod warn_once;

@@ -3,13 +3,13 @@
 //! silent. Each is reported within --host-timeout past a heartbeat, polled meanwhile,
 //! and streamed again once it answers; what timed out does not stay behind on the host.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use genv_enforcer_tests::device_record;
 use genv_enforcer_tests::sshd::{Runs, SshFleet};
+use genv_enforcer_tests::{device_record, wait_for_or};
 use serde_json::json;
 
-use super::{DEATH, Running, wait_until};
+use super::{DEATH, Running};
 
 /// How often `needle` is in the enforcer's stderr so far.
 fn said(enforcer: &Running, needle: &str) -> usize {
@@ -18,7 +18,7 @@ fn said(enforcer: &Running, needle: &str) -> usize {
 
 fn wait_said(enforcer: &mut Running, needle: &str, times: usize) {
     let stderr = std::sync::Arc::clone(&enforcer.stderr);
-    wait_until(enforcer, &format!("{times} × {needle:?} said"), || {
+    enforcer.wait_until(&format!("{times} × {needle:?} said"), || {
         stderr.lock().unwrap().matches(needle).count() >= times
     });
 }
@@ -95,7 +95,7 @@ fn a_silent_stream_is_a_failed_host_polled_until_its_stream_is_back() {
     let up =
         |host: &str, value: u32| format!("genv_enforcer_remote_host_up{{host=\"{host}\"}} {value}");
     let (healthy_up, sick_down) = (up(&fleet.hosts[0].name, 1), up(&sick, 0));
-    wait_until(&mut enforcer, "the metrics saying so", || {
+    enforcer.wait_until("the metrics saying so", || {
         let text = scrape(&metrics);
         text.contains(&healthy_up) && text.contains(&sick_down)
     });
@@ -182,15 +182,12 @@ fn commands_that_time_out_do_not_stay_behind_on_the_host() {
     // The one of this cycle, and at most the last one, still ending.
     assert!(stuck <= 2, "{stuck} usage snapshot after {cycles} timeouts");
     enforcer.stop();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while sick.running("snapshot") > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "{} usage snapshot left on the host 20 s after the run",
-            sick.running("snapshot")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_or(
+        "no usage snapshot left on the host after the run",
+        Duration::from_secs(20),
+        || (sick.running("snapshot") == 0).then_some(()),
+        || format!("{} left", sick.running("snapshot")),
+    );
     std::fs::remove_file(&gate).unwrap();
 }
 

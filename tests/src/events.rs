@@ -17,11 +17,11 @@
 
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 
-use crate::{Daemon, Node};
+use crate::{Daemon, Node, PATIENCE, wait_for_or};
 
 /// The device numbers tests use as GPUs 0 and 1 on the requested tier: NVIDIA's own
 /// where the hook runs before the driver (LSM, fmod_ret, fentry); where only a
@@ -60,17 +60,8 @@ pub fn make_gpu_node(path: &Path) -> PathBuf {
 
 /// Makes a character node with GPU `gpu`'s test number (0 or 1) at `path`.
 pub fn make_gpu_node_for(path: &Path, gpu: usize) -> PathBuf {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    let (major, minor) = test_nodes()[gpu];
-    let dev = libc::makedev(major, minor);
-    let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, dev) };
-    assert_eq!(
-        rc,
-        0,
-        "mknod {}: {}",
-        path.display(),
-        std::io::Error::last_os_error()
-    );
+    crate::harness::mknod_char(path, test_nodes()[gpu])
+        .unwrap_or_else(|e| panic!("mknod {}: {e}", path.display()));
     path.to_owned()
 }
 
@@ -264,7 +255,7 @@ impl EventDaemon {
     /// genv's lines go to stdout and the daemon's own to stderr, two pipes whose
     /// relative order is lost, so lines are matched in any order.
     pub fn expect(&self, needle: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + PATIENCE;
         loop {
             if let Some(line) = self.seen.borrow().iter().find(|l| l.contains(needle)) {
                 return line.clone();
@@ -273,7 +264,7 @@ impl EventDaemon {
             match left.and_then(|left| self.daemon.output.recv_timeout(left).ok()) {
                 Some(line) => self.seen.borrow_mut().push(line),
                 None => panic!(
-                    "no line containing {needle:?} within 30 s; saw {:#?}",
+                    "waited {PATIENCE:?} for a line containing {needle:?}; saw {:#?}",
                     self.seen.borrow()
                 ),
             }
@@ -282,18 +273,13 @@ impl EventDaemon {
 
     /// Waits until `count` lines containing `needle` were printed (within 30 s).
     pub fn expect_count(&self, needle: &str, count: usize) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let seen = self.lines().iter().filter(|l| l.contains(needle)).count();
-            if seen >= count {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{seen} of {count} lines containing {needle:?} within 30 s"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let seen = || self.lines().iter().filter(|l| l.contains(needle)).count();
+        wait_for_or(
+            format_args!("{count} lines containing {needle:?}"),
+            PATIENCE,
+            || (seen() >= count).then_some(()),
+            || format!("{} lines", seen()),
+        );
     }
 
     /// Every line the daemon printed so far.
@@ -318,26 +304,58 @@ impl EventDaemon {
         })
     }
 
+    /// Waits (generously) until the status file's counter `name` is `count` or more
+    /// (the daemon handled that many events of a kind, ran that many checks or
+    /// cycles); returns that status, whose other counts include what that work did.
+    pub fn wait_count_at_least(&self, name: &str, count: u64) -> Value {
+        self.wait_status(&format!("counter {name} at {count}"), |status| {
+            (status["counts"][name].as_u64().unwrap() >= count).then(|| status.clone())
+        })
+    }
+
     /// The status file's counter `name` now.
     pub fn count(&self, name: &str) -> u64 {
         self.status()["counts"][name].as_u64().unwrap()
     }
 
+    /// The barrier on the daemon's work: waits until the daemon publishes its status
+    /// after `after` (its `updated`, whole seconds, past `after`), and returns that
+    /// status. Its loop is one thread, and it publishes after handling what it read and
+    /// running the checks then due: every event whose line was printed before `after`,
+    /// and every check, cycle or kill it called for, is in the counts returned (and a
+    /// count above them is work begun after `after`). An idle daemon publishes only
+    /// every heartbeat (10 s); one that counted anything, within a second.
+    pub fn published_after(&self, after: SystemTime) -> Value {
+        let after = after.duration_since(UNIX_EPOCH).unwrap().as_secs();
+        self.wait_status(&format!("a status published after {after}"), |status| {
+            (status["updated"].as_u64().unwrap() > after).then(|| status.clone())
+        })
+    }
+
+    /// [`Self::published_after`] now: the daemon's counts once it handled everything it
+    /// printed so far.
+    pub fn barrier(&self) -> Value {
+        self.published_after(SystemTime::now())
+    }
+
     /// Waits (generously) until `check` finds what it wants in the status file.
     pub fn wait_status<T>(&self, what: &str, check: impl Fn(&Value) -> Option<T>) -> T {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let status = self.status();
-            if let Some(found) = check(&status) {
-                return found;
-            }
-            let counts = &status["counts"];
-            assert!(
-                Instant::now() < deadline,
-                "waited 30 s for {what}; now {counts}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        self.wait_status_for(what, PATIENCE, check)
+    }
+
+    /// [`Self::wait_status`] within `timeout`.
+    pub fn wait_status_for<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        check: impl Fn(&Value) -> Option<T>,
+    ) -> T {
+        wait_for_or(
+            what,
+            timeout,
+            || check(&self.status()),
+            || self.status()["counts"].to_string(),
+        )
     }
 
     /// The daemon's status file.
@@ -353,6 +371,8 @@ pub fn program_loaded(id: u32) -> bool {
     const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
     // union bpf_attr for this command: { u32 prog_id; u32 next_id; u32 open_flags; }
     let attr: [u32; 3] = [id, 0, 0];
+    // SAFETY: `attr` is a live, initialised `bpf_attr` prefix of the size passed; the
+    // kernel only reads it.
     let fd = unsafe {
         libc::syscall(
             libc::SYS_bpf,
@@ -362,6 +382,8 @@ pub fn program_loaded(id: u32) -> bool {
         )
     };
     if fd >= 0 {
+        // SAFETY: closes the descriptor the syscall just returned, which nothing else
+        // owns.
         unsafe { libc::close(fd as i32) };
         return true;
     }
@@ -390,6 +412,8 @@ fn open_pinned(pin: &Path) -> std::os::fd::OwnedFd {
         bpf_fd: 0,
         file_flags: 0,
     };
+    // SAFETY: `attr` is a live, initialised `bpf_attr` prefix of the size passed; the
+    // kernel only reads it.
     let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr, size_of_val(&attr)) };
     assert!(
         fd >= 0,
@@ -423,6 +447,8 @@ pub fn pinned_map_get(pin: &Path, key: u32) -> Option<u64> {
         value: &mut value as *mut u64 as u64,
         flags: 0,
     };
+    // SAFETY: `attr` is a live, initialised `bpf_attr` prefix of the size passed; the
+    // kernel writes only the value it points at, which lives across the call.
     let found = unsafe {
         libc::syscall(
             libc::SYS_bpf,
@@ -450,6 +476,8 @@ pub fn pinned_map_put(pin: &Path, key: u32, value: u64) {
         value: &value as *const u64 as u64,
         flags: 0,
     };
+    // SAFETY: `attr` is a live, initialised `bpf_attr` prefix of the size passed; the
+    // kernel only reads it.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_bpf,

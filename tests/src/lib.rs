@@ -14,13 +14,16 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
 pub mod events;
+pub mod harness;
 pub mod mounts;
 pub mod sshd;
+
+pub use harness::{PATIENCE, path, serial, wait_for, wait_for_or, wait_until, xtask};
 
 pub const MIB: u64 = 1024 * 1024;
 
@@ -194,9 +197,7 @@ impl Node {
 
     /// Writes a raw fake-NVML configuration (for failure injection).
     pub fn write_nvml(&self, config: Value) {
-        let tmp = self.config.with_extension("tmp");
-        std::fs::write(&tmp, config.to_string()).unwrap();
-        std::fs::rename(&tmp, &self.config).unwrap();
+        harness::write_atomically(&self.config, &config.to_string()).unwrap();
     }
 
     /// Writes genv's state files as genv writes them.
@@ -289,6 +290,18 @@ impl Node {
         );
     }
 
+    /// Lets a helper started with `--wait-stdin` do its opens, without waiting.
+    pub fn tell(&mut self, pid: u32) {
+        let child = self.children.get_mut(&pid).expect("a process of this node");
+        let stdin = child.stdin.as_mut().expect("started with a piped stdin");
+        stdin.write_all(b"go\n").unwrap();
+    }
+
+    /// The node's own process `pid` (to time its end finely).
+    pub fn child(&mut self, pid: u32) -> &mut Child {
+        self.children.get_mut(&pid).expect("a process of this node")
+    }
+
     /// Lets a helper started with `--wait-stdin` do its opens, and returns what it
     /// printed until it said `opened` or its output ended (it died): one `returned …`
     /// line per open that returned to it.
@@ -341,17 +354,12 @@ impl Node {
         self.list(pid, &[(gpu, mib)]);
     }
 
-    /// An environment's activating shell: alive, but not a GPU process.
     /// A character node `major:minor` named `name` in the node's directory (`mknod`,
     /// which needs root): a device recognised by its number, whatever its path.
     pub fn make_char_node(&self, name: &str, major: u32, minor: u32) -> PathBuf {
         let path = self.dir.join(name);
-        let status = Command::new("mknod")
-            .arg(&path)
-            .args(["c", &major.to_string(), &minor.to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success(), "mknod needs root");
+        harness::mknod_char(&path, (major, minor))
+            .unwrap_or_else(|e| panic!("mknod {} (needs root): {e}", path.display()));
         path
     }
 
@@ -366,6 +374,7 @@ impl Node {
         )
     }
 
+    /// An environment's activating shell: alive, but not a GPU process.
     pub fn shell(&mut self) -> u32 {
         self.spawn(None, &[])
     }
@@ -387,7 +396,7 @@ impl Node {
     /// Waits up to `timeout` for the process to exit; returns the signal that ended it.
     pub fn wait_exit(&mut self, pid: u32, timeout: Duration) -> Option<i32> {
         let child = self.children.get_mut(&pid).expect("a process of this node");
-        wait_for(child, timeout)
+        harness::wait_exit(child, timeout)
             .map(|status| std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0))
     }
 
@@ -426,6 +435,7 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         for pid in &self.foreign {
+            // SAFETY: kill(2) takes no pointer; these are processes the test started.
             unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
         }
         for child in self.children.values_mut() {
@@ -633,38 +643,19 @@ impl Daemon {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let (tx, output) = std::sync::mpsc::channel();
-        for stream in [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send(line);
-                }
-            });
-        }
+        let output = harness::lines_of(&mut child, None);
         Self { child, output }
     }
 
     /// Waits (generously) for a line containing `needle`; returns every line seen.
     pub fn expect_line(&self, needle: &str, timeout: Duration) -> Vec<String> {
-        let deadline = Instant::now() + timeout;
-        let mut seen = Vec::new();
-        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-            match self.output.recv_timeout(left) {
-                Ok(line) => {
-                    let found = line.contains(needle);
-                    seen.push(line);
-                    if found {
-                        return seen;
-                    }
-                }
-                Err(_) => break,
+        match harness::until_line(&self.output, &[needle], timeout) {
+            Ok((line, mut seen)) => {
+                seen.push(line);
+                seen
             }
+            Err(seen) => panic!("no line containing {needle:?} within {timeout:?}; saw {seen:#?}"),
         }
-        panic!("no line containing {needle:?} within {timeout:?}; saw {seen:#?}");
     }
 
     pub fn pid(&self) -> u32 {
@@ -673,22 +664,9 @@ impl Daemon {
 
     /// Sends SIGTERM and waits up to `timeout` for the daemon to exit.
     pub fn stop(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        // SAFETY: kill(2) takes no pointer; the daemon is this harness's child.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        wait_for(&mut self.child, timeout)
-    }
-}
-
-/// Waits up to `timeout` for `child` to exit.
-fn wait_for(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return Some(status);
-        }
-        if Instant::now() > deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(10));
+        harness::wait_exit(&mut self.child, timeout)
     }
 }
 

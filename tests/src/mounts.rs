@@ -34,9 +34,12 @@ fn c_path(path: &Path) -> CString {
 pub fn private_namespace(fuse: Option<(&SilentFuse, &Path)>) -> BeforeExec {
     let fuse = fuse.map(|(server, target)| (c_path(target), server.options(target)));
     Arc::new(move || {
+        // SAFETY: unshare(2) takes no pointer; this runs in the forked child before it
+        // execs.
         check(unsafe { libc::unshare(libc::CLONE_NEWNS) })?;
         let flags = libc::MS_REC | libc::MS_PRIVATE;
         let none = c"none".as_ptr();
+        // SAFETY: the strings are static and NUL-terminated; no data argument.
         check(unsafe { libc::mount(none, c"/".as_ptr(), none, flags, std::ptr::null()) })?;
         if let Some((target, options)) = &fuse {
             SilentFuse::mount_raw(target, options)?;
@@ -51,7 +54,11 @@ pub fn in_namespace_of<T: Send>(pid: u32, f: impl FnOnce() -> T + Send) -> T {
         let thread = scope.spawn(|| {
             let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt")).unwrap();
             // Joining a mount namespace takes a filesystem context of this thread's own.
+            // SAFETY: unshare(2) takes no pointer; it gives this thread its own
+            // filesystem context.
             check(unsafe { libc::unshare(libc::CLONE_FS) }).expect("unshare(CLONE_FS)");
+            // SAFETY: `ns` is an open descriptor of a mount namespace, alive across the
+            // call.
             check(unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS) })
                 .expect("joining the enforcer's mount namespace (needs root)");
             f()
@@ -66,6 +73,7 @@ pub fn in_namespace_of<T: Send>(pid: u32, f: impl FnOnce() -> T + Send) -> T {
 pub fn bind_in(pid: u32, source: &Path, target: &Path) {
     let (source, target) = (c_path(source), c_path(target));
     in_namespace_of(pid, || {
+        // SAFETY: the paths are NUL-terminated `CString`s alive across the call.
         let rc = unsafe {
             libc::mount(
                 source.as_ptr(),
@@ -114,6 +122,8 @@ impl SilentFuse {
 
     fn mount_raw(target: &CString, options: &CString) -> io::Result<()> {
         let flags = libc::MS_NOSUID | libc::MS_NODEV;
+        // SAFETY: the paths and options are NUL-terminated `CString`s alive across the
+        // call.
         check(unsafe {
             libc::mount(
                 c"silent".as_ptr(),

@@ -16,9 +16,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::{Genv, Node, artefact, workspace_root};
+use crate::{Genv, Node, artefact, wait_for_or, workspace_root};
 
 /// What a host runs as `genv` / `genv-enforcer` behind sudo.
 #[derive(Clone, Debug)]
@@ -139,8 +139,8 @@ impl SshFleet {
     }
 
     fn wait_for_login(&self, host: &SshHost) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
+        let said = std::cell::RefCell::new(String::new());
+        let login = || {
             let out = Command::new("ssh")
                 .args(["-F"])
                 .arg(&self.config)
@@ -148,17 +148,15 @@ impl SshFleet {
                 .stdin(Stdio::null())
                 .output()
                 .unwrap();
-            if out.status.success() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "sshd on {} does not let us in: {}",
-                host.name,
-                String::from_utf8_lossy(&out.stderr)
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+            *said.borrow_mut() = String::from_utf8_lossy(&out.stderr).into_owned();
+            out.status.success().then_some(())
+        };
+        wait_for_or(
+            format_args!("sshd on {} to let us in", host.name),
+            Duration::from_secs(20),
+            login,
+            || said.take(),
+        );
     }
 
     /// `-H` for every host.
@@ -201,6 +199,7 @@ impl SshFleet {
 
     /// The host's sshd stops answering (SIGSTOP): connections open, nothing comes back.
     pub fn hang(&self, host: usize) {
+        // SAFETY: kill(2) takes no pointer; the sshd is this harness's child.
         unsafe { libc::kill(self.hosts[host].sshd.id() as i32, libc::SIGSTOP) };
     }
 }
@@ -408,6 +407,7 @@ fn write_script(path: &Path, body: &str) {
 
 impl Drop for SshHost {
     fn drop(&mut self) {
+        // SAFETY: kill(2) takes no pointer; the sshd is this harness's child.
         unsafe { libc::kill(self.sshd.id() as i32, libc::SIGCONT) };
         let _ = self.sshd.kill();
         let _ = self.sshd.wait();
@@ -418,6 +418,8 @@ impl Drop for SshHost {
             .map(|out| {
                 for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
                     if let Ok(pid) = pid.parse::<i32>() {
+                        // SAFETY: kill(2) takes no pointer; these are the test sshd's
+                        // own sessions, by pgrep.
                         unsafe { libc::kill(pid, libc::SIGKILL) };
                     }
                 }

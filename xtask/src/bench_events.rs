@@ -33,6 +33,7 @@ const ATTEMPTS: u32 = 10_000;
 const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
 pub fn run(target: &Path) -> Result<String> {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         bail!("the event-driven benchmark loads kernel programs: run it as root");
     }
@@ -69,6 +70,7 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
     let load = BackgroundLoad::run()?;
     let status = fresh_status(&run_dir)?;
     let large = large_block_execs(&run_dir, &status)?;
+    // SAFETY: kill(2) takes no pointer; the daemon is this benchmark's child.
     unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
     daemon.wait()?;
     let host_loop = attempt_loop(target, dir, &gpu, &nvml)?;
@@ -345,6 +347,7 @@ fn attempt_loop(target: &Path, dir: &Path, gpu: &Path, nvml: &Path) -> Result<St
         .arg(gpu)
         .env_remove("GENV_ENVIRONMENT_ID")
         .output()?;
+    // SAFETY: kill(2) takes no pointer; the daemon is this benchmark's child.
     unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
     daemon.wait()?;
     let said = String::from_utf8_lossy(&output.stdout);

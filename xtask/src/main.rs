@@ -120,6 +120,7 @@ pub fn run(command: &mut Command) -> Result<()> {
 fn test(extra: &[String]) -> Result<()> {
     // The end-to-end tests make device nodes (mknod), run processes as other users and
     // signal them: the enforcer's own privileges.
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         bail!("the test suite needs root (mknod, other uids): run `sudo -E cargo xtask test`");
     }

@@ -1,13 +1,14 @@
-//! Pieces of a simulated GPU node shared by the demo and the benchmark: a device node
-//! that opens without a driver, the fake NVML's configuration, and the daemon's output.
+//! Pieces of a simulated GPU node the benchmarks share: a device node that opens
+//! without a driver, the fake NVML's configuration, and the daemon's output. Each is
+//! the test harness's own (`genv_enforcer_tests::harness`), with the tool's errors.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, ExitStatus};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use genv_enforcer_tests::harness;
 use serde_json::Value;
 
 /// The device number that stands in for a GPU: `/dev/full`'s, which opens without an
@@ -15,48 +16,18 @@ use serde_json::Value;
 pub const TEST_NODE: (u32, u32) = (1, 7);
 
 pub fn make_test_node(path: &Path) -> Result<()> {
-    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
-    let dev = libc::makedev(TEST_NODE.0, TEST_NODE.1);
-    if unsafe { libc::mknod(c_path.as_ptr(), libc::S_IFCHR | 0o666, dev) } != 0 {
-        bail!(
-            "mknod {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
-    }
-    Ok(())
+    harness::mknod_char(path, TEST_NODE).with_context(|| format!("mknod {}", path.display()))
 }
 
 /// Replaces the fake NVML's configuration atomically (the library re-reads it).
 pub fn write_nvml(path: &Path, config: &Value) -> Result<()> {
-    let temporary = path.with_extension("new");
-    std::fs::write(&temporary, config.to_string())?;
-    std::fs::rename(&temporary, path).with_context(|| format!("writing {}", path.display()))
+    harness::write_atomically(path, &config.to_string())
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// The daemon's stdout and stderr as lines, echoed with `echo` as a prefix if given.
 pub fn stream(daemon: &mut Child, echo: Option<&'static str>) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    let out = daemon
-        .stdout
-        .take()
-        .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>);
-    let err = daemon
-        .stderr
-        .take()
-        .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>);
-    for stream in [out, err].into_iter().flatten() {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                if let Some(prefix) = echo {
-                    println!("{prefix}{line}");
-                }
-                let _ = tx.send(line);
-            }
-        });
-    }
-    rx
+    harness::lines_of(daemon, echo)
 }
 
 /// The first line containing any of `needles`, within `timeout`.
@@ -65,32 +36,26 @@ pub fn wait_line(
     needles: &[&str],
     timeout: Duration,
 ) -> Result<String> {
-    let deadline = Instant::now() + timeout;
-    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-        match lines.recv_timeout(left) {
-            Ok(line) if needles.iter().any(|n| line.contains(n)) => return Ok(line),
-            Ok(_) => {}
-            Err(_) => break,
-        }
+    match harness::until_line(lines, needles, timeout) {
+        Ok((line, _)) => Ok(line),
+        Err(_) => bail!("the daemon printed no line with {needles:?} within {timeout:?}"),
     }
-    bail!("the daemon printed no line with {needles:?} within {timeout:?}")
 }
 
 /// Waits for `child` to exit, polling finely (the wait is what is being timed).
 pub fn wait_exit(child: &mut Child, timeout: Duration) -> Result<ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(status);
-        }
-        if Instant::now() > deadline {
+    let exited = harness::poll(timeout, Duration::from_micros(100), || {
+        child.try_wait().transpose()
+    });
+    match exited {
+        Some(status) => Ok(status?),
+        None => {
             let _ = child.kill();
             bail!(
                 "process {} still running {timeout:?} after its open",
                 child.id()
-            );
+            )
         }
-        std::thread::sleep(Duration::from_micros(100));
     }
 }
 

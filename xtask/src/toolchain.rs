@@ -55,6 +55,7 @@ pub fn ensure_ebpf_toolchain() -> Result<()> {
         return Ok(());
     }
     if !std::path::Path::new(LLVM_BIN).join("llvm-config").exists() {
+        // SAFETY: geteuid(2) takes nothing and cannot fail.
         if unsafe { libc::geteuid() } != 0 {
             bail!(
                 "bpf-linker needs LLVM 22: run as root, or `apt-get install -y {}`",

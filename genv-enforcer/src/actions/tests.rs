@@ -353,6 +353,8 @@ fn reused_before_the_escalation(targets: usize) -> Tally {
     // SAFETY: the storm's own process; targets inherit the disposition at the fork.
     unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
     let targets = fork_targets(&gate, targets);
+    // SAFETY: restores the default disposition the storm's own process had; signal(2)
+    // only changes that disposition.
     unsafe { libc::signal(libc::SIGTERM, libc::SIG_DFL) };
     executor.execute(&report(&targets), &state_dir());
     wait_past(&targets);

@@ -213,7 +213,9 @@ impl ProcEvents {
         loop {
             match self.receive(&mut buffer) {
                 Ok(Some(n)) => match event_of(&buffer[..n]) {
-                    Some(e) if matches!(e.what, PROC_EVENT_EXEC | PROC_EVENT_EXIT | PROC_EVENT_UID) => {
+                    Some(e)
+                        if matches!(e.what, PROC_EVENT_EXEC | PROC_EVENT_EXIT | PROC_EVENT_UID) =>
+                    {
                         pids.push(e.tgid)
                     }
                     Some(_) => {} // forks on kernels without the filter, acks
@@ -247,7 +249,9 @@ struct Event {
 /// it is not a well-formed process event.
 fn event_of(datagram: &[u8]) -> Option<Event> {
     let word = |at: usize| -> Option<u32> {
-        Some(u32::from_ne_bytes(datagram.get(at..at + 4)?.try_into().ok()?))
+        Some(u32::from_ne_bytes(
+            datagram.get(at..at + 4)?.try_into().ok()?,
+        ))
     };
     let declared = word(0)? as usize;
     let payload = u16::from_ne_bytes(datagram.get(32..34)?.try_into().ok()?) as usize;
@@ -290,7 +294,10 @@ mod tests {
     fn reads_an_event_and_refuses_what_does_not_fit() {
         let good = datagram(PROC_EVENT_EXEC, 12, 10);
         let event = event_of(&good).unwrap();
-        assert_eq!((event.what, event.pid, event.tgid, event.ack), (PROC_EVENT_EXEC, 12, 10, 7));
+        assert_eq!(
+            (event.what, event.pid, event.tgid, event.ack),
+            (PROC_EVENT_EXEC, 12, 10, 7)
+        );
         // Cut short, or claiming more than was received: refused, never read past.
         for cut in [0, 10, HEADERS, good.len() - 1] {
             assert_eq!(event_of(&good[..cut]), None, "cut at {cut}");
@@ -315,7 +322,10 @@ mod tests {
                 Changes::Pids(pids) => seen.extend(pids),
                 Changes::Unknown => panic!("events lost on a quiet machine"),
             }
-            assert!(Instant::now() < deadline, "exec and exit of {pid} not seen: {seen:?}");
+            assert!(
+                Instant::now() < deadline,
+                "exec and exit of {pid} not seen: {seen:?}"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     }

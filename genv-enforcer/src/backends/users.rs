@@ -84,6 +84,8 @@ impl Names {
 
 fn lookup(uid: u32) -> Option<String> {
     let mut buf = vec![0u8; 4096];
+    // SAFETY: `passwd` is plain data (integers and pointers): all-zero is a valid
+    // value, which getpwuid_r overwrites.
     let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
     let mut result: *mut libc::passwd = std::ptr::null_mut();
     // SAFETY: getpwuid_r writes into our buffers only.

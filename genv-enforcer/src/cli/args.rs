@@ -7,11 +7,13 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::alloc::MemoryAtAlloc;
 use crate::backends::devmap::NodeOverride;
 use crate::backends::nvml::DEFAULT_LIBRARY;
-use crate::bpf::TierChoice;
-use crate::prevention::alloc::MemoryAtAlloc;
+use crate::kernel::TierChoice;
 use crate::snapshot::{OrphanPolicy, SnapshotJson};
+
+use super::shared_args::{MAX_SECONDS, RuleArgs, non_negative_seconds, positive_seconds};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -52,7 +54,7 @@ pub enum Command {
     /// stops deciding about GPU opens until an enforcer runs again.
     Unpin {
         /// Where they are pinned.
-        #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::bpf::pins::DEFAULT_ROOT)]
+        #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::kernel::pins::DEFAULT_ROOT)]
         pin_dir: PathBuf,
     },
 }
@@ -143,40 +145,6 @@ pub struct EnforceArgs {
     pub events: EventArgs,
 }
 
-/// genv's rule flags, each with its `--no-` form; shared by `enforce` and `remote
-/// enforce`.
-#[derive(Debug, Args)]
-pub struct RuleArgs {
-    /// Terminate processes that are not running in a GPU environment [default: off].
-    #[arg(long, overrides_with = "no_non_env_processes")]
-    pub non_env_processes: bool,
-    /// Do not terminate processes outside environments.
-    #[arg(long, overrides_with = "non_env_processes")]
-    pub no_non_env_processes: bool,
-
-    /// Enforce environment attached devices [default: on].
-    #[arg(long, overrides_with = "no_env_devices")]
-    pub env_devices: bool,
-    /// Do not enforce environment attached devices.
-    #[arg(long, overrides_with = "env_devices")]
-    pub no_env_devices: bool,
-
-    /// Enforce environment memory capacity if set [default: on].
-    #[arg(long, overrides_with = "no_env_memory")]
-    pub env_memory: bool,
-    /// Do not enforce environment memory capacity.
-    #[arg(long, overrides_with = "env_memory")]
-    pub no_env_memory: bool,
-
-    /// Maximum allowed attached devices for each user.
-    #[arg(long, value_name = "N", allow_hyphen_values = true)]
-    pub max_devices_per_user: Option<u32>,
-
-    /// Per-user maximum of attached devices (with --max-devices-per-user).
-    #[arg(long, value_name = "USERNAME=MAXIMUM", num_args = 1.., value_parser = user_limit, action = clap::ArgAction::Append)]
-    pub max_devices_for_user: Vec<(String, u32)>,
-}
-
 /// The event-driven mode: kernel programs report GPU opens and process lifecycle.
 #[derive(Debug, Args)]
 pub struct EventArgs {
@@ -239,7 +207,7 @@ pub struct EventArgs {
 
     /// Where --keep-pinned pins (a directory in bpffs), and where a starting daemon
     /// looks for a previous run's pins to take over from.
-    #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::bpf::pins::DEFAULT_ROOT)]
+    #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::kernel::pins::DEFAULT_ROOT)]
     pub pin_dir: PathBuf,
 
     /// Print why the kernel programs decided what they did about each GPU open, as
@@ -296,31 +264,10 @@ pub struct SourceArgs {
     pub genv_tmpdir: PathBuf,
 }
 
-/// The longest period a flag takes (a year): past it, time arithmetic overflows.
-const MAX_SECONDS: f64 = 365.0 * 86400.0;
-
-pub(super) fn non_negative_seconds(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(s) if s.is_finite() && (0.0..=MAX_SECONDS).contains(&s) => Ok(s),
-        _ => Err(format!(
-            "{text:?} is not a number of seconds from 0 to {MAX_SECONDS}"
-        )),
-    }
-}
-
-pub(super) fn positive_seconds(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 && s <= MAX_SECONDS => Ok(s),
-        _ => Err(format!(
-            "{text:?} is not a number of seconds above 0, up to {MAX_SECONDS}"
-        )),
-    }
-}
-
 /// `status --max-age`: long enough that an idle daemon's status (rewritten every
-/// [`HEARTBEAT`](crate::daemon::status::HEARTBEAT)) is never taken for a stuck one.
+/// [`HEARTBEAT`](crate::service::status::HEARTBEAT)) is never taken for a stuck one.
 fn status_max_age(text: &str) -> Result<u64, String> {
-    let least = 2 * crate::daemon::status::HEARTBEAT.as_secs();
+    let least = 2 * crate::service::status::HEARTBEAT.as_secs();
     match text.parse::<u64>() {
         Ok(s) if (least..=MAX_SECONDS as u64).contains(&s) => Ok(s),
         _ => Err(format!(
@@ -335,15 +282,6 @@ fn ring_bytes(text: &str) -> Result<u32, String> {
         Ok(n) if n >= 4096 && n.is_power_of_two() => Ok(n),
         _ => Err(format!("{text:?} is not a power of two of at least 4096")),
     }
-}
-
-fn user_limit(text: &str) -> Result<(String, u32), String> {
-    let invalid = || format!("not a valid spec: {text} (expected USERNAME=MAXIMUM)");
-    let (user, maximum) = text.split_once('=').ok_or_else(invalid)?;
-    if user.is_empty() || maximum.contains('=') {
-        return Err(invalid());
-    }
-    Ok((user.to_owned(), maximum.parse().map_err(|_| invalid())?))
 }
 
 #[cfg(test)]

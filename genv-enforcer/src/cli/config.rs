@@ -6,14 +6,17 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::args::{EnforceArgs, ExecutionArgs, RuleArgs};
+use super::args::{EnforceArgs, ExecutionArgs};
+use super::shared_args::RuleArgs;
 use crate::actions::ExecutorConfig;
+use crate::alloc::MemoryAtAlloc;
 use crate::backends::devmap::NodeOverride;
-use crate::bpf::TierChoice;
-use crate::daemon::event_driven::Settings;
-use crate::prevention::alloc::MemoryAtAlloc;
+use crate::daemon::Settings;
+use crate::kernel::TierChoice;
+use crate::kernel::policy_maps::DenyPolicy;
 use crate::rules::{DeviceLimit, Rules};
 use crate::snapshot::EnvPolicy;
+use crate::sync::KernelSettings;
 
 /// How `enforce` runs.
 #[derive(Debug)]
@@ -159,24 +162,34 @@ fn mode(args: &EnforceArgs, rules: &Rules) -> Result<Mode, ConfigError> {
             }
         }
     }
-    Ok(Mode::EventDriven(Settings {
+    Ok(Mode::EventDriven(settings(args, tier)))
+}
+
+/// The event-driven mode's settings, from flags checked together already.
+fn settings(args: &EnforceArgs, tier: TierChoice) -> Settings {
+    let events = &args.events;
+    Settings {
         interval: Duration::from_secs_f64(args.interval),
         memory_interval: Duration::from_secs_f64(events.memory_interval.unwrap_or(1.0)),
-        tier,
-        ring_bytes: events.ring_buffer_bytes,
         run_dir: events.run_dir.clone(),
-        verbose: events.verbose,
-        deny: events.deny,
-        deny_root: events.deny_root,
-        allow_exes: events.allow_exe.clone(),
-        keep_pinned: events.keep_pinned,
-        pin_dir: events.pin_dir.clone(),
-        bpf_log: events.bpf_log,
-        memory_at_alloc: events.memory_at_alloc,
-        cuda_libs: events.cuda_lib.clone(),
+        kernel: KernelSettings {
+            tier,
+            ring_bytes: events.ring_buffer_bytes,
+            verbose: events.verbose,
+            deny: DenyPolicy {
+                deny: events.deny,
+                root: events.deny_root,
+            },
+            allow_exes: events.allow_exe.clone(),
+            keep_pinned: events.keep_pinned,
+            pin_dir: events.pin_dir.clone(),
+            bpf_log: events.bpf_log,
+            memory_at_alloc: events.memory_at_alloc,
+            cuda_libs: events.cuda_lib.clone(),
+        },
         reload: None,
         metrics_addr: events.metrics_addr,
-    }))
+    }
 }
 
 /// The first flag given that only the event-driven mode reads.
@@ -259,7 +272,10 @@ mod tests {
         assert!(matches!(
             ok.mode,
             Mode::EventDriven(Settings {
-                memory_at_alloc: MemoryAtAlloc::Kill,
+                kernel: KernelSettings {
+                    memory_at_alloc: MemoryAtAlloc::Kill,
+                    ..
+                },
                 ..
             })
         ));
@@ -290,8 +306,11 @@ mod tests {
         assert!(matches!(
             ok.mode,
             Mode::EventDriven(Settings {
-                deny: true,
-                keep_pinned: true,
+                kernel: KernelSettings {
+                    deny: DenyPolicy { deny: true, .. },
+                    keep_pinned: true,
+                    ..
+                },
                 ..
             })
         ));
@@ -327,7 +346,7 @@ mod tests {
         let Mode::EventDriven(settings) = config(&["--event-driven"]).unwrap().mode else {
             panic!("event-driven");
         };
-        assert_eq!(settings.tier, TierChoice::Auto);
+        assert_eq!(settings.kernel.tier, TierChoice::Auto);
         assert_eq!(settings.memory_interval, Duration::from_secs(1));
         assert_eq!(settings.interval, Duration::from_secs(10));
         let lonely = config(&["--max-devices-for-user", "alice=1"]).unwrap();

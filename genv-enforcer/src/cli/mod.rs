@@ -5,10 +5,10 @@ pub mod args;
 pub mod config;
 pub mod config_file;
 pub mod logging;
-mod reloader;
 mod remote;
 pub mod remote_args;
 mod session_end;
+pub mod shared_args;
 
 use std::io::Read;
 use std::process::ExitCode;
@@ -52,7 +52,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     logging::init(cli.log_format);
     match cli.command {
         Command::Enforce(args) => enforce(args),
-        Command::Status { run_dir, max_age } => daemon::status::show(&run_dir, max_age),
+        Command::Status { run_dir, max_age } => crate::service::status::show(&run_dir, max_age),
         Command::Remote(args) => remote::run(args),
         Command::Usage(UsageCommand::Watch {
             poll_interval,
@@ -85,10 +85,11 @@ fn usage_snapshot(
     part: Option<crate::snapshot::SnapshotJson>,
     sources: &args::SourceArgs,
 ) -> Result<ExitCode> {
-    let mut builder = SnapshotBuilder::new(
-        StateDir::new(&sources.genv_tmpdir),
+    let mut builder = snapshot_builder(
+        &sources.genv_tmpdir,
         sources.nvml_lib.clone(),
         EnvPolicy::default(),
+        Vec::new(),
     );
     let lock = LockPolicy::bounded(LockPolicy::COMMAND_WAIT)
         .take(builder.state())
@@ -128,7 +129,7 @@ fn usage_execute(execution: &args::ExecutionArgs) -> Result<ExitCode> {
 
 fn enforce(args: EnforceArgs) -> Result<ExitCode> {
     let mut reload = match (&args.config, ARGV.get()) {
-        (Some(_), Some(argv)) => Some(reloader::reloader(argv.clone(), &args)),
+        (Some(_), Some(argv)) => Some(config_file::reloader(argv.clone(), &args)),
         _ => None,
     };
     let mut config = EnforceConfig::from_args(args)?;
@@ -140,12 +141,12 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
     }
     raise_open_file_limit();
     let mut enforcer = Enforcer {
-        builder: SnapshotBuilder::new(
-            StateDir::new(&config.state_dir),
+        builder: snapshot_builder(
+            &config.state_dir,
             config.nvml_lib,
             config.policy,
-        )
-        .with_gpu_nodes(config.gpu_nodes),
+            config.gpu_nodes,
+        ),
         rules: config.rules,
         executor: Executor::new(config.execution),
         lock: LockPolicy::blocking(),
@@ -167,26 +168,37 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
     }
 }
 
+/// How every command takes its snapshots: genv's state in `state_dir`, NVML loaded
+/// from `nvml_lib`, `policy` for environment claims, `--gpu-node`'s overrides.
+fn snapshot_builder(
+    state_dir: &std::path::Path,
+    nvml_lib: std::ffi::OsString,
+    policy: EnvPolicy,
+    gpu_nodes: Vec<crate::backends::devmap::NodeOverride>,
+) -> SnapshotBuilder {
+    SnapshotBuilder::new(StateDir::new(state_dir), nvml_lib, policy).with_gpu_nodes(gpu_nodes)
+}
+
 /// `usage watch`.
 fn usage_watch(
     poll: f64,
     heartbeat: Option<f64>,
-    tier: crate::bpf::TierChoice,
+    tier: crate::kernel::TierChoice,
     gpu_nodes: Vec<crate::backends::devmap::NodeOverride>,
     sources: &args::SourceArgs,
 ) -> Result<ExitCode> {
-    let builder = SnapshotBuilder::new(
-        StateDir::new(&sources.genv_tmpdir),
+    let builder = snapshot_builder(
+        &sources.genv_tmpdir,
         sources.nvml_lib.clone(),
         EnvPolicy::default(),
-    )
-    .with_gpu_nodes(gpu_nodes);
-    let settings = daemon::usage_watch::WatchSettings {
+        gpu_nodes,
+    );
+    let settings = crate::remote::usage_watch::WatchSettings {
         poll: std::time::Duration::from_secs_f64(poll),
         heartbeat: heartbeat.map(std::time::Duration::from_secs_f64),
         tier,
     };
-    runtime()?.block_on(daemon::usage_watch::run(builder, settings))
+    runtime()?.block_on(crate::remote::usage_watch::run(builder, settings))
 }
 
 /// The single-threaded runtime every long-running mode uses.
@@ -199,7 +211,7 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn unpin(root: &std::path::Path) -> Result<ExitCode> {
-    let removed = crate::bpf::pins::unpin_all(root)
+    let removed = crate::kernel::pins::unpin_all(root)
         .with_context(|| format!("removing the pins under {}", root.display()))?;
     if removed.links == 0 && removed.maps == 0 {
         println!("Nothing pinned under {}", root.display());

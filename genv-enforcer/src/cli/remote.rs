@@ -25,6 +25,30 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
     if let Some(warning) = enforce.rules.warning() {
         tracing::warn!("{warning}");
     }
+    let fleet = fleet(&args)?;
+    let metrics = args.metrics_addr.map(|addr| {
+        let names = fleet.hosts.iter().map(|h| h.name.clone()).collect();
+        (addr, Arc::new(FleetMetrics::new(names)))
+    });
+    let fleet = Fleet {
+        metrics: metrics.as_ref().map(|(_, m)| Arc::clone(m)),
+        ..fleet
+    };
+    if let (true, Some(dir)) = (fleet.verbose, fleet.ssh.control_dir()) {
+        tracing::info!("SSH control sockets in {}", dir.display());
+    }
+    super::runtime()?.block_on(async {
+        if let Some((addr, metrics)) = metrics {
+            crate::service::metrics::listen(addr, metrics)?;
+        }
+        crate::remote::run(fleet, mode).await
+    })
+}
+
+/// The hosts, how to reach them and what to run there, as the flags say (no metrics
+/// yet).
+fn fleet(args: &RemoteArgs) -> Result<Fleet> {
+    let RemoteCommand::Enforce(enforce) = &args.command;
     let remote: Vec<String> = args
         .remote_command
         .split_whitespace()
@@ -41,8 +65,8 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
         connect_timeout: args.timeout,
         multiplex: !args.no_multiplex,
     });
-    let fleet = Fleet {
-        hosts: hosts_of(&args)?,
+    Ok(Fleet {
+        hosts: hosts_of(args)?,
         ssh,
         rules: enforce.rules.rules(),
         remote,
@@ -58,23 +82,6 @@ pub fn run(args: RemoteArgs) -> Result<ExitCode> {
         host_options: args.host_option.clone(),
         watch_options: args.watch_option.clone(),
         metrics: None,
-    };
-    let metrics = args.metrics_addr.map(|addr| {
-        let names = fleet.hosts.iter().map(|h| h.name.clone()).collect();
-        (addr, Arc::new(FleetMetrics::new(names)))
-    });
-    let fleet = Fleet {
-        metrics: metrics.as_ref().map(|(_, m)| Arc::clone(m)),
-        ..fleet
-    };
-    if let (true, Some(dir)) = (fleet.verbose, fleet.ssh.control_dir()) {
-        tracing::info!("SSH control sockets in {}", dir.display());
-    }
-    super::runtime()?.block_on(async {
-        if let Some((addr, metrics)) = metrics {
-            crate::daemon::metrics::listen(addr, metrics)?;
-        }
-        crate::remote::run(fleet, mode).await
     })
 }
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use super::args::{RuleArgs, non_negative_seconds, positive_seconds};
+use super::shared_args::{RuleArgs, non_negative_seconds, positive_seconds};
 
 #[derive(Debug, Args)]
 pub struct RemoteArgs {

@@ -26,6 +26,8 @@ pub fn end_with_reader() {
         if reader_gone(libc::STDOUT_FILENO) {
             // Not `exit`: the main thread may hold locks (NVML's) that exit handlers
             // would wait on.
+            // SAFETY: _exit(2) ends the process at once: no Rust state is touched after
+            // it.
             unsafe { libc::_exit(1) };
         }
     });
@@ -41,6 +43,7 @@ fn reader_gone(fd: libc::c_int) -> bool {
             revents: 0,
         }];
         // Events 0: only POLLERR and POLLHUP, which poll always reports, wake it.
+        // SAFETY: `fds` is a live array of one `pollfd`, the length passed.
         let ready = unsafe { libc::poll(fds.as_mut_ptr(), 1, -1) };
         if ready < 0 {
             if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
@@ -65,11 +68,15 @@ mod tests {
     #[test]
     fn a_pipe_without_a_reader_is_seen() {
         let mut ends = [0; 2];
+        // SAFETY: `ends` is a live array of two ints, what pipe(2) writes.
         assert_eq!(unsafe { libc::pipe(ends.as_mut_ptr()) }, 0);
         let [read, write] = ends;
         let waiting = std::thread::spawn(move || reader_gone(write));
+        // SAFETY: closes the read end this test opened and owns; nothing else holds it.
         unsafe { libc::close(read) };
         assert!(waiting.join().unwrap());
+        // SAFETY: closes the write end this test opened, once the thread using it has
+        // returned.
         unsafe { libc::close(write) };
     }
 }

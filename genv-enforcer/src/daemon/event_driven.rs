@@ -7,7 +7,10 @@
 //! - every `--interval`, and whenever the kernel lost events → a full cycle;
 //! - exec and exit events keep the process table current;
 //! - with `--deny`, the kernel refuses or kills at the open itself; its decisions arrive
-//!   as open events and are reported ([`crate::prevention`]).
+//!   as open events and are reported ([`crate::intake::decisions`]).
+//!
+//! What each kernel event does is in [`events`]; the checks it leads to in [`checks`].
+//! The maps the programs decide from follow each full cycle through [`crate::sync`].
 
 use std::collections::{HashMap, HashSet};
 use std::process::ExitCode;
@@ -16,24 +19,24 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Result;
 
-use super::StopSignals;
-
 mod checks;
-mod cuda;
-mod reload;
-use super::instance::Instance;
-use super::kernel_inspector::KernelInspector;
-use super::kernel_side::KernelSide;
-use super::metrics::{self, Metrics};
-use super::reload::{Hangup, notify};
+mod events;
+
 use super::schedule::Schedule;
-pub use super::settings::Settings;
+use super::settings::Settings;
 use super::state_watch::{StateWatch, Target};
-use super::status::Status;
 use super::watchlist::Watchlist;
 use crate::cycle::Enforcer;
-use crate::intake::{BadRecord, EventIntake, KernelEvent, Verdict};
-use crate::prevention;
+use crate::intake::decisions::LineLimiter;
+use crate::intake::{BadRecord, EventIntake, KernelEvent};
+use crate::kernel::inspector::KernelInspector;
+use crate::service::instance::Instance;
+use crate::service::metrics::{self, Metrics};
+use crate::service::reload::reload;
+use crate::service::signals::{Hangup, StopSignals, notify};
+use crate::service::status::Status;
+use crate::sync::KernelSide;
+use crate::warn_once::WarnOnce;
 
 /// How long a process terminated by a narrow check is left out of the next ones.
 const SETTLE: Duration = Duration::from_secs(2);
@@ -45,42 +48,16 @@ const DRAIN_EVERY: Duration = Duration::from_millis(100);
 /// The longest period between looks at the ring buffer, on an idle node.
 const DRAIN_IDLE: Duration = Duration::from_secs(1);
 
-pub async fn run(mut enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
+pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
     let mut stop = StopSignals::install()?;
     let mut hangup = Hangup::install()?;
     let instance = Instance::claim(&settings.run_dir)?;
-    let mut status = Status {
-        pid: std::process::id(),
-        started: unix_now(),
-        interval_s: settings.interval.as_secs_f64(),
-        memory_interval_s: settings.memory_interval.as_secs_f64(),
-        ..Status::default()
-    };
-    let metrics = settings.metrics_addr.map(metrics::serve).transpose()?;
-    let (kernel, mut intake) = KernelSide::start(&settings, &mut status)?.unzip();
-    if let Some(kernel) = &kernel {
-        read_identities_from(kernel, &mut enforcer);
-    }
-    instance.publish(&status);
+    let (mut daemon, mut intake) = Daemon::start(enforcer, settings)?;
+    instance.publish(&daemon.status);
     release_startup_memory();
 
+    let settings = &daemon.settings;
     let mut schedule = Schedule::new(Instant::now(), settings.interval, settings.memory_interval);
-    let mut daemon = Daemon {
-        enforcer,
-        settings,
-        status,
-        kernel,
-        state_watch: None,
-        said_watch: None,
-        watchlist: Watchlist::default(),
-        settled: HashMap::new(),
-        said_unknown: false,
-        to_sweep: HashSet::new(),
-        decision_lines: Default::default(),
-        drain_every: DRAIN_EVERY,
-        memory_capped: true,
-        metrics,
-    };
     let mut batch = Batch::default();
     let mut ready = false;
     loop {
@@ -147,7 +124,8 @@ fn read_identities_from(kernel: &KernelSide, enforcer: &mut Enforcer) {
 /// mapped unless asked, and a daemon on every node should not carry it for its life
 /// (41 MB resident idle without this, 7 MB with it).
 fn release_startup_memory() {
-    // SAFETY: malloc_trim only returns free memory to the kernel.
+    // SAFETY: malloc_trim only returns free memory to the kernel; it takes no pointer
+    // and leaves every live allocation where it is.
     unsafe { libc::malloc_trim(0) };
 }
 
@@ -167,15 +145,15 @@ struct Daemon {
     /// inotify on genv's state directory; `None` until it can be set up.
     state_watch: Option<StateWatch>,
     /// Why the state directory could not be watched, as last warned.
-    said_watch: Option<String>,
+    unwatched: WarnOnce<String>,
     watchlist: Watchlist,
     /// Processes a narrow check terminated, and when.
     settled: HashMap<u32, Instant>,
-    /// An undecodable event was reported once already.
-    said_unknown: bool,
+    /// An undecodable event was reported (once for the daemon's life).
+    undecodable: WarnOnce,
     /// GPUs the kernel killed an opener of since the last sweep for other holders.
     to_sweep: HashSet<u32>,
-    decision_lines: prevention::decisions::LineLimiter,
+    decision_lines: LineLimiter,
     /// The ring buffer's current look period ([`DRAIN_EVERY`] to [`DRAIN_IDLE`]).
     drain_every: Duration,
     /// Whether an environment had a memory cap at the last full cycle (or the state was
@@ -186,6 +164,41 @@ struct Daemon {
 }
 
 impl Daemon {
+    /// The kernel side started (or none, as `--bpf-tier` allows), the snapshot reading
+    /// identities from it, the metrics endpoint listening.
+    fn start(mut enforcer: Enforcer, settings: Settings) -> Result<(Self, Option<EventIntake>)> {
+        let mut status = Status {
+            pid: std::process::id(),
+            started: unix_now(),
+            interval_s: settings.interval.as_secs_f64(),
+            memory_interval_s: settings.memory_interval.as_secs_f64(),
+            ..Status::default()
+        };
+        let metrics = settings.metrics_addr.map(metrics::serve).transpose()?;
+        let started = KernelSide::start(&settings.kernel, settings.interval, &mut status)?;
+        let (kernel, intake) = started.unzip();
+        if let Some(kernel) = &kernel {
+            read_identities_from(kernel, &mut enforcer);
+        }
+        let daemon = Self {
+            enforcer,
+            settings,
+            status,
+            kernel,
+            state_watch: None,
+            unwatched: WarnOnce::default(),
+            watchlist: Watchlist::default(),
+            settled: HashMap::new(),
+            undecodable: WarnOnce::default(),
+            to_sweep: HashSet::new(),
+            decision_lines: LineLimiter::default(),
+            drain_every: DRAIN_EVERY,
+            memory_capped: true,
+            metrics,
+        };
+        Ok((daemon, intake))
+    }
+
     /// Runs whatever is due: the full cycle, the checks of newly opened GPUs, the
     /// memory poll, SIGKILL escalations, and the status file.
     fn run_due(&mut self, schedule: &mut Schedule, instance: &Instance) {
@@ -193,7 +206,7 @@ impl Daemon {
             // Watch first: a state change during the cycle then triggers another one,
             // where watching after it would miss a change made while it ran.
             if self.state_watch.as_ref().is_none_or(StateWatch::is_lost) {
-                self.state_watch = watch_state(&self.enforcer, &mut self.said_watch);
+                self.state_watch = watch_state(&self.enforcer, &mut self.unwatched);
             }
             self.full_cycle();
             schedule.full_done(Instant::now());
@@ -207,70 +220,35 @@ impl Daemon {
         }
         self.enforcer.executor.escalate(Instant::now());
         if schedule.status_due(Instant::now()) {
-            self.status.updated = unix_now();
-            if let Some(kernel) = &self.kernel {
-                if kernel.report(&mut self.status) {
-                    schedule.full_now(Instant::now());
-                }
-            }
-            // Looked for in /proc/self/maps until it loads; a loaded NVML stays.
-            if self.status.nvml.is_none() {
-                self.status.nvml =
-                    crate::backends::nvml::loaded_library().map(|p| p.display().to_string());
-            }
-            self.status.watching = self
-                .state_watch
-                .as_ref()
-                .and_then(StateWatch::target)
-                .map(|t| t.describe(self.enforcer.builder.state().root()));
-            instance.publish(&self.status);
-            if let Some(metrics) = &self.metrics {
-                let tier = self.status.tier.as_deref();
-                metrics.follow(&self.status.counts, tier, self.enforcer.builder.nvml_errors);
-            }
+            self.publish(schedule, instance);
             schedule.status_done(Instant::now());
         }
     }
 
-    /// Handles what the intake holds: every event, then any undecodable record or loss,
-    /// either of which means the daemon's view may be stale, so a full cycle resyncs it.
-    fn take_in(&mut self, intake: &mut EventIntake, batch: &mut Batch, schedule: &mut Schedule) {
-        let now = Instant::now();
-        intake.drain_now(&mut batch.events, &mut batch.unknown);
-        self.drain_every = if batch.events.is_empty() {
-            (self.drain_every * 2).min(DRAIN_IDLE)
-        } else {
-            DRAIN_EVERY
-        };
-        for event in batch.events.drain(..) {
-            self.on_event(event, now);
-        }
-        // Exits waiting for their processes to be gone: looked at again soon.
-        if self.kernel.as_mut().is_some_and(KernelSide::settle_exits) {
-            self.drain_every = DRAIN_EVERY;
-        }
-        if let Some(kernel) = self.kernel.as_mut() {
-            kernel.run_due_looks(self.enforcer.builder.devices());
-        }
-        self.sweep_holders();
-        if let Some(first) = batch.unknown.first() {
-            if !self.said_unknown {
-                tracing::warn!("{first}; treating it as a lost event");
-                self.said_unknown = true;
+    /// The status file and the metrics brought up to date; a resynchronisation due at
+    /// once where the kernel could not record identities since the last.
+    fn publish(&mut self, schedule: &mut Schedule, instance: &Instance) {
+        self.status.updated = unix_now();
+        if let Some(kernel) = &self.kernel {
+            kernel.report(&mut self.status);
+            if kernel.identities_lost(&self.status) {
+                schedule.full_now(Instant::now());
             }
-            batch.unknown.clear();
-            schedule.full_now(now);
         }
-        let lost = intake.newly_lost();
-        if lost > 0 {
-            self.status.counts.lost_events += lost;
-            if let Some(metrics) = &self.metrics {
-                metrics.resynced();
-            }
-            tracing::warn!(
-                "The kernel lost {lost} events (its ring buffer was full); running a full cycle to resynchronise"
-            );
-            schedule.full_now(now);
+        // Looked for in /proc/self/maps until it loads; a loaded NVML stays.
+        if self.status.nvml.is_none() {
+            self.status.nvml =
+                crate::backends::nvml::loaded_library().map(|p| p.display().to_string());
+        }
+        self.status.watching = self
+            .state_watch
+            .as_ref()
+            .and_then(StateWatch::target)
+            .map(|t| t.describe(self.enforcer.builder.state().root()));
+        instance.publish(&self.status);
+        if let Some(metrics) = &self.metrics {
+            let tier = self.status.tier.as_deref();
+            metrics.follow(&self.status.counts, tier, self.enforcer.builder.nvml_errors);
         }
     }
 
@@ -285,111 +263,37 @@ impl Daemon {
                 tracing::warn!(
                     "Watching genv's state directory failed ({e}); state changes wait for the full cycle"
                 );
-                self.said_watch = Some(e.to_string());
+                self.unwatched.first(e.to_string());
                 self.state_watch = None;
                 schedule.full_now(Instant::now());
             }
         }
     }
 
-    fn on_event(&mut self, event: KernelEvent, now: Instant) {
-        let counts = &mut self.status.counts;
-        match event {
-            KernelEvent::Exec { pid, unresolved } => {
-                counts.exec_events += 1;
-                self.enforcer.builder.forget(pid);
-                // A new image: the old one's GPU memory went with its address space.
-                if let Some(kernel) = self.kernel.as_mut() {
-                    kernel.exited(pid, false);
-                }
-                if let (true, Some(kernel)) = (unresolved, self.kernel.as_mut()) {
-                    kernel.resolve_identity(pid, self.settings.verbose);
-                }
-            }
-            KernelEvent::Fork {
-                child, unresolved, ..
-            } => {
-                counts.fork_events += 1;
-                if let (true, Some(kernel)) = (unresolved, self.kernel.as_mut()) {
-                    kernel.resolve_identity(child, self.settings.verbose);
-                }
-            }
-            KernelEvent::Exit { pid } => {
-                counts.exit_events += 1;
-                if let Some(kernel) = self.kernel.as_mut() {
-                    kernel.exited(pid, true);
-                }
-                self.enforcer.builder.forget(pid);
-                self.watchlist.remove(pid);
-                self.settled.remove(&pid);
-            }
-            KernelEvent::CudaStart(start) => self.on_cuda_start(start, now),
-            KernelEvent::Alloc(over) => self.on_over_cap(&over, now),
-            KernelEvent::Open(open) => {
-                counts.open_events += 1;
-                if let Some(kernel) = self.kernel.as_mut() {
-                    kernel.opened(open.pid, open.uid, self.enforcer.builder.devices());
-                }
-                let counts = &mut self.status.counts;
-                if self.settings.verbose {
-                    tracing::info!(
-                        target: "event", "Process {} (thread {}) {} GPU {} (node {}:{}) [{}; {}]",
-                        open.pid,
-                        open.tid,
-                        open.tier.open_verb(),
-                        open.index,
-                        open.major,
-                        open.minor,
-                        open.tier,
-                        open.verdict.describe()
-                    );
-                }
-                if let Some(line) = self.decision_lines.line(&open, now) {
-                    println!("{line}");
-                }
-                match open.verdict {
-                    Verdict::Refused => counts.refused += 1,
-                    Verdict::Killed => {
-                        counts.killed += 1;
-                        self.to_sweep.insert(open.index);
-                    }
-                    Verdict::KillFailed => {
-                        self.to_sweep.insert(open.index);
-                        tracing::error!(
-                            "The kernel could not kill process {} when it opened GPU {}: the open returned; the daemon kills the holders now",
-                            open.pid,
-                            open.index
-                        );
-                        self.watchlist.add(open, now);
-                    }
-                    // Let through: watched, and checked against genv's rules.
-                    _ => self.watchlist.add(open, now),
-                }
-            }
-        }
-    }
-
-    /// After the kernel killed openers: whoever still holds those GPUs outside any
-    /// environment (a process sharing the opener's file table) is killed too. One sweep
-    /// of `/proc` per batch of events, however many kills it held.
-    fn sweep_holders(&mut self) {
-        if self.to_sweep.is_empty() {
-            return;
-        }
-        let gpus = std::mem::take(&mut self.to_sweep);
-        let Some(kernel) = &self.kernel else {
+    /// SIGHUP: the rules, intervals and execution settings read again and put in force,
+    /// the kernel programs left attached (see [`crate::service::reload`]).
+    fn reload(&mut self, schedule: &mut Schedule) {
+        let Some(new) = reload(self.settings.reload.as_mut(), &mut self.enforcer) else {
             return;
         };
-        for killed in kernel.sweep_holders(&self.settings, &gpus) {
-            println!("{}", killed.line());
-            self.status.counts.killed_holders += 1;
-        }
+        let memory = new.memory_interval.unwrap_or(self.settings.memory_interval);
+        self.settings.interval = new.interval;
+        self.settings.memory_interval = memory;
+        self.status.interval_s = new.interval.as_secs_f64();
+        self.status.memory_interval_s = memory.as_secs_f64();
+        // A full cycle at once, under the new rules.
+        schedule.set_periods(Instant::now(), new.interval, memory);
+        tracing::info!(
+            "SIGHUP: settings read again and in force ({:?}, every {:?}); the kernel programs stay attached",
+            self.enforcer.rules,
+            new.interval
+        );
     }
 }
 
 /// The state directory's watch; a failure is warned about once per distinct reason
 /// (the daemon tries again at every full cycle).
-fn watch_state(enforcer: &Enforcer, said: &mut Option<String>) -> Option<StateWatch> {
+fn watch_state(enforcer: &Enforcer, unwatched: &mut WarnOnce<String>) -> Option<StateWatch> {
     let state = enforcer.builder.state();
     match StateWatch::new(state) {
         Ok(watch) => {
@@ -400,17 +304,16 @@ fn watch_state(enforcer: &Enforcer, said: &mut Option<String>) -> Option<StateWa
                     dir.display()
                 );
             }
-            *said = None;
+            unwatched.clear();
             Some(watch)
         }
         Err(e) => {
             let why = e.to_string();
-            if said.as_ref() != Some(&why) {
+            if unwatched.first(why.clone()) {
                 tracing::warn!(
                     "Cannot watch {} ({why}); state changes wait for the full cycle",
                     state.root().display()
                 );
-                *said = Some(why);
             }
             None
         }

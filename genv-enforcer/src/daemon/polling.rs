@@ -6,14 +6,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-use super::StopSignals;
-use super::reload::{Hangup, Reloader, notify};
 use crate::cycle::Enforcer;
+use crate::service::reload::{Reloader, reload};
+use crate::service::signals::{Hangup, StopSignals, notify};
 
 pub async fn run(
     mut enforcer: Enforcer,
     mut interval: Duration,
-    mut reload: Option<Reloader>,
+    mut reload_from: Option<Reloader>,
 ) -> Result<ExitCode> {
     let mut stop = StopSignals::install()?;
     let mut hangup = Hangup::install()?;
@@ -37,7 +37,7 @@ pub async fn run(
             _ = tokio::time::sleep_until(wake.into()) => {}
             _ = stop.recv() => break,
             _ = hangup.recv() => {
-                if let Some(new) = super::reload::reload(reload.as_mut(), &mut enforcer) {
+                if let Some(new) = reload(reload_from.as_mut(), &mut enforcer) {
                     interval = new.interval;
                     next_cycle = Instant::now();
                     tracing::info!("SIGHUP: settings read again and in force");

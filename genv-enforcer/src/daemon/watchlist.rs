@@ -98,7 +98,7 @@ impl Watchlist {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bpf::Tier;
+    use crate::kernel::Tier;
 
     fn open(pid: u32) -> GpuOpen {
         GpuOpen {

@@ -5,7 +5,7 @@ use genv_ebpf_common::{
     split_kernel_dev, verdict,
 };
 
-use crate::bpf::Tier;
+use crate::kernel::Tier;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelEvent {

@@ -133,36 +133,9 @@ fn a_record_decodes_to_the_event_it_describes_at_any_alignment() {
                 unresolved: raw.index == genv_ebpf_common::FORK_UNRESOLVED,
             },
             kind::EXIT => KernelEvent::Exit { pid: raw.pid },
-            kind::OPEN => match decoded {
-                Ok(KernelEvent::Open(open)) => {
-                    let (major, minor) = split_kernel_dev(raw.arg);
-                    prop_assert_eq!((open.pid, open.tid, open.uid), (raw.pid, raw.tid, raw.uid));
-                    prop_assert_eq!((open.major, open.minor), (major, minor));
-                    prop_assert_eq!((open.index, open.at_ns), (raw.index, raw.ktime_ns));
-                    return Ok(());
-                }
-                Ok(other) => return Err(TestCaseError::fail(format!("{other:?}"))),
-                Err(e) => {
-                    prop_assert_eq!(e, BadRecord::Unknown(unknown));
-                    return Ok(());
-                }
-            },
+            kind::OPEN => return open_as_described(&raw, decoded, unknown),
             // An allocation past a cap comes only as an `AllocEvent` (below).
-            kind::ALLOC | kind::CUDA => match decoded {
-                Ok(KernelEvent::CudaStart(start)) => {
-                    prop_assert_eq!((raw.kind, raw.hook), (kind::CUDA, hook::UPROBE));
-                    prop_assert_eq!(
-                        (start.pid, start.uid, start.at_ns),
-                        (raw.pid, raw.uid, raw.ktime_ns)
-                    );
-                    return Ok(());
-                }
-                Ok(other) => return Err(TestCaseError::fail(format!("{other:?}"))),
-                Err(e) => {
-                    prop_assert_eq!(e, BadRecord::Unknown(unknown));
-                    return Ok(());
-                }
-            },
+            kind::ALLOC | kind::CUDA => return cuda_start_as_described(&raw, decoded, unknown),
             _ => {
                 prop_assert_eq!(decoded, Err(BadRecord::Unknown(unknown)));
                 return Ok(());
@@ -171,6 +144,53 @@ fn a_record_decodes_to_the_event_it_describes_at_any_alignment() {
         prop_assert_eq!(decoded, Ok(expected));
         Ok(())
     });
+}
+
+/// An open record decodes to the open it describes, or (an unknown hook or verdict) to
+/// no event.
+fn open_as_described(
+    raw: &RawEvent,
+    decoded: Result<KernelEvent, BadRecord>,
+    unknown: UnknownEvent,
+) -> Result<(), TestCaseError> {
+    match decoded {
+        Ok(KernelEvent::Open(open)) => {
+            let (major, minor) = split_kernel_dev(raw.arg);
+            prop_assert_eq!((open.pid, open.tid, open.uid), (raw.pid, raw.tid, raw.uid));
+            prop_assert_eq!((open.major, open.minor), (major, minor));
+            prop_assert_eq!((open.index, open.at_ns), (raw.index, raw.ktime_ns));
+            Ok(())
+        }
+        Ok(other) => Err(TestCaseError::fail(format!("{other:?}"))),
+        Err(e) => {
+            prop_assert_eq!(e, BadRecord::Unknown(unknown));
+            Ok(())
+        }
+    }
+}
+
+/// A CUDA record (from the uprobes) decodes to the CUDA start it describes; anything
+/// else of that kind is no event.
+fn cuda_start_as_described(
+    raw: &RawEvent,
+    decoded: Result<KernelEvent, BadRecord>,
+    unknown: UnknownEvent,
+) -> Result<(), TestCaseError> {
+    match decoded {
+        Ok(KernelEvent::CudaStart(start)) => {
+            prop_assert_eq!((raw.kind, raw.hook), (kind::CUDA, hook::UPROBE));
+            prop_assert_eq!(
+                (start.pid, start.uid, start.at_ns),
+                (raw.pid, raw.uid, raw.ktime_ns)
+            );
+            Ok(())
+        }
+        Ok(other) => Err(TestCaseError::fail(format!("{other:?}"))),
+        Err(e) => {
+            prop_assert_eq!(e, BadRecord::Unknown(unknown));
+            Ok(())
+        }
+    }
 }
 
 /// An `AllocEvent` the programs wrote, at any offset, decodes to the allocation it

@@ -3,6 +3,7 @@
 //! account of each decision ([`decision_log`]).
 
 pub mod decision_log;
+pub mod decisions;
 mod event;
 mod ring;
 

@@ -12,8 +12,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::daemon::metrics::Exposition;
 use crate::report::Report;
+use crate::service::metrics::Exposition;
 
 type Labels = Vec<(String, String)>;
 

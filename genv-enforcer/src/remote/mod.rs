@@ -18,6 +18,7 @@ pub mod hosts;
 pub mod metrics;
 pub mod ssh;
 mod stream;
+pub mod usage_watch;
 mod validate;
 
 use std::process::ExitCode;
@@ -26,7 +27,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 
-use crate::daemon::StopSignals;
+use crate::service::StopSignals;
 pub use fleet::{ErrorPolicy, Fleet};
 
 /// How `remote enforce` runs.

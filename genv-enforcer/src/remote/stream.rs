@@ -155,12 +155,7 @@ async fn watch_once(
             continue;
         }
         if fleet.verbose {
-            tracing::info!(
-                "[{name}] Stream: a snapshot ({} bytes), {:.1} s after its last one{}",
-                line.len(),
-                (now - last_snapshot).as_secs_f64(),
-                if seen { "" } else { " (connected)" }
-            );
+            say_snapshot(&name, line.len(), now - last_snapshot, seen);
         }
         (heard, last_snapshot, seen) = (now, now, true);
         if std::mem::take(polled) && updates.send(Update::Resumed(host)).await.is_err() {
@@ -180,6 +175,15 @@ async fn watch_once(
     }
     let status = child.wait().await;
     ended(status, errors.await.unwrap_or_default(), seen)
+}
+
+/// `--verbose`: a snapshot came from host `name`, `since` its last one.
+fn say_snapshot(name: &str, bytes: usize, since: std::time::Duration, seen: bool) {
+    tracing::info!(
+        "[{name}] Stream: a snapshot ({bytes} bytes), {:.1} s after its last one{}",
+        since.as_secs_f64(),
+        if seen { "" } else { " (connected)" }
+    );
 }
 
 /// The next line, by `deadline`; `None` at the end of the stream.
@@ -224,7 +228,7 @@ fn ended(
 
 /// `usage watch`'s heartbeat line, which carries nothing.
 fn is_heartbeat(line: &[u8]) -> bool {
-    line.trim_ascii() == crate::daemon::usage_watch::HEARTBEAT_LINE.as_bytes()
+    line.trim_ascii() == crate::remote::usage_watch::HEARTBEAT_LINE.as_bytes()
 }
 
 impl Ended {

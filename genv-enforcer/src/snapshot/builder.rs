@@ -14,7 +14,8 @@ use super::{Snapshot, Warning};
 use crate::backends::devmap::{DeviceMap, NodeOverride};
 use crate::backends::nvml::{ComputeContext, GpuBackend, GpuInfo, NvmlBackend};
 use crate::backends::procfs;
-use crate::state::{Device, StateDir, memory::format_mebibytes};
+use crate::state::{Device, Env, StateDir, memory::format_mebibytes};
+use crate::warn_once::WarnOnce;
 
 /// Where GPU facts come from right now.
 enum Gpus {
@@ -39,8 +40,10 @@ pub struct SnapshotBuilder {
     table: ProcessTable,
     /// What is believed of genv's world-writable state, across cycles.
     guard: StateGuard,
-    said_nvml_missing: bool,
-    said_minor_guess: bool,
+    /// NVML could not be loaded, said until it loads.
+    nvml_missing: WarnOnce,
+    /// The device map is guessed, said once.
+    minor_guess: WarnOnce,
     /// Processes the kernel saw start CUDA outside any environment, each with the GPU
     /// it counts on: computing before NVML lists them (see [`Self::prove_computing`]).
     /// Keyed by pid, with the start time it had: a pid reused after a lost exit event
@@ -62,8 +65,8 @@ impl SnapshotBuilder {
             device_map: DeviceMap::default(),
             table: ProcessTable::default(),
             guard: StateGuard::default(),
-            said_nvml_missing: false,
-            said_minor_guess: false,
+            nvml_missing: WarnOnce::default(),
+            minor_guess: WarnOnce::default(),
             proven: HashMap::new(),
         }
     }
@@ -71,17 +74,6 @@ impl SnapshotBuilder {
     /// Adds `--gpu-node MAJOR:MINOR=INDEX` entries to the device map.
     pub fn with_gpu_nodes(mut self, overrides: Vec<NodeOverride>) -> Self {
         self.gpu_nodes = overrides;
-        self
-    }
-
-    /// Replaces the GPU backend (tests, benchmarks).
-    pub fn with_gpu_backend(mut self, backend: Box<dyn GpuBackend>) -> Self {
-        self.gpus = Gpus::Nvml(backend);
-        self
-    }
-
-    pub fn with_inspector(mut self, inspector: Box<dyn ProcessInspector + Send>) -> Self {
-        self.inspector = inspector;
         self
     }
 
@@ -123,18 +115,16 @@ impl SnapshotBuilder {
         }
         match NvmlBackend::load(&self.nvml_library) {
             Ok(nvml) => {
-                if self.said_nvml_missing {
+                if self.nvml_missing.clear() {
                     warnings.push(warning!(
                         "NVML loaded from {}: the memory rule is enforced again",
                         self.nvml_library.to_string_lossy()
                     ));
-                    self.said_nvml_missing = false;
                 }
                 self.gpus = Gpus::Nvml(Box::new(nvml));
             }
-            Err(e) if !self.said_nvml_missing => {
+            Err(e) if self.nvml_missing.first(()) => {
                 self.nvml_errors += 1;
-                self.said_nvml_missing = true;
                 warnings.push(warning!(
                     "cannot load NVML from {} ({e}); enforcing the device rules from GPU device nodes held open in /proc, and skipping the memory rule until it loads",
                     self.nvml_library.to_string_lossy()
@@ -203,8 +193,7 @@ impl SnapshotBuilder {
             proc_devices.as_deref(),
             &self.gpu_nodes,
         );
-        if self.device_map.is_guessed() && !self.said_minor_guess {
-            self.said_minor_guess = true;
+        if self.device_map.is_guessed() && self.minor_guess.first(()) {
             warnings.push(warning!(
                 "no NVML and no /proc/driver/nvidia: assuming /dev/nvidiaN is GPU index N"
             ));
@@ -233,16 +222,7 @@ impl SnapshotBuilder {
             }
         }
 
-        let envs = self.guard.envs(self.state.load_envs(), &mut warnings);
-        let devices = envs.as_ref().and_then(|envs| {
-            let read = self.state.load_devices(envs);
-            match self.guard.devices(read, envs, &mut warnings) {
-                Ok(Some(devices)) => Some(devices),
-                // genv would create the file with nothing attached.
-                Ok(None) => Some(self.unattached_devices()),
-                Err(()) => None,
-            }
-        });
+        let (envs, devices) = self.guarded_state(&mut warnings);
 
         if let Some(envs) = &envs {
             self.table.dropped.update(envs, devices.as_deref());
@@ -268,6 +248,34 @@ impl SnapshotBuilder {
             },
         };
         (snapshot, warnings)
+    }
+
+    /// genv's environments and devices, read through what is believed of them
+    /// ([`StateGuard`]). The caller holds genv's global lock.
+    fn guarded_state(
+        &mut self,
+        warnings: &mut Vec<Warning>,
+    ) -> (Option<Vec<Env>>, Option<Vec<Device>>) {
+        let envs = self.guard.envs(self.state.load_envs(), warnings);
+        let devices = envs.as_ref().and_then(|envs| {
+            let read = self.state.load_devices(envs);
+            match self.guard.devices(read, envs, warnings) {
+                Ok(Some(devices)) => Some(devices),
+                // genv would create the file with nothing attached.
+                Ok(None) => Some(self.unattached_devices()),
+                Err(()) => None,
+            }
+        });
+        (envs, devices)
+    }
+
+    /// genv's environments and devices as they are now, read again as a snapshot reads
+    /// them (the caller holds genv's global lock): after the caller's own write to them
+    /// (a detach). `None` when either cannot be read. Its warnings were the snapshot's
+    /// just taken, and are not said twice.
+    pub fn state_now(&mut self) -> Option<(Vec<Env>, Vec<Device>)> {
+        let (envs, devices) = self.guarded_state(&mut Vec::new());
+        envs.zip(devices)
     }
 
     fn unattached_devices(&self) -> Vec<Device> {

@@ -378,7 +378,7 @@ mod tests {
 
     /// The kernel's entry for an id's key, as the mirror would write it.
     fn kernel_owner(envs: &[Env], eid: &str) -> Option<u32> {
-        let mirror = crate::prevention::mirror::env_entries(envs, &[], &[]);
+        let mirror = crate::sync::mirror::env_entries(envs, &[], &[]);
         mirror
             .entries
             .get(&env_id_hash(eid.as_bytes()))
@@ -424,7 +424,7 @@ mod tests {
             );
             // Nor does the forged environment's memory cap reach the key (ENV_MEMORY):
             // the victim's allocations would be killed at it.
-            let caps = crate::prevention::alloc::Caps::of(&envs);
+            let caps = crate::alloc::caps::Caps::of(&envs);
             assert!(
                 !caps
                     .by_identity

@@ -3,6 +3,7 @@
 //! against the active environments and its real uid. What was read of a program image
 //! is kept across cycles until the process execs or exits.
 
+use crate::warn_once::WarnOnce;
 use std::collections::HashMap;
 use std::io;
 
@@ -38,8 +39,8 @@ struct Known {
     exec_fingerprint: [u64; 3],
     claimed: Option<String>,
     uid: Option<u32>,
-    /// Said to be an orphan already (said once per process).
-    said_orphan: bool,
+    /// Said to be an orphan (once per process).
+    orphan_said: WarnOnce,
 }
 
 /// Known processes, kept across cycles; only GPU processes of the last cycle stay.
@@ -143,7 +144,12 @@ pub(crate) fn assemble_processes(
             }
         };
         let gpus = usage.remove(&pid).unwrap_or_default();
-        let place = Place { pid, start_time, envs, policy };
+        let place = Place {
+            pid,
+            start_time,
+            envs,
+            policy,
+        };
         processes.extend(place.judge(table, gpus, inspector, warnings));
     }
     processes
@@ -167,8 +173,16 @@ impl Place<'_> {
         inspector: &dyn ProcessInspector,
         warnings: &mut Vec<Warning>,
     ) -> Option<GpuProcess> {
-        let Self { pid, start_time, envs, policy } = self;
-        let known = table.known.get_mut(&pid).expect("read this cycle or before");
+        let Self {
+            pid,
+            start_time,
+            envs,
+            policy,
+        } = self;
+        let known = table
+            .known
+            .get_mut(&pid)
+            .expect("read this cycle or before");
         let mut uid = || match known.uid {
             Some(uid) => Ok(uid),
             None => inspector
@@ -184,7 +198,7 @@ impl Place<'_> {
         };
         let eid = match orphan {
             Some(orphan) => {
-                if !std::mem::replace(&mut known.said_orphan, true) {
+                if known.orphan_said.first(()) {
                     warnings.push(warning!(
                         "Process {pid} of uid {} runs in environment {}, which genv dropped when its shells exited: left running on the GPUs it had (--orphans terminate to stop such processes)",
                         orphan.uid, orphan.eid
@@ -223,9 +237,10 @@ fn refresh_known(
     }
     table.known.remove(&pid);
     let recorded = inspector.kernel_identity(pid);
-    let claimed = match recorded.and_then(|id| claim_of_identity(id, envs)) {
-        Some(claimed) => Ok(claimed),
-        None => inspector.environment_id(pid),
+    let claimed = match recorded.map_or(KernelClaim::AskProc, |id| claim_of_identity(id, envs)) {
+        KernelClaim::Outside => Ok(None),
+        KernelClaim::In(eid) => Ok(Some(eid)),
+        KernelClaim::AskProc => inspector.environment_id(pid),
     };
     let claimed = match claimed {
         Ok(claimed) => claimed,
@@ -244,7 +259,7 @@ fn refresh_known(
             exec_fingerprint: stat.exec_fingerprint,
             claimed,
             uid: None,
-            said_orphan: false,
+            orphan_said: WarnOnce::default(),
         },
     );
     true
@@ -271,20 +286,31 @@ fn orphan_of(
     })
 }
 
-/// The claim the kernel's exec-time record makes, where it names no environment or an
-/// active one; `None` (read `/proc` instead) when the kernel could not resolve it or
-/// it names an environment not active now, whose id only `/proc` can spell.
-fn claim_of_identity(identity: u64, envs: Option<&[Env]>) -> Option<Option<String>> {
+/// What the kernel's exec-time record says of a process's environment.
+#[derive(Debug, PartialEq, Eq)]
+enum KernelClaim {
+    /// No `GENV_ENVIRONMENT_ID` at its exec: outside any environment.
+    Outside,
+    /// This active environment.
+    In(String),
+    /// Nothing to go by: the kernel could not resolve it, or it names an environment
+    /// not active now, whose id only `/proc` can spell.
+    AskProc,
+}
+
+/// The claim the kernel's exec-time record (`identity`) makes, among `envs`.
+fn claim_of_identity(identity: u64, envs: Option<&[Env]>) -> KernelClaim {
     use genv_ebpf_common::{MAX_ENV_ID, env_id_hash, identity as kernel};
     match identity {
-        kernel::UNRESOLVED => None,
-        kernel::NO_ENV => Some(None),
-        hash => envs?
-            .iter()
+        kernel::UNRESOLVED => KernelClaim::AskProc,
+        kernel::NO_ENV => KernelClaim::Outside,
+        hash => envs
+            .into_iter()
+            .flatten()
             .find(|e| {
                 !e.key_lost && e.eid.len() <= MAX_ENV_ID && env_id_hash(e.eid.as_bytes()) == hash
             })
-            .map(|e| Some(e.eid.clone())),
+            .map_or(KernelClaim::AskProc, |e| KernelClaim::In(e.eid.clone())),
     }
 }
 
@@ -529,12 +555,15 @@ mod tests {
         use genv_ebpf_common::{env_id_hash, identity};
         let envs = [env("E", 1000)];
         let claim = |id| claim_of_identity(id, Some(&envs));
-        assert_eq!(claim(env_id_hash(b"E")), Some(Some("E".to_owned())));
-        assert_eq!(claim(identity::NO_ENV), Some(None));
+        assert_eq!(claim(env_id_hash(b"E")), KernelClaim::In("E".to_owned()));
+        assert_eq!(claim(identity::NO_ENV), KernelClaim::Outside);
         // Unresolved, or an environment not active: /proc spells it.
-        assert_eq!(claim(identity::UNRESOLVED), None);
-        assert_eq!(claim(env_id_hash(b"gone")), None);
-        assert_eq!(claim_of_identity(env_id_hash(b"E"), None), None);
+        assert_eq!(claim(identity::UNRESOLVED), KernelClaim::AskProc);
+        assert_eq!(claim(env_id_hash(b"gone")), KernelClaim::AskProc);
+        assert_eq!(
+            claim_of_identity(env_id_hash(b"E"), None),
+            KernelClaim::AskProc
+        );
     }
 
     #[test]

@@ -36,6 +36,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let fifo = dir.join("fifo");
         let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path that lives across the call.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         assert_eq!(read(&fifo, 100).unwrap_err(), "not a regular file");
         let big = dir.join("big");

@@ -11,8 +11,11 @@ mod lock;
 pub mod memory;
 pub mod model;
 mod mounts;
+mod refusal;
 mod safe_open;
 
+#[cfg(test)]
+mod hostile_file_tests;
 #[cfg(test)]
 mod hostile_tests;
 #[cfg(test)]
@@ -24,6 +27,8 @@ pub(crate) mod arbitrary;
 mod fuzz_tests;
 #[cfg(test)]
 pub(crate) mod genv_shape;
+#[cfg(test)]
+mod python_tests;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -34,7 +39,7 @@ pub use lock::{GlobalLock, LockError, LockErrorKind};
 pub use memory::MemorySpec;
 pub use model::{Attachment, Device, Env, EnvConfig};
 pub use mounts::{MountTable, served_by_fuse};
-pub use safe_open::{FileKind, MountKind, Refusal};
+pub use refusal::{FileKind, MountKind, Refusal};
 
 #[derive(Debug, thiserror::Error)]
 #[error("{}: {kind}", path.display())]

@@ -29,6 +29,8 @@ fn in_private_mounts<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) 
     let thread = std::thread::spawn(move || {
         // A multi-threaded process may unshare a mount namespace for one thread: the
         // kernel gives that thread its own copy of the filesystem context too.
+        // SAFETY: unshare(2) takes no pointer; it gives this thread its own mount
+        // namespace.
         let unshared = unsafe { libc::unshare(libc::CLONE_NEWNS) };
         assert_eq!(
             unshared,

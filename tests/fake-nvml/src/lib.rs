@@ -307,6 +307,8 @@ unsafe fn write_c_string(text: &str, out: *mut c_char, length: c_uint) -> NvmlRe
     if bytes.len() + 1 > length as usize {
         return ERROR_INSUFFICIENT_SIZE;
     }
+    // SAFETY: `out` is not null and, by the caller's contract, valid for `length`
+    // bytes, which holds the text and its NUL (checked above).
     unsafe {
         std::ptr::copy_nonoverlapping(bytes.as_ptr().cast::<c_char>(), out, bytes.len());
         *out.add(bytes.len()) = 0;
@@ -372,6 +374,8 @@ pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> NvmlReturn
         if count.is_null() {
             return ERROR_INVALID_ARGUMENT;
         }
+        // SAFETY: `count` is not null (checked above) and, by NVML's contract, points
+        // to a writable uint.
         unsafe { *count = config.devices.len() as c_uint };
         SUCCESS
     })
@@ -388,6 +392,8 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
         if handle.is_null() || index as usize >= config.devices.len() {
             return ERROR_INVALID_ARGUMENT;
         }
+        // SAFETY: `handle` is not null (checked above) and, by NVML's contract,
+        // writable.
         unsafe { *handle = (index as usize + 1) as DeviceHandle };
         SUCCESS
     })
@@ -403,6 +409,8 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(
     with_config("nvmlDeviceGetIndex", |config, _| {
         match device(config, handle) {
             Some((i, _)) if !index.is_null() => {
+                // SAFETY: `index` is not null (the guard) and, by NVML's contract,
+                // writable.
                 unsafe { *index = i };
                 SUCCESS
             }
@@ -421,6 +429,8 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
 ) -> NvmlReturn {
     with_config("nvmlDeviceGetName", |config, _| {
         match device(config, handle) {
+            // SAFETY: the caller gives `name` valid for `length` bytes (NVML's
+            // contract).
             Some((_, d)) => unsafe { write_c_string(&d.name, name, length) },
             None => ERROR_INVALID_ARGUMENT,
         }
@@ -437,6 +447,8 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
 ) -> NvmlReturn {
     with_config("nvmlDeviceGetUUID", |config, _| {
         match device(config, handle) {
+            // SAFETY: the caller gives `uuid` valid for `length` bytes (NVML's
+            // contract).
             Some((_, d)) => unsafe { write_c_string(&d.uuid, uuid, length) },
             None => ERROR_INVALID_ARGUMENT,
         }
@@ -453,6 +465,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(
     with_config("nvmlDeviceGetMinorNumber", |config, _| {
         match device(config, handle) {
             Some((_, d)) if !minor.is_null() => {
+                // SAFETY: `minor` is not null (the guard) and, by NVML's contract,
+                // writable.
                 unsafe { *minor = d.minor };
                 SUCCESS
             }
@@ -489,6 +503,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             .filter_map(|p| p.used_memory)
             .sum::<u64>()
             .min(d.total_memory);
+        // SAFETY: `memory` is not null (checked above) and, by NVML's contract, a
+        // writable `nvmlMemory_t`.
         unsafe {
             (*memory).total = d.total_memory;
             (*memory).reserved = 0;
@@ -546,7 +562,10 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
                 compute_instance_id: u32::MAX,
             })
             .collect();
+        // SAFETY: `count` is not null (checked above) and, by NVML's contract, readable
+        // and writable.
         let capacity = unsafe { *count } as usize;
+        // SAFETY: as above: `count` is a valid, writable pointer.
         unsafe { *count = found.len() as c_uint };
         if infos.is_null() || capacity < found.len() {
             return if found.is_empty() {
@@ -555,6 +574,8 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
                 ERROR_INSUFFICIENT_SIZE
             };
         }
+        // SAFETY: `infos` is not null and holds `capacity` entries (NVML's contract),
+        // at least `found.len()` (checked above).
         unsafe { std::ptr::copy_nonoverlapping(found.as_ptr(), infos, found.len()) };
         SUCCESS
     })

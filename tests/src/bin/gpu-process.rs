@@ -93,6 +93,7 @@ fn failed(error: std::io::Error, what: &str) -> Option<OwnedFd> {
 }
 
 fn openat(dirfd: i32, path: &str, flags: i32, what: &str) -> Option<OwnedFd> {
+    // SAFETY: the path is a NUL-terminated `CString` alive across the call.
     let fd = unsafe { libc::openat(dirfd, cstr(path).as_ptr(), flags) };
     check(fd as i64, &format!("{what} {path}"))
 }
@@ -103,12 +104,15 @@ fn open(how: &Open) -> Vec<OwnedFd> {
             .into_iter()
             .collect(),
         Open::Syscall(path) => {
+            // SAFETY: the path is a NUL-terminated `CString` alive across the call.
             let fd = unsafe { libc::syscall(libc::SYS_open, cstr(path).as_ptr(), libc::O_RDONLY) };
             check(fd, "open(2)").into_iter().collect()
         }
         Open::Openat2(path) => {
             // struct open_how { u64 flags; u64 mode; u64 resolve; }
             let how: [u64; 3] = [libc::O_RDONLY as u64, 0, 0];
+            // SAFETY: the path is a NUL-terminated `CString` and `how` a live
+            // `open_how` of the size passed, both alive across the call.
             let fd = unsafe {
                 libc::syscall(
                     libc::SYS_openat2,
@@ -197,6 +201,7 @@ fn open_through_int80(path: &str) -> Option<OwnedFd> {
             lateout("r11") _,
         );
     }
+    // SAFETY: `page` is the page mapped above, used by nothing after this.
     unsafe { libc::munmap(page, 4096) };
     let what = format!("int 0x80 open {path}");
     if ret < 0 {
@@ -224,11 +229,15 @@ fn open_in_clone_files_child(path: &str) -> Option<OwnedFd> {
         )
     };
     if child == 0 {
+        // SAFETY: the child of clone(CLONE_FILES) makes raw calls only; `name` is a
+        // NUL-terminated path.
         let fd = unsafe { libc::open(name.as_ptr(), libc::O_RDONLY) };
+        // SAFETY: _exit(2) ends the child at once, touching no Rust state.
         unsafe { libc::_exit(if fd >= 0 { 0 } else { 1 }) };
     }
     assert!(child > 0, "clone: {}", std::io::Error::last_os_error());
     let mut status = 0;
+    // SAFETY: `status` is a live int for waitpid(2) to write.
     unsafe { libc::waitpid(child as i32, &mut status, 0) };
     let node = std::fs::metadata(path).ok()?;
     let held = std::fs::read_dir("/proc/self/fd").ok()?.find_map(|entry| {
@@ -288,6 +297,8 @@ fn reexec_raw(entries: &str, args: &[String]) -> ! {
         .map(|e| e.as_ptr())
         .chain([std::ptr::null()])
         .collect();
+    // SAFETY: every pointer is a live NUL-terminated string, and both arrays end in a
+    // null pointer.
     unsafe { libc::execve(exe.as_ptr(), argv_ptrs.as_ptr(), envp_ptrs.as_ptr()) };
     panic!("execve: {}", std::io::Error::last_os_error());
 }
@@ -340,6 +351,7 @@ fn monotonic_us() -> u64 {
         tv_sec: 0,
         tv_nsec: 0,
     };
+    // SAFETY: `now` is a live `timespec` for the call to write.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
     now.tv_sec as u64 * 1_000_000 + now.tv_nsec as u64 / 1_000
 }
@@ -351,6 +363,7 @@ fn monotonic_us() -> u64 {
 fn attempt_loop(until: Until, path: &str, each: bool) -> ! {
     let name = cstr(path);
     let mut pipe = [0; 2];
+    // SAFETY: `pipe` is a live array of two ints, what pipe(2) writes.
     assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
     let (mut done, mut returned, mut succeeded, mut killed) = (0u32, 0u32, 0u32, 0u32);
     let mut out = std::io::stdout().lock();
@@ -360,6 +373,8 @@ fn attempt_loop(until: Until, path: &str, each: bool) -> ! {
         // SAFETY: the child makes raw syscalls only, then _exits.
         let died_of_sigkill = match unsafe { libc::fork() } {
             -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+            // SAFETY: the child makes raw calls on live buffers only (`name`, `byte`),
+            // then _exits.
             0 => unsafe {
                 let fd = libc::open(name.as_ptr(), libc::O_RDONLY);
                 let byte: u8 = match *libc::__errno_location() {
@@ -373,6 +388,7 @@ fn attempt_loop(until: Until, path: &str, each: bool) -> ! {
             },
             child => {
                 let mut status = 0;
+                // SAFETY: `status` is a live int for waitpid(2) to write.
                 unsafe { libc::waitpid(child, &mut status, 0) };
                 libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL
             }
@@ -380,10 +396,12 @@ fn attempt_loop(until: Until, path: &str, each: bool) -> ! {
         killed += u32::from(died_of_sigkill);
         // The child has exited: its byte, if it wrote one, is in the pipe.
         let mut available = 0i32;
+        // SAFETY: `available` is a live int for FIONREAD to write.
         unsafe { libc::ioctl(pipe[0], libc::FIONREAD, &mut available) };
         let mut byte = None;
         if available > 0 {
             let mut read = 0u8;
+            // SAFETY: `read` is a live byte, the one byte asked for.
             unsafe { libc::read(pipe[0], (&mut read as *mut u8).cast(), 1) };
             byte = Some(read);
             returned += 1;
@@ -436,6 +454,7 @@ fn fork_early() {
     match unsafe { libc::fork() } {
         -1 => panic!("fork: {}", std::io::Error::last_os_error()),
         0 => {
+            // SAFETY: prctl(2) with PR_SET_PDEATHSIG takes no pointer.
             unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
             FORKED_EARLY.store(true, std::sync::atomic::Ordering::SeqCst);
         }
@@ -449,6 +468,7 @@ fn fork_early() {
 /// Waits for `child` and says how it ended.
 fn report_child(child: libc::pid_t) {
     let mut status = 0;
+    // SAFETY: `status` is a live int for waitpid(2) to write.
     unsafe { libc::waitpid(child, &mut status, 0) };
     let mut out = std::io::stdout().lock();
     if libc::WIFSIGNALED(status) {
@@ -469,6 +489,7 @@ fn open_in_forked_child(opens: &[Open]) {
         0 => {
             let held: Vec<OwnedFd> = opens.iter().flat_map(open).collect();
             drop(held);
+            // SAFETY: _exit(2) ends the child at once, touching no Rust state.
             unsafe { libc::_exit(0) };
         }
         child => report_child(child),
@@ -501,6 +522,8 @@ fn main() {
         rest.remove(at);
         std::thread::spawn(move || run(rest));
         // The raw exit(2) ends this thread alone, without unwinding through Rust frames.
+        // SAFETY: exit(2) ends this thread alone; the other thread goes on, owning all
+        // it uses.
         unsafe { libc::syscall(libc::SYS_exit, 0) };
         unreachable!();
     }
@@ -519,6 +542,7 @@ fn run(all: Vec<String>) -> ! {
     };
     while let Some(arg) = args.next() {
         match arg.as_str() {
+            // SAFETY: signal(2) only changes this process's SIGTERM disposition.
             "--ignore-sigterm" => unsafe {
                 libc::signal(libc::SIGTERM, libc::SIG_IGN);
             },
@@ -591,6 +615,7 @@ fn run(all: Vec<String>) -> ! {
         std::io::stdout().flush().unwrap();
     }
     loop {
+        // SAFETY: pause(2) takes nothing; it waits for a signal.
         unsafe { libc::pause() };
     }
 }

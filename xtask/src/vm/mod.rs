@@ -192,6 +192,7 @@ pub fn refusal_check(root: &Path) -> Result<()> {
 
 /// Boots each kernel in turn, runs the suites on every tier in it, and reports.
 pub fn test(root: &Path, options: &Options) -> Result<Outcome> {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         bail!("vm-test needs root (apt-get, and the tests inside make nodes and signal)");
     }

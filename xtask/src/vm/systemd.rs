@@ -29,6 +29,7 @@ const SERVICE: &str = "genv-vmtest.service";
 
 /// Boots the VM under systemd and runs the unit's test there.
 pub fn check(root: &Path) -> Result<Run> {
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         bail!("vm-test --systemd needs root (apt-get, and the test inside makes nodes)");
     }

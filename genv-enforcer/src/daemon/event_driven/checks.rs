@@ -5,10 +5,9 @@ use std::collections::HashSet;
 use std::time::Instant;
 
 use super::{Daemon, SETTLE, monotonic_ns};
-use crate::bpf::alloc_maps::DeltasAround;
 use crate::cycle::{CycleSummary, Scope};
-use crate::daemon::kernel_side::KernelSide;
-use crate::prevention;
+use crate::kernel::alloc_maps::DeltasAround;
+use crate::sync::KernelSide;
 
 impl Daemon {
     pub(super) fn full_cycle(&mut self) {
@@ -18,7 +17,7 @@ impl Daemon {
         if let Some(metrics) = &self.metrics {
             metrics.cycled(took);
         }
-        self.status.last_cycle = Some(crate::daemon::status::LastCycle {
+        self.status.last_cycle = Some(crate::service::status::LastCycle {
             at: super::unix_now(),
             took_ms: took.as_secs_f64() * 1e3,
             gpu_processes: summary.processes,
@@ -35,7 +34,7 @@ impl Daemon {
         self.count(&summary);
         if let Some(kernel) = self.kernel.as_mut() {
             kernel.follow_cycle(
-                &self.settings,
+                &self.settings.kernel,
                 &mut self.status,
                 (
                     self.enforcer.builder.device_map(),
@@ -94,7 +93,7 @@ impl Daemon {
         if let (Some(kernel), Some(before), Some(after), Some(processes)) =
             (self.kernel.as_mut(), &before, &after, &summary.measured)
         {
-            let usage = prevention::alloc::measured(processes);
+            let usage = crate::alloc::caps::measured(processes);
             let listed = summary.gpu_pids.iter().copied().collect();
             kernel.rebase(DeltasAround { before, after }, &usage, &listed);
         }

@@ -86,7 +86,11 @@ fn reads_again_only_the_processes_the_kernel_says_changed() {
     let first = assemble();
     assert_eq!(first.0, [(still.id(), a.clone()), (execs.id(), a.clone())]);
     assert_eq!(first.1, 2, "the first assembly reads every process");
-    assert_eq!(assemble(), (first.0.clone(), 0), "no event: nothing read again");
+    assert_eq!(
+        assemble(),
+        (first.0.clone(), 0),
+        "no event: nothing read again"
+    );
 
     writeln!(execs.stdin.as_mut().unwrap()).unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -95,7 +99,10 @@ fn reads_again_only_the_processes_the_kernel_says_changed() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let (claims, reads) = assemble();
-    assert_eq!(claims, [(still.id(), a), (execs.id(), Some("b".to_owned()))]);
+    assert_eq!(
+        claims,
+        [(still.id(), a), (execs.id(), Some("b".to_owned()))]
+    );
     assert_eq!(reads, 1, "only the process that exec'd is read again");
     for child in [&mut still, &mut execs] {
         let _ = child.kill();

@@ -1,0 +1,289 @@
+//! libcuda copies the daemon was not told about (a container's own, a user's, renamed
+//! or not), found in the processes that open GPU nodes and probed from then on.
+//!
+//! A copy is known by what it is, not by its name: a file a GPU opener maps executable
+//! whose dynamic symbols define `cuMemAlloc_v2` and `cuMemFree_v2`. Each file is
+//! examined once (by device and inode, again only if its size or times changed); a
+//! copy's probes come off once no live process is known to map it, which gives its
+//! place in the budget back ([`super::budget`]). Opening stays safe: each file is
+//! reached through `/proc/<pid>/map_files` (the very file mapped) as `O_PATH`, refused
+//! unopened on FUSE, and read only through that descriptor, a few bounded tables of it.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use super::budget::Budget;
+use super::looks::Looks;
+use crate::backends::maps::{self, Mapping};
+use crate::backends::procfs;
+use crate::kernel::KernelPrograms;
+use crate::kernel::cuda::{Attachment, FileVersion, Handle};
+use crate::state::MountTable;
+
+/// Files examined in one look at most; the rest at another look right after.
+const CHECKS_PER_LOOK: usize = 128;
+/// Files remembered at most; beyond, those that were no libcuda are forgotten.
+const MAX_SEEN: usize = 1 << 16;
+/// How long after a budget refusal for a uid another is said.
+const SAY_AGAIN: Duration = Duration::from_secs(60);
+
+/// What a file examined turned out to be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum What {
+    /// Not a libcuda, or not one that can be probed: examined again only if changed.
+    Other,
+    /// Probed for as long as the daemon runs (the administrator's, or ldconfig's).
+    Given,
+    /// A copy probed for processes, while they live.
+    Copy,
+}
+
+/// A copy probed for processes.
+struct Copy {
+    attachment: Attachment,
+    /// The uid its place in the budget was taken for.
+    paid_by: u32,
+    /// The live processes seen mapping it, with their start times.
+    mappers: HashMap<u32, u64>,
+}
+
+#[derive(Default)]
+pub(super) struct Copies {
+    seen: HashMap<(u64, u64), (FileVersion, What)>,
+    copies: HashMap<(u64, u64), Copy>,
+    /// The copies each process was seen mapping.
+    mapped_by: HashMap<u32, HashSet<(u64, u64)>>,
+    looks: Looks,
+    budget: Budget,
+    /// When a budget refusal was last said, by uid.
+    said: HashMap<u32, Instant>,
+    /// Copies probed since [`Self::take_probed`]: the process, and the line to say.
+    probed: Vec<(u32, String)>,
+}
+
+impl Copies {
+    /// A library the daemon probes for its whole life: never examined again.
+    pub(super) fn given(&mut self, version: FileVersion) {
+        self.seen.insert(version.id(), (version, What::Given));
+    }
+
+    /// Whether the file is probed already (given, or a copy).
+    pub(super) fn is_probed(&self, id: (u64, u64)) -> bool {
+        self.seen
+            .get(&id)
+            .is_some_and(|(_, what)| *what != What::Other)
+    }
+
+    /// `pid` (running as `uid`) opened a GPU node: it is looked at now, or when its gap
+    /// ends (see [`Looks`]).
+    pub(super) fn opened(&mut self, programs: &mut KernelPrograms, pid: u32, uid: u32) {
+        let now = Instant::now();
+        if pid != std::process::id() && self.looks.opened(pid, uid, now) {
+            self.look(programs, pid, uid, now);
+        }
+    }
+
+    /// The looks owed by now.
+    pub(super) fn run_due(&mut self, programs: &mut KernelPrograms) {
+        let now = Instant::now();
+        for (pid, uid) in self.looks.due(now) {
+            self.look(programs, pid, uid, now);
+        }
+    }
+
+    /// The copies probed since the last call, by the process each was found in, with
+    /// the line that says so.
+    pub(super) fn take_probed(&mut self) -> Vec<(u32, String)> {
+        std::mem::take(&mut self.probed)
+    }
+
+    pub(super) fn next_look(&self) -> Option<Instant> {
+        self.looks.next_due()
+    }
+
+    /// `pid` exec'ed or exited: its mappings are gone, and with the last process
+    /// mapping a copy, the copy's probes.
+    pub(super) fn gone(&mut self, programs: &mut KernelPrograms, pid: u32) {
+        self.looks.forget(pid);
+        for id in self.mapped_by.remove(&pid).unwrap_or_default() {
+            let unmapped = self.copies.get_mut(&id).is_some_and(|copy| {
+                copy.mappers.remove(&pid);
+                copy.mappers.is_empty()
+            });
+            if unmapped {
+                self.unprobe(programs, id);
+            }
+        }
+    }
+
+    /// Looks at the files `pid` maps executable: a libcuda copy not probed yet is
+    /// probed, within the budget.
+    fn look(&mut self, programs: &mut KernelPrograms, pid: u32, uid: u32, now: Instant) {
+        let (Ok(files), Ok(started)) = (
+            maps::executable_files(pid),
+            procfs::stat(pid).map(|s| s.start_time),
+        ) else {
+            return; // gone
+        };
+        let mountinfo = format!("/proc/{pid}/mountinfo");
+        let table = match MountTable::read(&mountinfo) {
+            Ok(table) => table,
+            Err(e) => {
+                tracing::warn!("--memory-at-alloc: cannot look at process {pid}'s libraries: {e}");
+                return;
+            }
+        };
+        let mut checked = 0;
+        for mapping in likely_first(files) {
+            // Refused unopened: nothing of a FUSE mount is touched.
+            if table.is_fuse_device(mapping.dev) {
+                continue;
+            }
+            let name = format!("{:?} (mapped by process {pid})", mapping.path);
+            let Ok(handle) = Handle::new(&mapping.link, name, &table) else {
+                continue; // FUSE, unlisted, or unmapped since
+            };
+            let Some(version) = handle.version() else {
+                continue;
+            };
+            if self.known(version, pid, started) {
+                continue;
+            }
+            if checked == CHECKS_PER_LOOK {
+                self.looks.again_at(pid, now);
+                return;
+            }
+            if !self.budget.may_check(uid, now) {
+                return; // the rest at its next open
+            }
+            checked += 1;
+            self.examine(programs, handle, version, (pid, uid, started), now);
+        }
+    }
+
+    /// Whether `version` was examined already (then recorded as mapped by `pid`, if a
+    /// copy). A probed file is never probed twice, whatever changed in it: its probes
+    /// are on its inode.
+    fn known(&mut self, version: FileVersion, pid: u32, started: u64) -> bool {
+        let id = version.id();
+        match self.seen.get(&id) {
+            Some((_, What::Copy)) => {
+                if let Some(copy) = self.copies.get_mut(&id) {
+                    copy.mappers.insert(pid, started);
+                    self.mapped_by.entry(pid).or_default().insert(id);
+                }
+                true
+            }
+            Some((_, What::Given)) => true,
+            Some((seen, What::Other)) => *seen == version,
+            None => false,
+        }
+    }
+
+    /// Reads what a file exports; a libcuda is probed if the budget allows.
+    fn examine(
+        &mut self,
+        programs: &mut KernelPrograms,
+        handle: Handle,
+        version: FileVersion,
+        (pid, uid, started): (u32, u32, u64),
+        now: Instant,
+    ) {
+        let id = version.id();
+        let found = handle.open().and_then(|library| {
+            let exports = library.exports()?;
+            Ok((library, exports))
+        });
+        let (library, exports) = match found {
+            Ok((library, exports)) if exports.is_libcuda() => (library, exports),
+            _ => {
+                self.remember(id, version, What::Other);
+                return;
+            }
+        };
+        if let Err(why) = self.budget.may_probe(uid, now) {
+            self.prune_mappers(programs);
+            if self.said.get(&uid).is_none_or(|at| now >= *at + SAY_AGAIN) {
+                tracing::warn!(
+                    "--memory-at-alloc: not probing the libcuda copy {} (uid {uid}) for now: {why}; give it with --cuda-lib",
+                    library.name
+                );
+                self.said.insert(uid, now);
+            }
+            return; // looked at again at its next open
+        }
+        match programs.attach_cuda(&library, &exports) {
+            Ok(attachment) => {
+                self.probed.push((pid, format!(
+                    "--memory-at-alloc: process {pid} maps a libcuda not probed yet ({}, device {}, inode {}); allocations through it are held to their environment's gpu_memory",
+                    library.name,
+                    id.0,
+                    id.1
+                )));
+                let mappers = HashMap::from([(pid, started)]);
+                let copy = Copy {
+                    attachment,
+                    paid_by: uid,
+                    mappers,
+                };
+                self.copies.insert(id, copy);
+                self.mapped_by.entry(pid).or_default().insert(id);
+                self.remember(id, version, What::Copy);
+            }
+            Err(e) => {
+                tracing::warn!("--memory-at-alloc: not probing {e}");
+                self.budget.released(uid);
+                self.remember(id, version, What::Other);
+            }
+        }
+    }
+
+    fn remember(&mut self, id: (u64, u64), version: FileVersion, what: What) {
+        if self.seen.len() >= MAX_SEEN {
+            self.seen.retain(|_, (_, what)| *what != What::Other);
+        }
+        self.seen.insert(id, (version, what));
+    }
+
+    /// Takes a copy's probes off; its place in the budget comes back.
+    fn unprobe(&mut self, programs: &mut KernelPrograms, id: (u64, u64)) {
+        let Some(copy) = self.copies.remove(&id) else {
+            return;
+        };
+        self.seen.remove(&id);
+        programs.detach_cuda(copy.attachment);
+        self.budget.released(copy.paid_by);
+        tracing::info!(
+            "--memory-at-alloc: no live process maps the libcuda copy (device {}, inode {}) any more; its probes are off",
+            id.0,
+            id.1
+        );
+    }
+
+    /// Mappers whose exits were not seen (events lost) are let go of, and their copies
+    /// with them: done when the budget is short.
+    fn prune_mappers(&mut self, programs: &mut KernelPrograms) {
+        let gone: Vec<u32> = self
+            .copies
+            .values()
+            .flat_map(|copy| copy.mappers.iter())
+            .filter(|(pid, started)| {
+                procfs::stat(**pid).map(|s| s.start_time).ok() != Some(**started)
+            })
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in gone {
+            self.gone(programs, pid);
+        }
+    }
+}
+
+/// The files a look examines, those named like a libcuda first (a look may stop before
+/// the end, see [`CHECKS_PER_LOOK`]); a copy is told by its contents all the same.
+fn likely_first(mut files: Vec<Mapping>) -> Vec<Mapping> {
+    files.sort_by_key(|m| {
+        let name = m.path.rsplit('/').next().unwrap_or_default();
+        !name.contains("cuda")
+    });
+    files
+}

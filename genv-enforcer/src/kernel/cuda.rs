@@ -1,0 +1,233 @@
+//! `--memory-at-alloc`'s half of the programs: the uprobes on libcuda's memory and
+//! context calls (`genv-ebpf/src/cuda.rs`), attached to every libcuda the daemon finds.
+//! Their accounting maps are [`super::alloc_maps`]'.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use aya::Ebpf;
+use aya::programs::UProbe;
+use aya::programs::uprobe::{UProbeLinkId, UProbeScope};
+
+mod library;
+
+pub use library::{FileVersion, Handle, LIBRARY_LIMIT, Library};
+
+use super::alloc_maps::AllocMaps;
+use super::attached::{Attached, program_mut};
+use super::error::{LoadError, chain, program_error};
+
+/// Allocations on the current context's device, with `(dptr, size, …)` arguments; the
+/// `_ptsz` forms are the same calls on the per-thread default stream.
+const ALLOCATIONS: &[&str] = &[
+    "cuMemAlloc_v2",
+    "cuMemAllocAsync",
+    "cuMemAllocFromPoolAsync",
+    "cuMemAllocAsync_ptsz",
+    "cuMemAllocFromPoolAsync_ptsz",
+];
+/// Every allocation call, for the return probe.
+const ALL_ALLOCATIONS: &[&str] = &[
+    "cuMemAlloc_v2",
+    "cuMemAllocAsync",
+    "cuMemAllocFromPoolAsync",
+    "cuMemAllocAsync_ptsz",
+    "cuMemAllocFromPoolAsync_ptsz",
+    "cuMemAllocPitch_v2",
+    "cuMemCreate",
+];
+const FREES: &[&str] = &[
+    "cuMemFree_v2",
+    "cuMemFreeAsync",
+    "cuMemFreeAsync_ptsz",
+    "cuMemRelease",
+];
+const CONTEXT_MADE: &[&str] = &["cuDevicePrimaryCtxRetain", "cuCtxCreate_v2"];
+/// The calls that change a thread's context stack, applied on their return.
+const CONTEXT_SWITCHES: &[&str] = &[
+    "cuCtxSetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuCtxDestroy_v2",
+];
+
+/// Each program and the libcuda symbols it is attached to. The entry and return probes
+/// of one call go together; a library must have the first two calls (the plain
+/// allocation and its free), and the rest are attached where the library has them.
+const PROBES: &[(&str, &[&str])] = &[
+    ("cu_mem_alloc", ALLOCATIONS),
+    ("cu_mem_alloc_ret", ALL_ALLOCATIONS),
+    ("cu_mem_free", FREES),
+    ("cu_mem_free_ret", FREES),
+    ("cu_mem_alloc_pitch", &["cuMemAllocPitch_v2"]),
+    ("cu_mem_create", &["cuMemCreate"]),
+    ("cu_init", &["cuInit"]),
+    ("cu_ctx_retain", &["cuDevicePrimaryCtxRetain"]),
+    ("cu_ctx_create", &["cuCtxCreate_v2"]),
+    ("cu_ctx_made", CONTEXT_MADE),
+    ("cu_ctx_set_current", &["cuCtxSetCurrent"]),
+    ("cu_ctx_push", &["cuCtxPushCurrent_v2"]),
+    ("cu_ctx_pop", &["cuCtxPopCurrent_v2"]),
+    ("cu_ctx_destroy", &["cuCtxDestroy_v2"]),
+    ("cu_ctx_switched", CONTEXT_SWITCHES),
+];
+
+/// Without these a library is not a libcuda the probes can account for.
+const REQUIRED: [&str; 2] = ["cuMemAlloc_v2", "cuMemFree_v2"];
+
+/// Off, every map of the probes is one entry: no kernel memory for a feature not used.
+pub(super) fn size_maps(loader: &mut aya::EbpfLoader<'_>, memory_at_alloc: bool) {
+    if !memory_at_alloc {
+        for map in genv_ebpf_common::alloc::ALL_MAPS {
+            loader.map_max_entries(map, 1);
+        }
+    }
+}
+
+/// With `--memory-at-alloc`, the probes loaded (not attached yet) and their maps.
+pub(super) fn load_if(
+    memory_at_alloc: bool,
+    ebpf: &mut Ebpf,
+    programs: &mut Vec<Attached>,
+) -> Result<Option<AllocMaps>, LoadError> {
+    if !memory_at_alloc {
+        return Ok(None);
+    }
+    let wrap = |e: LoadError| LoadError::MemoryAtAlloc(e.to_string());
+    load(ebpf, programs).map_err(wrap)?;
+    Ok(Some(AllocMaps::take(ebpf).map_err(wrap)?))
+}
+
+/// Loads every probe program (once; attaching comes per library).
+fn load(ebpf: &mut Ebpf, programs: &mut Vec<Attached>) -> Result<(), LoadError> {
+    for &(name, _) in PROBES {
+        let probe: &mut UProbe = program_mut(ebpf, name)?
+            .try_into()
+            .map_err(program_error(name))?;
+        probe.load().map_err(program_error(name))?;
+        let id = probe.info().map_err(program_error(name))?.id();
+        programs.push(Attached {
+            name,
+            id,
+            link: None,
+        });
+    }
+    Ok(())
+}
+
+/// What attaching to one library gave.
+#[derive(Debug, Default)]
+pub struct Attachment {
+    /// Symbols the library does not have (their calls go unseen there).
+    pub missing: Vec<&'static str>,
+    /// Each probe attached, for detaching them again ([`detach`]).
+    links: Vec<(&'static str, UProbeLinkId)>,
+}
+
+/// Where a library's probed calls start in its file.
+#[derive(Debug)]
+pub struct Exports(HashMap<&'static str, u64>);
+
+impl Exports {
+    /// Whether it has the calls the probes cannot account without (the plain
+    /// allocation and its free): what makes a file a libcuda, whatever it is called.
+    pub fn is_libcuda(&self) -> bool {
+        REQUIRED.iter().all(|s| self.0.contains_key(s))
+    }
+}
+
+/// Attaches every probe to `library` at `exports`. A library without the required
+/// symbols is refused whole, as is one a probe cannot be attached to (those attached
+/// already are taken off again); the others missing are listed.
+pub(super) fn attach(
+    ebpf: &mut Ebpf,
+    library: &Library,
+    exports: &Exports,
+) -> Result<Attachment, LoadError> {
+    use std::os::fd::AsRawFd;
+    if let Some(absent) = REQUIRED.iter().find(|s| !exports.0.contains_key(**s)) {
+        return Err(LoadError::Library(format!(
+            "{}: no {absent} (not a libcuda)",
+            library.name
+        )));
+    }
+    // The descriptor we hold: the kernel resolves it to the file we read.
+    let target = PathBuf::from(format!("/proc/self/fd/{}", library.file.as_raw_fd()));
+    let mut attachment = Attachment::default();
+    for &(name, wanted) in PROBES {
+        for &symbol in wanted {
+            let Some(&offset) = exports.0.get(symbol) else {
+                if !attachment.missing.contains(&symbol) {
+                    attachment.missing.push(symbol);
+                }
+                continue;
+            };
+            let attached = probe_mut(ebpf, name).and_then(|probe| {
+                probe
+                    .attach(offset, &target, UProbeScope::AllProcesses)
+                    .map_err(|e| LoadError::Program {
+                        program: name,
+                        message: format!(
+                            "attaching to {symbol} in {}: {}",
+                            library.name,
+                            chain(&e)
+                        ),
+                    })
+            });
+            match attached {
+                Ok(link) => attachment.links.push((name, link)),
+                Err(e) => {
+                    detach(ebpf, attachment);
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(attachment)
+}
+
+/// Takes the probes of one [`attach`] off again.
+pub(super) fn detach(ebpf: &mut Ebpf, attachment: Attachment) {
+    for (name, link) in attachment.links {
+        if let Err(e) =
+            probe_mut(ebpf, name).and_then(|probe| probe.detach(link).map_err(program_error(name)))
+        {
+            tracing::warn!("--memory-at-alloc: cannot take a probe off: {e}");
+        }
+    }
+}
+
+fn probe_mut<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, LoadError> {
+    program_mut(ebpf, name)?
+        .try_into()
+        .map_err(program_error(name))
+}
+
+/// The libraries to probe: `ldconfig`'s `libcuda.so.1`, the one beside NVML (where the
+/// daemon loaded NVML from), and those given (`--cuda-lib`). Not resolved or looked at
+/// here: a path on a FUSE mount would hold up even a `stat` (see [`Library::open`]). The
+/// same file reached twice is attached once (the daemon keeps them by device and inode).
+pub fn libraries(given: &[PathBuf], beside_nvml: Option<&Path>) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = given.to_vec();
+    found.extend(ldconfig_libcuda());
+    if let Some(beside) = beside_nvml.map(|dir| dir.join("libcuda.so.1")) {
+        if beside.exists() {
+            found.push(beside);
+        }
+    }
+    found
+}
+
+/// `libcuda.so.1` in `ldconfig -p`'s cache listing (`\tlibcuda.so.1 (libc6,x86-64) =>
+/// /usr/lib/x86_64-linux-gnu/libcuda.so.1`).
+fn ldconfig_libcuda() -> Vec<PathBuf> {
+    let Ok(output) = std::process::Command::new("ldconfig").arg("-p").output() else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|l| l.trim_start().starts_with("libcuda.so.1 "))
+        .filter_map(|l| l.split("=> ").nth(1))
+        .map(|p| PathBuf::from(p.trim()))
+        .collect()
+}

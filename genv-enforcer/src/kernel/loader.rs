@@ -1,0 +1,260 @@
+//! Loading the kernel programs: offsets into the object, lifecycle tracepoints attached,
+//! then the best open tier the kernel accepts (or the one forced). Dropping
+//! [`KernelPrograms`] detaches and unloads everything: nothing outlives the daemon
+//! (unless pinned). The event maps are handed out raw: reading them is the intake's job.
+
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::{Ebpf, EbpfLoader};
+use genv_ebpf_common::{
+    EVENTS_MAP, GPU_NODES_MAP, LOST_MAP, MAX_GPU_NODES, OFFSETS_GLOBAL, PROC_ENV_MAP,
+};
+
+use super::alloc_maps::AllocMaps;
+use super::attached::Attached;
+use super::btf::Btf;
+use super::cuda::{self, Attachment};
+use super::error::{LoadError, chain, map_error, take_map};
+use super::fmod_ret;
+use super::lifecycle::{self, EnvScan};
+use super::object::{self, OBJECT};
+use super::offsets::{self, OffsetsError};
+use super::open_tiers;
+use super::pins;
+use super::policy_maps::PolicyMaps;
+use super::tier::{Tier, TierChoice};
+use super::tracefs;
+use crate::backends::devmap::DeviceMap;
+
+pub struct LoadOptions {
+    pub choice: TierChoice,
+    /// Ring buffer size in bytes (a power-of-two number of pages); `None` keeps the
+    /// object's 256 KiB.
+    pub ring_bytes: Option<u32>,
+    /// Pin links and maps here (`--keep-pinned`).
+    pub pin_dir: Option<std::path::PathBuf>,
+    /// On the tracepoint tier, watch 32-bit opens too: a program run on every syscall
+    /// exit of the machine (about 0.1 µs each), worth it where `--deny` must hold.
+    pub compat_opens: bool,
+    /// `--bpf-log`: the open programs log each decision (aya-log's `AYA_LOG_LEVEL` at
+    /// info). Off, the level is 0 in read-only data, and the verifier removes the
+    /// logging code as dead: nothing of it runs, or is even loaded.
+    pub log_decisions: bool,
+    /// `--memory-at-alloc`: load the libcuda probes (attached per library, by
+    /// [`KernelPrograms::attach_cuda`]) and take their accounting maps.
+    pub memory_at_alloc: bool,
+}
+
+/// aya-log's level global in the object, and the level `--bpf-log` sets (`info`).
+const LOG_LEVEL_GLOBAL: &str = "AYA_LOG_LEVEL";
+const LOG_LEVEL_INFO: u8 = 3;
+
+/// Where the programs' events come out: the ring buffer, and the per-CPU count of
+/// events it had no room for.
+pub struct EventMaps {
+    pub ring: RingBuf<MapData>,
+    pub lost: PerCpuArray<MapData, u64>,
+}
+
+/// The loaded programs; the open tier in use; the map of watched nodes.
+pub struct KernelPrograms {
+    /// Owns the programs and their links.
+    ebpf: Ebpf,
+    tier: Tier,
+    /// Why each better tier was not used.
+    refused: Vec<(Tier, String)>,
+    nodes: BpfHashMap<MapData, u32, u32>,
+    /// Identities, environments, allow-list, `--deny`, decisions.
+    policy: PolicyMaps,
+    /// Loaded and attached programs.
+    programs: Vec<Attached>,
+    env_scan: EnvScan,
+    /// `PROC_ENV`'s capacity.
+    processes: u32,
+    /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.
+    alloc: Option<AllocMaps>,
+}
+
+/// One program's counters, as the kernel keeps them while `kernel.bpf_stats_enabled`
+/// is 1 (off by default: it costs a clock read per run), and what verifying it took.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ProgramStats {
+    pub name: String,
+    pub id: u32,
+    pub runs: u64,
+    pub run_time_ns: u64,
+    /// Instructions the verifier processed to accept it (0: not reported, before 5.16).
+    #[serde(default)]
+    pub verified_insns: u32,
+    /// The program as the verifier left it (dead code removed), in bytes: what
+    /// `--bpf-log` off saves shows here.
+    #[serde(default)]
+    pub translated_bytes: u32,
+}
+
+impl KernelPrograms {
+    /// Loads everything; `options.choice` must not be `None`.
+    pub fn load(options: &LoadOptions) -> Result<(Self, EventMaps), LoadError> {
+        let tracefs_root = tracefs::ensure_mounted()?;
+        let btf = Btf::from_sys_fs().map_err(OffsetsError::from)?;
+        let offsets = offsets::for_running_kernel(&btf, &tracefs_root)?;
+
+        let mut loader = EbpfLoader::new();
+        loader.override_global(OFFSETS_GLOBAL, &offsets, true);
+        let log_level: u8 = if options.log_decisions {
+            LOG_LEVEL_INFO
+        } else {
+            0
+        };
+        loader.override_global(LOG_LEVEL_GLOBAL, &log_level, true);
+        cuda::size_maps(&mut loader, options.memory_at_alloc);
+        if let Some(bytes) = options.ring_bytes {
+            loader.map_max_entries(EVENTS_MAP, bytes);
+        }
+        // Sized for every process the machine can have, and allocated as processes come
+        // where the kernel allows (6.1): preallocated, the capacity costs ~50 bytes a
+        // process whether they exist or not, so there it stays bounded.
+        let lazy = match object::lazy_maps_supported() {
+            true => Some(object::with_lazy_map(OBJECT, PROC_ENV_MAP).map_err(LoadError::Object)?),
+            false => None,
+        };
+        let processes = lifecycle::process_capacity(lazy.is_some());
+        loader.map_max_entries(PROC_ENV_MAP, processes);
+        let bytes = lazy.as_ref().map_or(OBJECT, |o| o.bytes());
+        let ebpf = loader
+            .load(bytes)
+            .map_err(|e| LoadError::Object(chain(&e)))?;
+        Self::attach(ebpf, bytes, options, processes)
+    }
+
+    /// Attaches the loaded programs: the lifecycle ones, the best open tier the kernel
+    /// accepts, the libcuda probes' loading; pins them if asked; takes the maps.
+    fn attach(
+        mut ebpf: Ebpf,
+        bytes: &[u8],
+        options: &LoadOptions,
+        processes: u32,
+    ) -> Result<(Self, EventMaps), LoadError> {
+        let mut programs = Vec::new();
+        let env_scan = lifecycle::attach(&mut ebpf, &mut programs)?;
+        let (tier, refused) = open_tiers::attach_best(
+            &mut ebpf,
+            bytes,
+            (options.choice, options.compat_opens),
+            &mut programs,
+        )?;
+        let alloc = cuda::load_if(options.memory_at_alloc, &mut ebpf, &mut programs)?;
+        if let Some(dir) = &options.pin_dir {
+            pins::pin_all(&mut ebpf, &mut programs, dir)?;
+        }
+        let events = EventMaps {
+            ring: take_map(&mut ebpf, EVENTS_MAP)?,
+            lost: take_map(&mut ebpf, LOST_MAP)?,
+        };
+        let nodes = take_map(&mut ebpf, GPU_NODES_MAP)?;
+        let policy = PolicyMaps::take(&mut ebpf)?;
+        let kernel = Self {
+            ebpf,
+            tier,
+            refused,
+            nodes,
+            policy,
+            programs,
+            env_scan,
+            processes,
+            alloc,
+        };
+        Ok((kernel, events))
+    }
+
+    /// `--bpf-log`'s reader: the programs' log ring buffer, printed through `logger`.
+    pub fn decision_logger<T: log::Log>(
+        &mut self,
+        logger: T,
+    ) -> Result<aya_log::EbpfLogger<T>, LoadError> {
+        aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, logger)
+            .map_err(|e| LoadError::Object(format!("the decision log: {}", chain(&e))))
+    }
+
+    pub fn env_scan(&self) -> EnvScan {
+        self.env_scan
+    }
+
+    /// How many processes the identity map holds.
+    pub fn process_capacity(&self) -> u32 {
+        self.processes
+    }
+
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    pub fn refused(&self) -> &[(Tier, String)] {
+        &self.refused
+    }
+
+    /// Each program's run count and time so far.
+    pub fn stats(&self) -> Vec<ProgramStats> {
+        self.programs
+            .iter()
+            .map(|&Attached { name, id, .. }| {
+                let info = self.ebpf.program(name).and_then(|p| p.info().ok());
+                let (runs, run_time_ns, verified_insns, translated_bytes) = match info {
+                    Some(info) => (
+                        info.run_count(),
+                        info.run_time().as_nanos() as u64,
+                        info.verified_instruction_count().unwrap_or(0),
+                        info.size_translated().unwrap_or(0),
+                    ),
+                    // Loaded outside aya (fmod_ret): asked of the kernel by id.
+                    None => fmod_ret::counters(id).unwrap_or_default(),
+                };
+                ProgramStats {
+                    name: name.to_owned(),
+                    id,
+                    runs,
+                    run_time_ns,
+                    verified_insns,
+                    translated_bytes,
+                }
+            })
+            .collect()
+    }
+
+    /// Attaches the libcuda probes to `library`, at its `exports` (`--memory-at-alloc`).
+    pub fn attach_cuda(
+        &mut self,
+        library: &cuda::Library,
+        exports: &cuda::Exports,
+    ) -> Result<Attachment, LoadError> {
+        if self.alloc.is_none() {
+            return Err(LoadError::Object(
+                "the libcuda probes are not loaded".into(),
+            ));
+        }
+        cuda::attach(&mut self.ebpf, library, exports)
+    }
+
+    /// Takes the probes of one [`Self::attach_cuda`] off again.
+    pub fn detach_cuda(&mut self, attachment: Attachment) {
+        cuda::detach(&mut self.ebpf, attachment);
+    }
+
+    /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.
+    pub fn alloc_mut(&mut self) -> Option<&mut AllocMaps> {
+        self.alloc.as_mut()
+    }
+
+    pub fn policy(&self) -> &PolicyMaps {
+        &self.policy
+    }
+
+    pub fn policy_mut(&mut self) -> &mut PolicyMaps {
+        &mut self.policy
+    }
+
+    /// Makes the kernel watch exactly the nodes of `map`.
+    pub fn watch_nodes(&mut self, map: &DeviceMap) -> Result<(), LoadError> {
+        let wanted = map.kernel_entries().take(MAX_GPU_NODES as usize).collect();
+        super::policy_maps::sync_map(&mut self.nodes, wanted).map_err(map_error(GPU_NODES_MAP))
+    }
+}

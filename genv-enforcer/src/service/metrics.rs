@@ -1,0 +1,264 @@
+//! `--metrics-addr`: a Prometheus endpoint (`GET /metrics`, the text format, through the
+//! `prometheus-client` crate). Off by default.
+//!
+//! What it counts: kernel events by kind; decisions by rule and action (those of the
+//! rules, and those the kernel made at the open or the allocation); the time from a GPU
+//! open to the action on it; lost events and the resynchronisations they caused; the
+//! full cycle's duration; the tier in use; NVML's failures. Counters that the status
+//! file already keeps are carried over from it as it is published (every second at
+//! most); the timings are observed where they are measured.
+//!
+//! The endpoint ([`endpoint`]) answers one request per connection and serves nothing but
+//! `/metrics`; idle or slow clients cannot keep a scrape out. Bind it to an address only
+//! the scraper reaches all the same.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use super::status::Counts;
+
+mod endpoint;
+
+type Labels = Vec<(String, String)>;
+
+pub struct Metrics {
+    registry: Registry,
+    events: Family<Labels, Counter>,
+    decisions: Family<Labels, Counter>,
+    reaction: Histogram,
+    cycle: Histogram,
+    lost: Counter,
+    resyncs: Counter,
+    tier: Family<Labels, Gauge>,
+    nvml_errors: Counter,
+    /// What was carried over from the status last time.
+    seen: Mutex<(Counts, u64)>,
+}
+
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let mut registry = Registry::with_prefix("genv_enforcer");
+        let metrics = Self {
+            events: Family::default(),
+            decisions: Family::default(),
+            // 50 µs to about 1.6 s.
+            reaction: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
+            // 100 µs to about 3.3 s.
+            cycle: Histogram::new(exponential_buckets(0.000_1, 2.0, 16)),
+            lost: Counter::default(),
+            resyncs: Counter::default(),
+            tier: Family::default(),
+            nvml_errors: Counter::default(),
+            seen: Mutex::new((Counts::default(), 0)),
+            registry: Registry::default(),
+        };
+        metrics.register(&mut registry);
+        Arc::new(Self {
+            registry,
+            ..metrics
+        })
+    }
+
+    /// Names and explains each metric in `registry`.
+    fn register(&self, registry: &mut Registry) {
+        registry.register("events", "Kernel events seen, by kind", self.events.clone());
+        registry.register(
+            "decisions",
+            "Actions decided, by rule and action (at_open and at_alloc: in the kernel)",
+            self.decisions.clone(),
+        );
+        registry.register(
+            "reaction_seconds",
+            "From a GPU open to the action on its process",
+            self.reaction.clone(),
+        );
+        registry.register("cycle_seconds", "Full cycles' duration", self.cycle.clone());
+        registry.register(
+            "lost_events",
+            "Events the ring buffer had no room for",
+            self.lost.clone(),
+        );
+        registry.register(
+            "resyncs",
+            "Full cycles run to resynchronise after lost events",
+            self.resyncs.clone(),
+        );
+        registry.register(
+            "tier",
+            "The open tier in use (1), none when 0 series",
+            self.tier.clone(),
+        );
+        registry.register(
+            "nvml_errors",
+            "NVML loads and queries that failed",
+            self.nvml_errors.clone(),
+        );
+    }
+
+    /// Carries over what the status counted since the last call.
+    pub fn follow(&self, counts: &Counts, tier: Option<&str>, nvml_errors: u64) {
+        let mut seen = self.seen.lock().expect("not poisoned");
+        let (last, last_nvml) = &*seen;
+        let add =
+            |family: &Family<Labels, Counter>, pairs: &[(&str, &str)], now: u64, before: u64| {
+                let delta = now.saturating_sub(before);
+                if delta > 0 {
+                    family.get_or_create(&labels(pairs)).inc_by(delta);
+                }
+            };
+        for (kind, now, before) in [
+            ("exec", counts.exec_events, last.exec_events),
+            ("fork", counts.fork_events, last.fork_events),
+            ("exit", counts.exit_events, last.exit_events),
+            ("open", counts.open_events, last.open_events),
+            ("cuda_start", counts.cuda_starts, last.cuda_starts),
+        ] {
+            add(&self.events, &[("kind", kind)], now, before);
+        }
+        let at_open = [
+            ("refuse_at_open", counts.refused, last.refused),
+            ("kill_at_open", counts.killed, last.killed),
+        ];
+        for (action, now, before) in at_open {
+            add(
+                &self.decisions,
+                &[("rule", "non-env-processes"), ("action", action)],
+                now,
+                before,
+            );
+        }
+        let at_alloc = [
+            (
+                "kill_at_alloc",
+                counts.killed_at_alloc,
+                last.killed_at_alloc,
+            ),
+            (
+                "report_at_alloc",
+                counts.reported_at_alloc,
+                last.reported_at_alloc,
+            ),
+        ];
+        for (action, now, before) in at_alloc {
+            add(
+                &self.decisions,
+                &[("rule", "env-memory"), ("action", action)],
+                now,
+                before,
+            );
+        }
+        self.lost
+            .inc_by(counts.lost_events.saturating_sub(last.lost_events));
+        self.nvml_errors
+            .inc_by(nvml_errors.saturating_sub(*last_nvml));
+        if let Some(tier) = tier {
+            self.tier.get_or_create(&labels(&[("tier", tier)])).set(1);
+        }
+        *seen = (counts.clone(), nvml_errors);
+    }
+
+    /// The rules' decisions of one check.
+    pub fn decided(&self, decisions: &[(&str, &str)]) {
+        for (rule, action) in decisions {
+            self.decisions
+                .get_or_create(&labels(&[("rule", rule), ("action", action)]))
+                .inc();
+        }
+    }
+
+    pub fn reacted(&self, after: Duration) {
+        self.reaction.observe(after.as_secs_f64());
+    }
+
+    pub fn cycled(&self, took: Duration) {
+        self.cycle.observe(took.as_secs_f64());
+    }
+
+    pub fn resynced(&self) {
+        self.resyncs.inc();
+    }
+
+    fn text(&self) -> String {
+        let mut text = String::new();
+        encode(&mut text, &self.registry).expect("a String takes any text");
+        text
+    }
+}
+
+/// What an endpoint serves: the text format, rendered at each scrape.
+pub trait Exposition: Send + Sync + 'static {
+    fn text(&self) -> String;
+}
+
+impl Exposition for Metrics {
+    fn text(&self) -> String {
+        Metrics::text(self)
+    }
+}
+
+/// New metrics, served at `--metrics-addr` (an error naming it if it cannot be bound).
+pub fn serve(addr: std::net::SocketAddr) -> anyhow::Result<Arc<Metrics>> {
+    let metrics = Metrics::new();
+    listen(addr, Arc::clone(&metrics) as Arc<dyn Exposition>)?;
+    Ok(metrics)
+}
+
+/// Serves `metrics` at `addr` on the current runtime (the remote loop's own metrics, or
+/// the daemon's).
+pub fn listen(addr: std::net::SocketAddr, metrics: Arc<dyn Exposition>) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let listener = std::net::TcpListener::bind(addr)
+        .with_context(|| format!("--metrics-addr {addr}: cannot listen there"))?;
+    endpoint::start(listener, metrics)?;
+    tracing::info!("Metrics at http://{addr}/metrics");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_carry_over_once() {
+        let metrics = Metrics::new();
+        let mut counts = Counts {
+            open_events: 3,
+            ..Counts::default()
+        };
+        metrics.follow(&counts, Some("tracepoint"), 1);
+        metrics.follow(&counts, Some("tracepoint"), 1);
+        counts.open_events = 5;
+        metrics.follow(&counts, Some("tracepoint"), 2);
+        metrics.decided(&[("non-env-processes", "terminate")]);
+        let text = metrics.text();
+        assert!(
+            text.contains("genv_enforcer_events_total{kind=\"open\"} 5"),
+            "{text}"
+        );
+        assert!(text.contains("genv_enforcer_nvml_errors_total 2"), "{text}");
+        assert!(
+            text.contains("genv_enforcer_tier{tier=\"tracepoint\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "genv_enforcer_decisions_total{rule=\"non-env-processes\",action=\"terminate\"} 1"
+            ),
+            "{text}"
+        );
+    }
+}
