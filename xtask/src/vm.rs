@@ -70,6 +70,12 @@ pub fn run(guest: &Guest, series: Series, kernel: &Kernel, options: &Options) ->
         ))
     })?;
     eprintln!("vm-test: {}", run.summary());
+    for (tier, suite, took) in &run.suites {
+        eprintln!(
+            "vm-test:   kernel {}, tier {tier}, suite {suite}: {took:.1?}",
+            series.version
+        );
+    }
     record(&run);
     Ok(run)
 }
