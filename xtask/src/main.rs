@@ -253,3 +253,55 @@ fn bench() -> Result<()> {
     eprintln!("xtask: wrote docs/bench.md");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vm::Options;
+
+    fn parse(line: &str) -> Result<Task, clap::Error> {
+        let words = std::iter::once("xtask").chain(line.split_whitespace());
+        Cli::try_parse_from(words).map(|cli| cli.task)
+    }
+
+    #[test]
+    fn every_task_keeps_its_name_and_flags() {
+        let Ok(Task::Test { cargo_args }) = parse("test -- --test event_driven -- --exact x")
+        else {
+            panic!("test")
+        };
+        assert_eq!(cargo_args, ["--test", "event_driven", "--", "--exact", "x"]);
+        assert!(matches!(parse("test"), Ok(Task::Test { cargo_args }) if cargo_args.is_empty()));
+        let Ok(Task::VmTest(vm_test)) = parse("vm-test --kernel 6.12 --tiers lsm -- opens") else {
+            panic!("vm-test")
+        };
+        let options: Options = vm_test.args.into();
+        assert_eq!(
+            (options.kernels[0].version, &options.tiers[..]),
+            ("6.12", &["lsm".to_owned()][..])
+        );
+        assert_eq!(options.test_args, ["opens"]);
+        assert!(matches!(parse("vm-test --systemd"), Ok(Task::VmTest(v)) if v.systemd));
+        assert!(parse("vm-test --systemd --kernel 6.1").is_err());
+        for section in ["footprint", "bpf-log", "memory-at-alloc", "remote"] {
+            assert!(matches!(
+                parse(&format!("bench {section}")),
+                Ok(Task::Bench { section: Some(_) })
+            ));
+        }
+        assert!(parse("bench nope").is_err());
+        for task in ["demo", "bench", "build-ebpf", "dist", "uninstall --root /r"] {
+            assert!(parse(task).is_ok(), "{task}");
+        }
+        let Ok(Task::Install(install)) =
+            parse("install --root /r --binary /b --enforcer-path /usr/bin/genv-enforcer")
+        else {
+            panic!("install")
+        };
+        assert!(format!("{install:?}").contains("\"/usr/bin/genv-enforcer\""));
+        let Ok(Task::GpuCheck { args }) = parse("gpu-check -- --report r.md") else {
+            panic!("gpu-check")
+        };
+        assert_eq!(args, ["--report", "r.md"]);
+    }
+}
