@@ -63,7 +63,9 @@ fn phases(cargo_args: &[String]) -> Result<()> {
         run(&mut host_tests_command(cargo_args, &["--no-run"]))
     })?;
     if !cargo_args.is_empty() {
-        timings::cargo_test_by_suite("host tests", &mut host_tests_command(cargo_args, &[]))?;
+        timings::phase("host tests", || {
+            timings::cargo_test_by_suite("host tests", &mut host_tests_command(cargo_args, &[]))
+        })?;
         eprintln!("xtask: test arguments given: the VM suites were not run (cargo xtask vm-test)");
         return Ok(());
     }

@@ -129,10 +129,9 @@ pub fn table() -> String {
 
 /// Runs `cargo test …` with its stderr read line by line (and passed on), so that each
 /// test binary's time is recorded under `phase` by the `Running …` line cargo prints
-/// before it. Fails as the command does.
+/// before it (the whole is the caller's [`phase`]). Fails as the command does.
 pub fn cargo_test_by_suite(phase: &str, command: &mut Command) -> Result<()> {
     eprintln!("xtask: {command:?}");
-    let start = Instant::now();
     let mut child = command
         .stderr(Stdio::piped())
         .spawn()
@@ -159,7 +158,6 @@ pub fn cargo_test_by_suite(phase: &str, command: &mut Command) -> Result<()> {
     }
     let status = child.wait()?;
     close(&mut current);
-    record(phase, "-", "-", "-", start.elapsed());
     if !status.success() {
         bail!("{command:?} failed: {status}");
     }
