@@ -43,15 +43,7 @@ pub fn test(cargo_args: &[String]) -> Result<()> {
 }
 
 fn phases(cargo_args: &[String]) -> Result<()> {
-    timings::phase("install tools", || {
-        ensure_python_venv()?;
-        ensure_openssh()?;
-        // The dist suite checks the packages with these (apt lists updated first, as a
-        // fresh machine needs).
-        ensure_apt(&["lintian"], "lintian")?;
-        ensure_apt(&["rpm"], "rpmbuild")?;
-        toolchain::ensure_ebpf_toolchain()
-    })?;
+    timings::phase("install tools", install_tools)?;
     timings::phase("fmt", || {
         run(&mut cargo(&["fmt", "--all", "--", "--check"]))
     })?;
@@ -102,6 +94,17 @@ fn phases(cargo_args: &[String]) -> Result<()> {
     let failures = timings::lanes("host tests and vm (side by side)", lanes);
     let outcome = outcome.into_inner().unwrap();
     summary(&outcome, &failures)
+}
+
+/// What the suites need on this machine, installed where missing.
+fn install_tools() -> Result<()> {
+    ensure_python_venv()?;
+    ensure_openssh()?;
+    // The dist suite checks the packages with these (apt lists updated first, as a fresh
+    // machine needs).
+    ensure_apt(&["lintian"], "lintian")?;
+    ensure_apt(&["rpm"], "rpmbuild")?;
+    toolchain::ensure_ebpf_toolchain()
 }
 
 /// `cargo test --workspace` with `extra` cargo flags and `cargo_args`; the tier-dependent
