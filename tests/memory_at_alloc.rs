@@ -1009,7 +1009,7 @@ fn a_libcuda_on_a_fuse_mount_is_refused_unopened() {
     ));
 }
 
-/// `cargo xtask gpu-check` (`xtask/gpu-check.py`), the real-GPU check, run here on its
+/// `cargo xtask gpu-check` (`tests/gpu-check.py`), the real-GPU check, run here on its
 /// `fake` workload (cuda-user on this node's libcuda and NVML): with `kill` it passes,
 /// having seen the allocation that crosses the cap killed in its call; with `report`
 /// (nothing stops the process) it fails, saying why. What it checks on a GPU node with
@@ -1024,7 +1024,7 @@ fn the_gpu_check_passes_when_the_cap_holds_and_fails_when_it_does_not() {
     let check = |mode: &str| {
         let report = node.dir.join(format!("gpu-check-{mode}.md"));
         let output = Command::new("python3")
-            .arg(genv_enforcer_tests::workspace_root().join("xtask/gpu-check.py"))
+            .arg(genv_enforcer_tests::workspace_root().join("tests/gpu-check.py"))
             .args(["--enforcer", artefact("genv-enforcer").to_str().unwrap()])
             .args(["--workloads", "fake", "--cap", "1g", "--step", "256"])
             .args(["--fine-step", "256", "--settle", "1", "--timeout", "60"])

@@ -1,8 +1,8 @@
 //! `cargo xtask gpu-check [-- ARGS]`: the real-GPU check of `--memory-at-alloc`
-//! (`xtask/gpu-check.py`, which says what it checks) with a release build and genv
+//! (`tests/gpu-check.py`, which says what it checks) with a release build and genv
 //! 1.4.3 from PyPI (the tests' `target/debug/genv-venv`). On a GPU node without cargo,
 //! carry the release binary and genv there and run the script itself:
-//! `python3 xtask/gpu-check.py --enforcer PATH --genv PATH [--report docs/gpu-check.md]`.
+//! `python3 tests/gpu-check.py --enforcer PATH --genv PATH [--report docs/gpu-check.md]`.
 
 use std::process::Command;
 
@@ -23,7 +23,7 @@ pub fn run_check(args: &[String]) -> Result<()> {
     // The system's python3 runs the check and the workloads (torch and cupy are
     // there); only genv comes from the venv.
     run(Command::new("python3")
-        .arg(root().join("xtask/gpu-check.py"))
+        .arg(root().join("tests/gpu-check.py"))
         .arg("--enforcer")
         .arg(target.join("release/genv-enforcer"))
         .arg("--genv")

@@ -38,51 +38,43 @@ const SBIN_LINK: &str = "usr/local/sbin/genv";
 const UNIT: &str = "etc/systemd/system/genv-enforcer.service";
 const DOC_DIR: &str = "usr/local/share/doc/genv-enforcer";
 
-struct Options {
+/// `install`'s and `uninstall`'s flags.
+#[derive(clap::Args, Debug)]
+pub struct Options {
+    /// Where to lay the files down (an absolute path; `/` on a node).
+    #[arg(long, value_name = "DIR", default_value = "/")]
     root: PathBuf,
+    /// The binary to install (default: the release build, built first).
+    #[arg(long, value_name = "PATH")]
     binary: Option<PathBuf>,
     /// The binary's path on the running node, which the front runs: `/usr/local/bin/
     /// genv-enforcer` whatever `--root` is. A front that named the staging root would
     /// run whatever any user put there once the package is copied to a node.
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/usr/local/bin/genv-enforcer"
+    )]
     enforcer_path: PathBuf,
 }
 
-fn parse(args: &[String]) -> Result<Options> {
-    let mut options = Options {
-        root: PathBuf::from("/"),
-        binary: None,
-        enforcer_path: Path::new("/").join(BINARY),
-    };
-    let mut args = args.iter();
-    while let Some(arg) = args.next() {
-        let mut value = |flag: &str| {
-            args.next()
-                .map(PathBuf::from)
-                .with_context(|| format!("{flag} needs a value"))
-        };
-        match arg.as_str() {
-            "--root" => options.root = value("--root")?,
-            "--binary" => options.binary = Some(value("--binary")?),
-            "--enforcer-path" => options.enforcer_path = value("--enforcer-path")?,
-            other => {
-                bail!("unknown flag {other:?} (--root DIR, --binary PATH, --enforcer-path PATH)")
-            }
+impl Options {
+    fn check(&self) -> Result<()> {
+        if !self.root.is_absolute() {
+            bail!("--root {}: give an absolute path", self.root.display());
         }
+        if !self.enforcer_path.is_absolute() {
+            bail!(
+                "--enforcer-path {}: give the absolute path the binary has on the node",
+                self.enforcer_path.display()
+            );
+        }
+        Ok(())
     }
-    if !options.root.is_absolute() {
-        bail!("--root {}: give an absolute path", options.root.display());
-    }
-    if !options.enforcer_path.is_absolute() {
-        bail!(
-            "--enforcer-path {}: give the absolute path the binary has on the node",
-            options.enforcer_path.display()
-        );
-    }
-    Ok(options)
 }
 
-pub fn install(args: &[String]) -> Result<()> {
-    let options = parse(args)?;
+pub fn install(options: &Options) -> Result<()> {
+    options.check()?;
     let root = &options.root;
     let binary = match &options.binary {
         Some(binary) => binary.clone(),
@@ -121,8 +113,8 @@ pub fn install(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-pub fn uninstall(args: &[String]) -> Result<()> {
-    let options = parse(args)?;
+pub fn uninstall(options: &Options) -> Result<()> {
+    options.check()?;
     let root = &options.root;
     let binary = root.join(BINARY);
     let systemd = options.root == Path::new("/") && Path::new("/run/systemd/system").exists();

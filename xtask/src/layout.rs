@@ -86,58 +86,24 @@ fn file(path: String, bytes: Vec<u8>, mode: u32) -> Entry {
 pub fn files(prefix: Prefix, binary: &[u8], enforcer_path: &str) -> Result<Vec<Entry>> {
     let repo = crate::root();
     let read = |p: &str| std::fs::read(repo.join(p)).with_context(|| format!("reading {p}"));
-    let text =
-        |p: &str| std::fs::read_to_string(repo.join(p)).with_context(|| format!("reading {p}"));
     let front_dir = prefix.front_dir();
-    let enforcer = Some(enforcer_path).filter(|p| !p.contains('\'') && p.starts_with('/'));
-    let enforcer = enforcer.context("the enforcer's path: absolute, and quotable (no ')")?;
-    let front = text("deploy/genv")?.replacen(
-        "installed_enforcer=genv-enforcer\n",
-        &format!("installed_enforcer='{enforcer}'\n"),
-        1,
-    );
-    let profile = format!(
-        "# genv-enforcer's genv front first on PATH\n\
-         case \":$PATH:\" in *:/{front_dir}:*) ;; *) PATH=\"/{front_dir}:$PATH\" ;; esac\n\
-         export PATH\n"
-    );
-    // The unit names the binary and the docs where this prefix puts them.
-    let unit = text("deploy/systemd/genv-enforcer.service")?
-        .replace(
-            "/usr/local/bin/genv-enforcer",
-            &format!("/{}", prefix.binary()),
-        )
-        .replace(
-            "/usr/local/share/doc/genv-enforcer",
-            &format!("/{}", prefix.doc_dir()),
-        );
     let doc = prefix.doc_dir();
     let mut entries = vec![
         file(prefix.binary(), binary.to_vec(), 0o755),
-        file(format!("{front_dir}/genv"), front.into_bytes(), 0o755),
+        file(
+            format!("{front_dir}/genv"),
+            front(&repo, enforcer_path)?.into_bytes(),
+            0o755,
+        ),
         // In /etc: a conffile, as Debian's policy has it.
-        Entry {
-            path: PROFILE.into(),
-            content: Content::File {
-                bytes: profile.into_bytes(),
-                mode: 0o644,
-                config: true,
-            },
-        },
+        config(PROFILE, profile(&front_dir).into_bytes()),
         Entry {
             path: prefix.sbin_link(),
             // Relative, as Debian's policy asks within one top directory.
             content: Content::Link("../lib/genv-enforcer/front/genv".into()),
         },
-        file(prefix.unit(), unit.into_bytes(), 0o644),
-        Entry {
-            path: CONFIG.into(),
-            content: Content::File {
-                bytes: read("deploy/config.toml")?,
-                mode: 0o644,
-                config: true,
-            },
-        },
+        file(prefix.unit(), unit(&repo, &prefix)?.into_bytes(), 0o644),
+        config(CONFIG, read("deploy/config.toml")?),
         file(format!("{doc}/README.md"), read("README.md")?, 0o644),
         file(
             format!("{doc}/copyright"),
@@ -156,6 +122,56 @@ pub fn files(prefix: Prefix, binary: &[u8], enforcer_path: &str) -> Result<Vec<E
         entries.push(file(format!("{doc}/{doc_file}"), bytes, 0o644));
     }
     Ok(entries)
+}
+
+/// A configuration file under `/etc` (mode 0644).
+fn config(path: &str, bytes: Vec<u8>) -> Entry {
+    Entry {
+        path: path.into(),
+        content: Content::File {
+            bytes,
+            mode: 0o644,
+            config: true,
+        },
+    }
+}
+
+/// The `genv` front (`deploy/genv`), naming the binary it runs: `enforcer`, absolute
+/// and quotable.
+fn front(repo: &std::path::Path, enforcer: &str) -> Result<String> {
+    let enforcer = Some(enforcer).filter(|p| !p.contains('\'') && p.starts_with('/'));
+    let enforcer = enforcer.context("the enforcer's path: absolute, and quotable (no ')")?;
+    let text = std::fs::read_to_string(repo.join("deploy/genv")).context("reading deploy/genv")?;
+    Ok(text.replacen(
+        "installed_enforcer=genv-enforcer\n",
+        &format!("installed_enforcer='{enforcer}'\n"),
+        1,
+    ))
+}
+
+/// The profile snippet putting the front's directory first on users' `PATH`.
+fn profile(front_dir: &str) -> String {
+    format!(
+        "# genv-enforcer's genv front first on PATH\n\
+         case \":$PATH:\" in *:/{front_dir}:*) ;; *) PATH=\"/{front_dir}:$PATH\" ;; esac\n\
+         export PATH\n"
+    )
+}
+
+/// The systemd unit, naming the binary and the docs where `prefix` puts them.
+fn unit(repo: &std::path::Path, prefix: &Prefix) -> Result<String> {
+    let path = "deploy/systemd/genv-enforcer.service";
+    let text =
+        std::fs::read_to_string(repo.join(path)).with_context(|| format!("reading {path}"))?;
+    Ok(text
+        .replace(
+            "/usr/local/bin/genv-enforcer",
+            &format!("/{}", prefix.binary()),
+        )
+        .replace(
+            "/usr/local/share/doc/genv-enforcer",
+            &format!("/{}", prefix.doc_dir()),
+        ))
 }
 
 /// The documents the README links to, relative to the work tree, sorted: SECURITY.md

@@ -47,6 +47,11 @@ pub fn ensure_ebpf_toolchain() -> Result<()> {
             "nightly",
         ]))?;
     }
+    ensure_bpf_linker()
+}
+
+/// bpf-linker, built against LLVM 22 (installed from apt.llvm.org's packages first).
+fn ensure_bpf_linker() -> Result<()> {
     if Command::new("bpf-linker")
         .arg("--version")
         .output()

@@ -45,10 +45,7 @@ pub struct Build {
     pub glibc: (u32, u32),
 }
 
-pub fn run(args: &[String]) -> Result<()> {
-    if let Some(arg) = args.first() {
-        bail!("cargo xtask dist takes no arguments (got {arg:?})");
-    }
+pub fn run() -> Result<()> {
     for artefact in build_all()? {
         eprintln!("xtask: dist: {}", artefact.display());
     }
@@ -62,6 +59,14 @@ pub fn build_all() -> Result<[PathBuf; 4]> {
     crate::ensure_apt(&["rpm"], "rpmbuild")?;
     crate::ensure_apt(&["binutils"], "objdump")?;
     let target = crate::target_dir()?;
+    // One build at a time: `cargo xtask test` builds the `.deb` for the VM while the
+    // dist suite may be running `cargo xtask dist` beside it, into the same stage.
+    std::fs::create_dir_all(&target)?;
+    let lock = std::fs::File::create(target.join("dist.lock"))?;
+    // SAFETY: flock on a descriptor this function owns; released when it is dropped.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("locking dist.lock");
+    }
     let tools = wheel::ensure_tools(&target)?;
     let epoch = source_date_epoch()?;
     let package = package()?;

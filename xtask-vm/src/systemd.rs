@@ -15,83 +15,61 @@ use std::process::Command;
 
 use anyhow::{Result, bail};
 
-use super::{
-    Guest, KERNELS, LSM_WITH_BPF, Run, boot_with, build_suites, deadline, ensure_packages, kernel,
-    outside, script_path, shareable, tier_marker,
-};
-use crate::vm::initramfs::EXIT_MARKER;
+use crate::guest::{quote, tier_marker};
+use crate::initramfs::EXIT_MARKER;
+use crate::qemu::Boot;
+use crate::run::{boot_with, script_path};
+use crate::{Guest, KERNELS, Kernel, LSM_WITH_BPF, Run, Series, deadline};
 
-const SUITE: &str = "systemd_unit";
+/// The suite whose test runs under systemd: the caller builds it into [`Guest::suites`].
+pub const SUITE: &str = "systemd_unit";
 const TEST: &str = "the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap";
 const TIER: &str = "lsm";
 const TARGET: &str = "genv-vmtest.target";
 const SERVICE: &str = "genv-vmtest.service";
 
-/// Boots the VM under systemd and runs the unit's test there.
-pub fn check(root: &Path) -> Result<Run> {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("vm-test --systemd needs root (apt-get, and the test inside makes nodes)");
-    }
-    let cache = root.join("target/vm");
-    std::fs::create_dir_all(&cache)?;
-    ensure_packages()?;
-    // The guest's systemd is the host's (its root is the host's, read-only).
-    if !Path::new("/lib/systemd/systemd").exists() {
-        let install = Command::new("apt-get")
-            .args(["install", "-y", "--no-install-recommends", "systemd"])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()?;
-        if !install.success() {
-            bail!("apt-get install systemd failed: the guest boots the host's systemd");
-        }
-    }
-    // The guest installs the .deb as a node does (`dpkg -i`).
-    let [.., deb, _] = crate::dist::build_all()?;
-    let series = KERNELS[0];
-    let kernel = kernel::prepare(&cache, series)?;
-    let suites = build_suites(&[SUITE])?;
-    let guest = Guest {
-        root,
-        suites: &suites,
-        target_dir: shareable(root, outside(root, &crate::target_dir()?))?,
+/// Boots the first of [`KERNELS`] (`kernel`, prepared) under systemd and runs the unit's
+/// test there, which installs `deb` (`cargo xtask dist`'s, built first).
+pub fn check(guest: &Guest, kernel: &Kernel, deb: &Path) -> Result<Run> {
+    crate::require_root("vm-test --systemd")?;
+    ensure_systemd()?;
+    let Some((_, suite)) = guest.suites.iter().find(|(name, _)| name == SUITE) else {
+        bail!("vm-test --systemd: the {SUITE} suite was not built");
     };
+    let series = KERNELS[0];
     let section = format!("{TIER} under systemd");
-    let script = script(root, series, &suites[0].1, &section, &deb);
-    let units = units(&script_path(&kernel))?;
+    let script = script(guest, series, suite, &section, deb);
+    let units = units(&script_path(kernel))?;
     eprintln!(
         "vm-test: kernel {}: booting {} under QEMU/TCG with systemd as init; {section}",
         series.version, kernel.package
     );
-    let console = boot_with(
-        &guest,
+    let boot = Boot {
         series,
-        &kernel,
-        LSM_WITH_BPF,
-        &script,
-        Some(&units),
-        deadline(1),
-    )?;
-    let (Some(status), Some(booted)) = (console.status, console.booted) else {
-        bail!(
-            "the VM under systemd stopped after {:.0?} without reporting a result; its \
-             console is above",
-            console.total
-        );
+        kernel,
+        lsm: LSM_WITH_BPF,
+        label: format!("vm {} systemd", series.version),
+        deadline: deadline(1),
     };
-    let run = Run {
-        kernel: series,
-        package: kernel.package.clone(),
-        status,
-        tiers: console.tiers,
-        asked: vec![section],
-        console: console.lines,
-        booted,
-        total: console.total,
-        rebooted: None,
-    };
+    let console = boot_with(guest, &boot, &script, Some(&units))?;
+    let run = console.into_run(series, kernel, vec![section])?;
     eprintln!("vm-test: {}", run.summary());
     Ok(run)
+}
+
+/// The guest's systemd is the host's (its root is the host's, read-only).
+fn ensure_systemd() -> Result<()> {
+    if Path::new("/lib/systemd/systemd").exists() {
+        return Ok(());
+    }
+    let install = Command::new("apt-get")
+        .args(["install", "-y", "--no-install-recommends", "systemd"])
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status()?;
+    if !install.success() {
+        bail!("apt-get install systemd failed: the guest boots the host's systemd");
+    }
+    Ok(())
 }
 
 /// [`TARGET`] first (systemd's `--unit`), then [`SERVICE`], which runs `script`.
@@ -126,8 +104,7 @@ fn units(script: &Path) -> Result<Vec<(String, String)>> {
 
 /// The script [`SERVICE`] runs: the test, between the markers the host reads (booted,
 /// the section's start and end, the exit status), then a power-off.
-fn script(root: &Path, series: super::Series, suite: &Path, section: &str, deb: &Path) -> String {
-    let quote = |s: &str| format!("'{}'", s.replace('\'', r"'\''"));
+fn script(guest: &Guest, series: Series, suite: &Path, section: &str, deb: &Path) -> String {
     let marker = format!("{}{section}", tier_marker(series));
     format!(
         "# Written by `cargo xtask vm-test --systemd`; systemd runs it ({SERVICE}).\n\
@@ -149,7 +126,7 @@ fn script(root: &Path, series: super::Series, suite: &Path, section: &str, deb: 
          sync\n\
          systemctl poweroff --force --force\n",
         path = quote(&std::env::var("PATH").unwrap_or_default()),
-        tests = quote(&root.join("tests").display().to_string()),
+        tests = quote(&guest.root.join("tests").display().to_string()),
         suite = quote(&suite.display().to_string()),
         deb = quote(&deb.display().to_string()),
     )

@@ -19,13 +19,15 @@ pub struct Run {
     pub status: i32,
     /// Each tier that reported its end, in order: (tier, passed, how long it took).
     pub tiers: Vec<(String, bool, Duration)>,
+    /// Each suite that ended: (tier, suite, how long it took).
+    pub suites: Vec<(String, String, Duration)>,
     /// The tiers the run was asked for.
     pub asked: Vec<String>,
     /// Every line the guest printed.
     pub console: Vec<String>,
     pub booted: Duration,
     pub total: Duration,
-    /// Why the kernel was booted a second time, if it was ([`patch_race`]).
+    /// Why the kernel was booted a second time, if it was (`patch_race`).
     pub rebooted: Option<String>,
 }
 
@@ -68,7 +70,7 @@ impl Outcome {
 
 impl Run {
     /// One line: the kernel, its boot, and each tier's result and time.
-    pub(super) fn summary(&self) -> String {
+    pub fn summary(&self) -> String {
         let tiers: Vec<String> = self
             .tiers
             .iter()

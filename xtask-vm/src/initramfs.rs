@@ -19,10 +19,11 @@ pub struct Init<'a> {
     pub work_tree: &'a Path,
     /// What runs once the new root is ready.
     pub then: Then<'a>,
-    /// Cargo's target directory when it is outside the work tree (`CARGO_TARGET_DIR`),
-    /// shared read-write at the same path: the test binaries and what they run are
-    /// there, and a host path under `/tmp` or `/run` would be hidden by the guest's own.
-    pub target_dir: Option<&'a Path>,
+    /// Cargo's target directory, shared read-only and cached at its own path, under a
+    /// tmpfs that takes the guest's writes (see [`P9_CACHED`]): the test binaries and
+    /// what they run are there. Mounted after the work tree (it is inside it by default)
+    /// and the guest's `/tmp` and `/run` (it may be under them: `CARGO_TARGET_DIR`).
+    pub target_dir: &'a Path,
 }
 
 /// What `/init` hands the guest to once its root is ready.
@@ -48,6 +49,15 @@ pub const TARGET_TAG: &str = "target";
 /// dozen round trips.
 const P9: &str = "trans=virtio,version=9p2000.L,msize=262144";
 
+/// How the read-only shares (the host's root, the target directory) are mounted: with
+/// the guest's page and dentry caches (`cache=loose`), so that each exec of the daemon
+/// (100 MB, debug) and of genv's Python, and each of Python's imports, is read over 9p
+/// once per boot instead of every time, under emulation. Loose caching trusts the files
+/// not to change under the guest: `cargo xtask test` builds everything before it boots,
+/// and nothing the guest reads from them is written on the host while it runs. The work
+/// tree, which the guest writes and the host reads, stays uncached (`cache=mmap`).
+const P9_CACHED: &str = "trans=virtio,version=9p2000.L,msize=262144,ro,cache=loose";
+
 /// The line the guest prints last; the host reads the status from it.
 pub const EXIT_MARKER: &str = "genv-vm: exit status ";
 
@@ -56,16 +66,16 @@ impl Init<'_> {
         let work = self.work_tree.display();
         let modules = self.modules.join(" ");
         let then = self.then();
-        let target = match self.target_dir {
-            Some(dir) => format!(
-                "mkdir -p \"/newroot{dir}\"\n\
-                 mount -t 9p -o {P9},cache=mmap {TARGET_TAG} \"/newroot{dir}\" \
-                 || fail \"mount the target directory\"\n",
-                dir = dir.display()
-            ),
-            None => String::new(),
-        };
-        let p9 = P9;
+        let target = format!(
+            "mkdir -p /target /rw/target/upper /rw/target/work \"/newroot{dir}\"\n\
+             mount -t 9p -o {P9_CACHED} {TARGET_TAG} /target \
+             || fail \"mount the target directory\"\n\
+             mount -t overlay overlay \
+             -o lowerdir=/target,upperdir=/rw/target/upper,workdir=/rw/target/work \
+             \"/newroot{dir}\" || fail \"mount the target directory's overlay\"\n",
+            dir = self.target_dir.display()
+        );
+        let (p9, p9_cached) = (P9, P9_CACHED);
         format!(
             r#"#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -76,7 +86,7 @@ mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 for m in {modules}; do insmod /modules/$m || fail "insmod $m"; done
 mkdir -p /lower /rw /newroot
-mount -t 9p -o {p9},ro hostroot /lower || fail "mount the host's root"
+mount -t 9p -o {p9_cached} hostroot /lower || fail "mount the host's root"
 mount -t tmpfs tmpfs /rw && mkdir /rw/upper /rw/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /newroot \
     || fail "mount the overlay"
@@ -227,7 +237,7 @@ mod tests {
         assert!(bytes.windows(10).any(|w| w == b"TRAILER!!!"));
     }
 
-    fn init<'a>(target_dir: Option<&'a Path>) -> Init<'a> {
+    fn init(target_dir: &Path) -> Init<'_> {
         Init {
             modules: vec!["9p.ko".into()],
             work_tree: Path::new("/work/tree"),
@@ -242,7 +252,7 @@ mod tests {
             "t.target".to_owned(),
             "[Unit]\nRequires=s.service\n".to_owned(),
         )];
-        let mut with_systemd = init(None);
+        let mut with_systemd = init(Path::new("/work/tree/target"));
         with_systemd.then = Then::Systemd {
             unit: "t.target",
             units: &units,
@@ -259,22 +269,42 @@ mod tests {
     }
 
     #[test]
-    fn a_target_directory_outside_the_work_tree_is_mounted_last_at_its_own_path() {
-        let script = init(Some(Path::new("/tmp/shared-target"))).script();
-        let mount = "mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144,cache=mmap \
-                     target \"/newroot/tmp/shared-target\"";
-        let at = script.find(mount).expect(&script);
-        // After the guest's own /tmp (which would hide it) and the work tree.
-        assert!(at > script.find("mount -t tmpfs tmpfs /newroot/tmp").unwrap());
-        assert!(at > script.find("work \"/newroot/work/tree\"").unwrap());
-        assert!(at < script.find("chroot /newroot").unwrap());
-        assert!(script.contains("mkdir -p \"/newroot/tmp/shared-target\""));
+    fn the_target_directory_is_mounted_cached_and_read_only_under_a_tmpfs_at_its_own_path() {
+        for dir in ["/tmp/shared-target", "/work/tree/target"] {
+            let script = init(Path::new(dir)).script();
+            let share = format!("mount -t 9p -o {P9},ro,cache=loose target /target ");
+            let overlay = format!(
+                "mount -t overlay overlay -o lowerdir=/target,upperdir=/rw/target/upper,\
+                 workdir=/rw/target/work \"/newroot{dir}\""
+            );
+            let (shared, at) = (script.find(&share), script.find(&overlay));
+            let (Some(shared), Some(at)) = (shared, at) else {
+                panic!("{dir}: {script}")
+            };
+            // After the guest's own /tmp (which would hide it) and the work tree.
+            assert!(shared < at);
+            assert!(at > script.find("mount -t tmpfs tmpfs /newroot/tmp").unwrap());
+            assert!(at > script.find("work \"/newroot/work/tree\"").unwrap());
+            assert!(at < script.find("chroot /newroot").unwrap());
+            assert!(script.contains(&format!("\"/newroot{dir}\"\n")), "{script}");
+        }
     }
 
     #[test]
-    fn without_one_only_the_work_tree_is_shared() {
-        let script = init(None).script();
-        assert!(!script.contains(&format!(" {TARGET_TAG} ")), "{script}");
-        assert_eq!(script.matches("mount -t 9p").count(), 2, "{script}");
+    fn the_host_root_is_cached_and_the_work_tree_is_not() {
+        let script = init(Path::new("/work/tree/target")).script();
+        assert!(
+            script.contains(&format!(
+                "mount -t 9p -o {P9},ro,cache=loose hostroot /lower"
+            )),
+            "{script}"
+        );
+        assert!(
+            script.contains(&format!(
+                "mount -t 9p -o {P9},cache=mmap work \"/newroot/work/tree\""
+            )),
+            "{script}"
+        );
+        assert_eq!(script.matches("mount -t 9p").count(), 3, "{script}");
     }
 }

@@ -21,7 +21,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use object::{Object, ObjectSection};
 
-use crate::run;
+use crate::command::run;
 
 /// The modules init loads, by name; their dependencies come from each `.ko`'s modinfo.
 /// `fuse`: the hostile-mount tests (a silent FUSE server) need `/dev/fuse`.

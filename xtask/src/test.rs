@@ -1,0 +1,150 @@
+//! `cargo xtask test`: the whole suite, what CI runs (`.ci/run`).
+//!
+//! In order: the tools installed, formatting, lints, then everything built: the
+//! workspace, the host's test executables, and what the VM runs (the kernels, the
+//! guest's suites, genv's venv). Nothing builds after that point. Then two lanes run
+//! side by side, on this machine's two cores:
+//!
+//! 1. the first kernel's guest (every VM tier), the harness's refusal check, and the
+//!    unit under systemd (the `.deb` built first);
+//! 2. the host's suites (the tier-dependent ones on the tracepoint tier), then the
+//!    second kernel's guest.
+//!
+//! A guest under TCG keeps about one core busy, and the host's suites mostly wait on
+//! daemons and processes, so the lanes share the cores well: measured, the lanes take
+//! about as long as the longest alone would, not the sum. The guests are kernels of
+//! their own (their daemons and processes never see the host's), and share with the
+//! host only what was built before they started (read-only and cached in the guest,
+//! `xtask-vm/src/initramfs.rs`) and the work tree. The guests' console lines are printed
+//! with their kernel (`[vm 6.1] …`). Every job runs even where one before it failed;
+//! the run then fails naming each that did.
+
+use anyhow::{Result, bail};
+
+use crate::timings::{self, Lane, job};
+use crate::vm::{self, KERNELS, Options, Outcome};
+use crate::{cargo, ensure_apt, ensure_openssh, ensure_python_venv, root, run, toolchain};
+
+/// `cargo xtask test [-- CARGO TEST ARGS]`: with arguments, the host's tests only.
+pub fn test(cargo_args: &[String]) -> Result<()> {
+    // The end-to-end tests make device nodes (mknod), run processes as other users and
+    // signal them: the enforcer's own privileges.
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the test suite needs root (mknod, other uids): run `sudo -E cargo xtask test`");
+    }
+    let result = phases(cargo_args);
+    let table = timings::table();
+    eprintln!("xtask: where the time went:{table}");
+    if let Ok(dir) = crate::target_dir() {
+        let _ = std::fs::write(dir.join("test-timings.md"), &table);
+    }
+    result
+}
+
+fn phases(cargo_args: &[String]) -> Result<()> {
+    timings::phase("install tools", install_tools)?;
+    timings::phase("fmt", || {
+        run(&mut cargo(&["fmt", "--all", "--", "--check"]))
+    })?;
+    timings::phase("clippy", || {
+        run(cargo(&["clippy", "--workspace", "--all-targets"]).args(["--", "-D", "warnings"]))
+    })?;
+    timings::phase("build", || {
+        run(&mut cargo(&["build", "--workspace"]))?;
+        run(&mut host_tests_command(cargo_args, &["--no-run"]))
+    })?;
+    if !cargo_args.is_empty() {
+        timings::phase("host tests", || {
+            timings::cargo_test_by_suite("host tests", &mut host_tests_command(cargo_args, &[]))
+        })?;
+        eprintln!("xtask: test arguments given: the VM suites were not run (cargo xtask vm-test)");
+        return Ok(());
+    }
+    let options = Options::default();
+    let (kernels, guest) = timings::phase("vm build", || vm::prepare(&root(), &options))?;
+    let [(first, first_kernel), (second, second_kernel)] = &kernels[..] else {
+        bail!("cargo xtask test boots {} kernels, not two", kernels.len());
+    };
+    let outcome = std::sync::Mutex::new(Outcome { runs: Vec::new() });
+    let boot = |series, kernel| {
+        let (guest, options, outcome) = (&guest, &options, &outcome);
+        move || {
+            let run = vm::run(guest, series, kernel, options)?;
+            outcome.lock().unwrap().runs.push(run);
+            Ok(())
+        }
+    };
+    let lanes: Vec<Lane> = vec![
+        vec![
+            job(format!("vm {}", first.version), boot(*first, first_kernel)),
+            job("vm refusal check", || {
+                vm::refusal_check(&guest, first_kernel)
+            }),
+            job("vm systemd", || vm::systemd_check(&guest, first_kernel)),
+        ],
+        vec![
+            job("host tests", host_tests),
+            job(
+                format!("vm {}", second.version),
+                boot(*second, second_kernel),
+            ),
+        ],
+    ];
+    let failures = timings::lanes("host tests and vm (side by side)", lanes);
+    let outcome = outcome.into_inner().unwrap();
+    summary(&outcome, &failures)
+}
+
+/// What the suites need on this machine, installed where missing.
+fn install_tools() -> Result<()> {
+    ensure_python_venv()?;
+    ensure_openssh()?;
+    // The dist suite checks the packages with these (apt lists updated first, as a fresh
+    // machine needs).
+    ensure_apt(&["lintian"], "lintian")?;
+    ensure_apt(&["rpm"], "rpmbuild")?;
+    toolchain::ensure_ebpf_toolchain()
+}
+
+/// `cargo test --workspace` with `extra` cargo flags and `cargo_args`; the tier-dependent
+/// tests on the tracepoint tier (the one this machine's kernel loads), unless
+/// `GENV_TEST_BPF_TIER` says otherwise.
+fn host_tests_command(cargo_args: &[String], extra: &[&str]) -> std::process::Command {
+    let mut test = cargo(&["test", "--workspace"]);
+    test.args(extra).args(cargo_args);
+    if std::env::var_os("GENV_TEST_BPF_TIER").is_none() {
+        test.env("GENV_TEST_BPF_TIER", "tracepoint");
+    }
+    test
+}
+
+/// Every host test, each suite timed.
+fn host_tests() -> Result<()> {
+    timings::cargo_test_by_suite("host tests", &mut host_tests_command(&[], &[]))
+}
+
+/// What the lanes showed: each kernel's line, then the failures named, or what passed.
+fn summary(outcome: &Outcome, failures: &[String]) -> Result<()> {
+    for run in &outcome.runs {
+        eprintln!("xtask: {}", run.summary());
+    }
+    if !failures.is_empty() || !outcome.passed() {
+        let mut failed = failures.to_vec();
+        if !outcome.passed() {
+            failed.push(format!(
+                "the VM suites failed: {} (see their output above)",
+                outcome.failures().join("; ")
+            ));
+        }
+        bail!("failed:\n  {}", failed.join("\n  "));
+    }
+    let kernels: Vec<&str> = KERNELS.iter().map(|k| k.version).collect();
+    eprintln!(
+        "xtask: all passed: the tier suites on tracepoint (host), on {} in the VM on \
+         kernels {} each, the harness's refusal check, and the unit under systemd",
+        vm::VM_TIERS.join(", "),
+        kernels.join(" and ")
+    );
+    Ok(())
+}
