@@ -134,8 +134,14 @@ impl Enforcer {
     /// Takes a snapshot under genv's global lock (or without it, see [`LockPolicy`])
     /// and prints its warnings.
     pub fn snapshot(&mut self) -> Result<Snapshot, LockError> {
+        self.snapshot_among(None)
+    }
+
+    /// [`Self::snapshot`] for a check of `among` alone (see
+    /// [`SnapshotBuilder::take_among`]).
+    fn snapshot_among(&mut self, among: Option<&[u32]>) -> Result<Snapshot, LockError> {
         let lock = self.lock.take(self.builder.state())?;
-        let (snapshot, warnings) = self.builder.take();
+        let (snapshot, warnings) = self.builder.take_among(among);
         drop(lock);
         for warning in warnings {
             tracing::warn!("{}", warning.0);
@@ -153,7 +159,13 @@ impl Enforcer {
     /// nor counted against its environment's memory. Nothing here ends the daemon: a
     /// lock that cannot be taken is reported and the check skipped.
     pub fn check(&mut self, scope: Scope<'_>, settled: &HashSet<u32>) -> CycleSummary {
-        let snapshot = match self.snapshot() {
+        // An open check judges the processes that opened (the memory rule, which looks
+        // at their environments' other processes, needs NVML, which lists every one).
+        let among: Option<Vec<u32>> = match scope {
+            Scope::Opened(pids) => Some(pids.iter().copied().collect()),
+            Scope::Full | Scope::Memory => None,
+        };
+        let snapshot = match self.snapshot_among(among.as_deref()) {
             Ok(snapshot) => snapshot,
             Err(e) => {
                 tracing::error!(
@@ -425,6 +437,90 @@ mod tests {
             .map(|d| d.index)
             .collect();
         assert_eq!(holding.len(), 1, "e is still attached to {holding:?}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// The real `/proc`, but GPU holders made up (`holder` holds GPU 0) and each scan
+    /// of them recorded: `None` for a sweep of every process, else the pids asked.
+    struct Holders {
+        procfs: crate::snapshot::Procfs,
+        holder: u32,
+        scans: std::sync::Arc<std::sync::Mutex<Vec<Option<Vec<u32>>>>>,
+    }
+
+    impl crate::snapshot::ProcessInspector for Holders {
+        fn stat(&self, pid: u32) -> std::io::Result<crate::backends::procfs::ProcStat> {
+            self.procfs.stat(pid)
+        }
+        fn environment_id(
+            &self,
+            pid: u32,
+        ) -> Result<Option<String>, crate::backends::procfs::EnvironError> {
+            self.procfs.environment_id(pid)
+        }
+        fn real_uid(&self, pid: u32) -> std::io::Result<u32> {
+            self.procfs.real_uid(pid)
+        }
+        fn gpu_node_holders(
+            &self,
+            _: &crate::backends::devmap::DeviceMap,
+        ) -> std::io::Result<Vec<(u32, Vec<u32>)>> {
+            self.scans.lock().unwrap().push(None);
+            Ok(vec![(self.holder, vec![0])])
+        }
+        fn gpu_node_holders_among(
+            &self,
+            _: &crate::backends::devmap::DeviceMap,
+            pids: &[u32],
+        ) -> Vec<(u32, Vec<u32>)> {
+            self.scans.lock().unwrap().push(Some(pids.to_vec()));
+            match pids.contains(&self.holder) {
+                true => vec![(self.holder, vec![0])],
+                false => Vec::new(),
+            }
+        }
+    }
+
+    /// Without NVML, a check of a process that just opened a GPU reads that process's
+    /// descriptors, not every process's (the sweep was most of the reaction's time),
+    /// and still finds it; a full cycle still sweeps.
+    #[test]
+    fn an_open_check_without_nvml_reads_only_the_opened_processes_descriptors() {
+        let (state, dir) = state("among");
+        let mut outsider = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let scans = std::sync::Arc::default();
+        let nvml = std::ffi::OsString::from("/nonexistent/libnvidia-ml.so.1");
+        let mut builder = SnapshotBuilder::new(state, nvml, Default::default());
+        builder.set_inspector(Box::new(Holders {
+            procfs: Default::default(),
+            holder: outsider.id(),
+            scans: std::sync::Arc::clone(&scans),
+        }));
+        let mut enforcer = Enforcer {
+            builder,
+            rules: Rules {
+                non_env_processes: true,
+                ..Rules::default()
+            },
+            executor: Executor::new(ExecutorConfig {
+                dry_run: true,
+                signals: false,
+                kill_after: None,
+            }),
+            lock: LockPolicy::blocking(),
+        };
+        let opened = HashSet::from([outsider.id()]);
+        let summary = enforcer.check(Scope::Opened(&opened), &HashSet::new());
+        assert_eq!(summary.terminated, [outsider.id()], "the opener is found");
+        assert_eq!(*scans.lock().unwrap(), [Some(vec![outsider.id()])]);
+        scans.lock().unwrap().clear();
+        assert_eq!(enforcer.cycle().terminated, [outsider.id()]);
+        assert_eq!(*scans.lock().unwrap(), [None], "a full cycle sweeps");
+        let _ = outsider.kill();
+        let _ = outsider.wait();
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -246,15 +246,25 @@ pub fn gpu_node_holders(
     proc_root: &Path,
     index_of: &dyn Fn(u32, u32) -> Option<u32>,
 ) -> io::Result<Vec<(u32, Vec<u32>)>> {
-    let mut holders = Vec::new();
+    let mut pids = Vec::new();
     for entry in std::fs::read_dir(proc_root)? {
-        let Some(pid) = entry?
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
+        if let Some(pid) = entry?.file_name().to_str().and_then(|n| n.parse().ok()) {
+            pids.push(pid);
+        }
+    }
+    Ok(gpu_node_holders_among(proc_root, &pids, index_of))
+}
+
+/// [`gpu_node_holders`] among `pids` only: a check of the processes that just opened a
+/// GPU node reads their descriptors, not every process's (the whole sweep was most of
+/// the reaction's time on a node without NVML).
+pub fn gpu_node_holders_among(
+    proc_root: &Path,
+    pids: &[u32],
+    index_of: &dyn Fn(u32, u32) -> Option<u32>,
+) -> Vec<(u32, Vec<u32>)> {
+    let mut holders = Vec::new();
+    for &pid in pids {
         let Ok(fds) = std::fs::read_dir(proc_root.join(pid.to_string()).join("fd")) else {
             continue; // gone, or not ours to read
         };
@@ -273,7 +283,7 @@ pub fn gpu_node_holders(
         }
     }
     holders.sort_unstable_by_key(|(pid, _)| *pid);
-    Ok(holders)
+    holders
 }
 
 /// GPU minors in NVML index order (PCI bus order), from the driver's

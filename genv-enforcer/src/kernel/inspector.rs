@@ -5,6 +5,7 @@
 use std::io;
 
 use crate::backends::devmap::DeviceMap;
+use crate::backends::proc_events::ProcEvents;
 use crate::backends::procfs::{EnvironError, ProcStat, StatFile};
 use crate::kernel::policy_maps::IdentityReader;
 use crate::snapshot::{ProcessInspector, Procfs};
@@ -41,5 +42,11 @@ impl ProcessInspector for KernelInspector {
     }
     fn gpu_node_holders(&self, map: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>> {
         self.procfs.gpu_node_holders(map)
+    }
+    fn gpu_node_holders_among(&self, map: &DeviceMap, pids: &[u32]) -> Vec<(u32, Vec<u32>)> {
+        self.procfs.gpu_node_holders_among(map, pids)
+    }
+    fn process_events(&self) -> Option<ProcEvents> {
+        self.procfs.process_events()
     }
 }

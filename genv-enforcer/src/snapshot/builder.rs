@@ -135,7 +135,14 @@ impl SnapshotBuilder {
     }
 
     /// GPU contexts, from NVML or else from `/proc`, and whether memory figures are known.
-    fn gpu_contexts(&mut self, warnings: &mut Vec<Warning>) -> (Vec<ComputeContext>, bool) {
+    /// Without NVML, `among` (when given) names the only processes whose descriptors are
+    /// read: a check of just-opened processes then costs their descriptors, not every
+    /// process's on the machine.
+    fn gpu_contexts(
+        &mut self,
+        among: Option<&[u32]>,
+        warnings: &mut Vec<Warning>,
+    ) -> (Vec<ComputeContext>, bool) {
         self.ensure_nvml(warnings);
         if let Gpus::Nvml(nvml) = &self.gpus {
             match nvml.query() {
@@ -155,16 +162,33 @@ impl SnapshotBuilder {
                 }
             }
         }
-        (self.scan_proc(warnings), false)
+        (self.scan_proc(among, warnings), false)
     }
 
-    fn scan_proc(&mut self, warnings: &mut Vec<Warning>) -> Vec<ComputeContext> {
-        self.refresh_device_map(warnings);
-        let holders = match self.inspector.gpu_node_holders(&self.device_map) {
-            Ok(holders) => holders,
-            Err(e) => {
-                warnings.push(warning!("cannot scan /proc for GPU device nodes: {e}"));
-                return Vec::new();
+    fn scan_proc(
+        &mut self,
+        among: Option<&[u32]>,
+        warnings: &mut Vec<Warning>,
+    ) -> Vec<ComputeContext> {
+        let holders = match among {
+            // The map as the last full scan (or cycle) built it, once there is one.
+            Some(pids) if self.device_map != DeviceMap::default() => self
+                .inspector
+                .gpu_node_holders_among(&self.device_map, pids),
+            Some(pids) => {
+                self.refresh_device_map(warnings);
+                self.inspector
+                    .gpu_node_holders_among(&self.device_map, pids)
+            }
+            None => {
+                self.refresh_device_map(warnings);
+                match self.inspector.gpu_node_holders(&self.device_map) {
+                    Ok(holders) => holders,
+                    Err(e) => {
+                        warnings.push(warning!("cannot scan /proc for GPU device nodes: {e}"));
+                        return Vec::new();
+                    }
+                }
             }
         };
         let mut contexts: Vec<ComputeContext> = holders
@@ -207,8 +231,15 @@ impl SnapshotBuilder {
 
     /// Takes a snapshot. The caller holds genv's global lock.
     pub fn take(&mut self) -> (Snapshot, Vec<Warning>) {
+        self.take_among(None)
+    }
+
+    /// Takes a snapshot for a check of `among` alone (all processes when `None`): where
+    /// GPU use comes from `/proc` (no NVML), only their descriptors are read, and the
+    /// snapshot lists no other GPU process. The caller holds genv's global lock.
+    pub fn take_among(&mut self, among: Option<&[u32]>) -> (Snapshot, Vec<Warning>) {
         let mut warnings = Vec::new();
-        let (mut contexts, memory_known) = self.gpu_contexts(&mut warnings);
+        let (mut contexts, memory_known) = self.gpu_contexts(among, &mut warnings);
         self.proven
             .retain(|&pid, (_, started)| procfs::stat(pid).is_ok_and(|s| s.start_time == *started));
         for (&pid, &(index, _)) in &self.proven {

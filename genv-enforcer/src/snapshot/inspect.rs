@@ -37,6 +37,12 @@ pub trait ProcessInspector: Sync {
     }
     /// Processes holding GPU nodes open (by `map`), with the GPU indices they hold.
     fn gpu_node_holders(&self, map: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>>;
+    /// [`Self::gpu_node_holders`] among `pids` only.
+    fn gpu_node_holders_among(&self, map: &DeviceMap, pids: &[u32]) -> Vec<(u32, Vec<u32>)> {
+        let mut holders = self.gpu_node_holders(map).unwrap_or_default();
+        holders.retain(|(pid, _)| pids.contains(pid));
+        holders
+    }
 }
 
 /// The real `/proc`.
@@ -84,6 +90,9 @@ impl ProcessInspector for Procfs {
     }
     fn gpu_node_holders(&self, map: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>> {
         procfs::gpu_node_holders(&self.root, &|major, minor| map.index_of(major, minor))
+    }
+    fn gpu_node_holders_among(&self, map: &DeviceMap, pids: &[u32]) -> Vec<(u32, Vec<u32>)> {
+        procfs::gpu_node_holders_among(&self.root, pids, &|major, minor| map.index_of(major, minor))
     }
 }
 
