@@ -253,7 +253,8 @@ pub struct RawEvent {
     pub uid: u32,
     /// One of [`verdict`] for `OPEN`.
     pub verdict: u32,
-    /// `bpf_ktime_get_ns()` when the event happened (CLOCK_MONOTONIC).
+    /// `bpf_ktime_get_ns()` when the event happened (CLOCK_MONOTONIC); 0 for `EXEC`,
+    /// `FORK` and `EXIT`, whose time the daemon does not use.
     pub ktime_ns: u64,
 }
 
