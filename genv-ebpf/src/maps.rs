@@ -88,7 +88,17 @@ pub fn policy() -> u32 {
 /// Filled in by the daemon before loading; read-only afterwards, so the verifier sees
 /// constants.
 #[unsafe(no_mangle)]
-static OFFSETS: Offsets = Offsets::UNSET;
+pub(crate) static OFFSETS: Offsets = Offsets::UNSET;
+
+/// One member of `OFFSETS`, read as [`offsets`] reads them all: for the paths every open
+/// of the machine takes, where copying all of them cost more than the rest.
+macro_rules! offset {
+    ($member:ident) => {
+        // SAFETY: a plain read of our own global; volatile, as in `offsets`.
+        unsafe { core::ptr::read_volatile(&$crate::maps::OFFSETS.$member) }
+    };
+}
+pub(crate) use offset;
 
 #[inline(always)]
 pub fn offsets() -> Offsets {
