@@ -482,7 +482,15 @@ fn any_tier_the_exec_hook_verifies_in_under_a_quarter_of_the_verifier_budget() {
     let line = shown
         .lines()
         .find(|l| l.starts_with("program proc_exec "))
-        .unwrap_or_else(|| panic!("the whole-block exec hook is not loaded: {shown}"));
+        .unwrap_or_else(|| {
+            // Why, in the daemon's words (the verifier's log included).
+            let why: Vec<String> = daemon
+                .lines()
+                .into_iter()
+                .filter(|l| l.contains("The exec hook reads environment blocks up to 4 KiB only"))
+                .collect();
+            panic!("the whole-block exec hook is not loaded: {why:?}\n{shown}")
+        });
     let verified: u64 = line
         .split(" instructions verified")
         .next()

@@ -211,19 +211,23 @@ fn scan_group(g: usize) {
 /// starts in this window's chunk. Assignments are met in block order: the last wins.
 #[inline(never)]
 fn matched(k: usize, a: usize) {
-    if k == 0 || k + 2 >= WINDOW_WORDS {
+    // Words `k - 1 ..= k + 2`, through one bounded register: verifiers before 6.10 do
+    // not carry a bound checked on `k + 2` over to `k`, and the compiler would check one
+    // and index with the other (`black_box` keeps them one).
+    let before = core::hint::black_box(k.wrapping_sub(1));
+    if before >= WINDOW_WORDS - 3 {
         return;
     }
     let Some(s) = SCRATCH.get_ptr_mut(0) else {
         return;
     };
-    // SAFETY: this CPU's scratch slot; `k - 1` and `k + 2` are within `words`.
+    // SAFETY: this CPU's scratch slot; `before + 3` is within `words`.
     unsafe {
-        let words = (*s).words.as_ptr();
-        if !is_assignment(*words.add(k - 1), *words.add(k + 1), *words.add(k + 2), a) {
+        let around = (*s).words.as_ptr().add(before);
+        if !is_assignment(*around, *around.add(2), *around.add(3), a) {
             return;
         }
-        if let Some(q) = pattern_start(k, a, (*s).valid as usize) {
+        if let Some(q) = pattern_start(before + 1, a, (*s).valid as usize) {
             core::ptr::write_volatile(&mut (*s).value, (q + PATTERN.len()) as u64);
         }
     }
@@ -245,23 +249,26 @@ fn close_window() -> bool {
     }
 }
 
-/// Byte `at` of the window; past the bytes read, the NUL that ends the block.
-#[inline(always)]
-fn byte(s: &EnvScratch, at: usize, valid: usize) -> u8 {
-    if at >= valid || at >= WINDOW_BYTES {
-        return 0;
-    }
-    // SAFETY: bounded by the window's size just above.
-    unsafe { *(s.words.as_ptr() as *const u8).add(at) }
-}
-
 /// `env_id_hash` of the NUL-terminated value at `at`, in a loop the verifier can
-/// bound (the same steps); a value longer than `MAX_ENV_ID` is no environment's.
+/// bound (the same steps); a value longer than `MAX_ENV_ID` is no environment's, and
+/// past the bytes read is the NUL that ends the block.
 #[inline(always)]
 fn hash_value(s: &EnvScratch, at: usize, valid: usize) -> u64 {
+    // One bounded register for every byte (see `matched`).
+    let at = core::hint::black_box(at);
+    if at > WINDOW_BYTES - (MAX_ENV_ID + 1) {
+        return identity::NO_ENV;
+    }
+    // SAFETY: `at + MAX_ENV_ID` is within the window, checked just above.
+    let value = unsafe { (s.words.as_ptr() as *const u8).add(at) };
     let mut hash = FNV_OFFSET;
     for j in 0..=MAX_ENV_ID {
-        let b = byte(s, at + j, valid);
+        // SAFETY: as above.
+        let b = if at + j < valid {
+            unsafe { *value.add(j) }
+        } else {
+            0
+        };
         if b == 0 {
             return avoid_sentinels(hash);
         }
