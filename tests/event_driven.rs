@@ -456,6 +456,57 @@ fn tier_one_instance_and_nothing_left_behind() {
     assert!(!daemon.run_dir.join("status.json").exists());
 }
 
+/// The most instructions the verifier may process to accept the exec hook that reads
+/// whole environment blocks: a quarter of its budget (1,000,000), so that a later
+/// kernel's verifier, or a change to the hook, does not push it over (it would not
+/// load, and every block over 4 KiB would go to the daemon).
+const EXEC_HOOK_MAX_VERIFIED: u64 = 250_000;
+
+/// The exec hook's verified instructions, as `genv-enforcer status` shows them (the
+/// kernel reports them since 5.16), are under [`EXEC_HOOK_MAX_VERIFIED`]. The same on
+/// every tier: the exec hook is.
+#[test]
+fn any_tier_the_exec_hook_verifies_in_under_a_quarter_of_the_verifier_budget() {
+    let (node, _gpu) = node();
+    let Some(daemon) = EventDaemon::start(&node, &[]) else {
+        return;
+    };
+    let shown = node
+        .enforcer()
+        .args(["status", "--run-dir", path(&daemon.run_dir)])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    // Not `proc_exec_4k`, the fallback for kernels without `bpf_loop`: the whole-block
+    // hook must have loaded.
+    let line = shown
+        .lines()
+        .find(|l| l.starts_with("program proc_exec "))
+        .unwrap_or_else(|| {
+            // Why, in the daemon's words (the verifier's log included).
+            let why: Vec<String> = daemon
+                .lines()
+                .into_iter()
+                .filter(|l| l.contains("The exec hook reads environment blocks up to 4 KiB only"))
+                .collect();
+            panic!("the whole-block exec hook is not loaded: {why:?}\n{shown}")
+        });
+    let verified: u64 = line
+        .split(" instructions verified")
+        .next()
+        .and_then(|head| head.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no verified instruction count: {line}"));
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!("[verified instructions] proc_exec={verified}\n").as_bytes(),
+    );
+    assert!(
+        verified < EXEC_HOOK_MAX_VERIFIED,
+        "the exec hook verifies in {verified} instructions, over {EXEC_HOOK_MAX_VERIFIED}: {line}"
+    );
+}
+
 #[test]
 fn any_tier_without_bpf_the_full_cycle_enforces_alone() {
     let (mut node, _gpu) = node();

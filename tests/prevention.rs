@@ -550,6 +550,29 @@ fn any_tier_the_kernel_reads_the_environment_block_as_genv_does() {
     let (pid, lines) = run(&mut node, &large);
     assert_untouched(&mut node, pid, &lines, 1, "a 20 KB environment block");
     assert_not_read_from_proc(&daemon, pid);
+    // The walk goes from the block's end: an assignment 20 KB before it is found, and
+    // one after it still wins.
+    let early = format!("GENV_ENVIRONMENT_ID=alice-env|PAD={}", "x".repeat(20_000));
+    let (pid, lines) = run(&mut node, &early);
+    assert_untouched(&mut node, pid, &lines, 1, "alice-env 20 KB before the end");
+    assert_not_read_from_proc(&daemon, pid);
+    let (pid, lines) = run(&mut node, &format!("{early}|GENV_ENVIRONMENT_ID=no-such"));
+    assert_prevented(
+        &mut node,
+        &daemon,
+        pid,
+        &lines,
+        "alice-env overridden 20 KB later",
+    );
+    // Look-alikes after the assignment, however many, neither hide it nor leave it to
+    // the daemon: entries starting with `G`, and the name inside other entries' values.
+    let mut crowded = "GENV_ENVIRONMENT_ID=alice-env".to_owned();
+    for i in 0..40 {
+        crowded.push_str(&format!("|G{i}=1|X{i}=GENV_ENVIRONMENT_ID=bob-env"));
+    }
+    let (pid, lines) = run(&mut node, &crowded);
+    assert_untouched(&mut node, pid, &lines, 1, "80 look-alikes after alice-env");
+    assert_not_read_from_proc(&daemon, pid);
 }
 
 fn assert_not_read_from_proc(daemon: &EventDaemon, pid: u32) {
@@ -560,14 +583,17 @@ fn assert_not_read_from_proc(daemon: &EventDaemon, pid: u32) {
     );
 }
 
-/// A block the exec hook cannot answer for: more look-alike entries after the
-/// assignment than it remembers. The daemon reads it from /proc.
+/// A block the exec hook leaves to the daemon: over 4 KiB, under the hook that reads 4
+/// KiB only ([`four_k_hook`]). The hook that reads whole blocks leaves none: it gives up
+/// only on a page it cannot read, which an exec never leaves.
 fn unresolvable_block() -> String {
-    let mut block = "GENV_ENVIRONMENT_ID=alice-env".to_owned();
-    for i in 0..40 {
-        block.push_str(&format!("|G{i}=1"));
-    }
-    block
+    format!("PAD={}|GENV_ENVIRONMENT_ID=alice-env", "x".repeat(5000))
+}
+
+/// The daemon `node` starts loads the exec hook kernels without `bpf_loop` get.
+fn four_k_hook(node: &mut Node) {
+    node.enforcer_env
+        .push(("GENV_ENFORCER_ENV_SCAN".into(), "4k".into()));
 }
 
 /// A daemon stopped (SIGSTOP) once its first full cycle (and that cycle's
@@ -598,8 +624,7 @@ impl Drop for Stopped<'_> {
 fn any_tier_without_bpf_loop_the_daemon_reads_large_blocks() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
-    node.enforcer_env
-        .push(("GENV_ENFORCER_ENV_SCAN".into(), "4k".into()));
+    four_k_hook(&mut node);
     let Some(daemon) = deny(&node, &[]) else {
         return;
     };
@@ -626,11 +651,28 @@ fn any_tier_without_bpf_loop_the_daemon_reads_large_blocks() {
     );
 }
 
+/// An exec storm the stopped daemon cannot read, which overflows its ring buffer, and a
+/// process started after it: the storm's events and the process's exec are lost.
+fn storm() {
+    let storm = std::process::Command::new("sh")
+        .args([
+            "-c",
+            "i=0; while [ $i -lt 300 ]; do /bin/true; i=$((i+1)); done",
+        ])
+        .status()
+        .unwrap();
+    assert!(storm.success());
+}
+
+fn spawn_with_block(node: &mut Node, block: &str, gpu: &Path) -> u32 {
+    let args = ["--reexec-envp", block, "--wait-stdin", "--open", path(gpu)];
+    node.spawn_with(None, &[], &args, Some(ALICE))
+}
+
 /// A 64 KiB block is read in the kernel even while the daemon cannot answer (stopped,
-/// its ring buffer overflowing under an exec storm); an identity the kernel left
-/// unresolved, whose exec event was lost, is resolved by the resynchronising cycle.
+/// its ring buffer overflowing under an exec storm).
 #[test]
-fn any_tier_identities_hold_through_a_64_kib_block_and_a_lost_exec() {
+fn any_tier_a_64_kib_block_is_read_in_the_kernel_while_the_daemon_cannot_answer() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &["--ring-buffer-bytes", "4096"]) else {
@@ -641,35 +683,38 @@ fn any_tier_identities_hold_through_a_64_kib_block_and_a_lost_exec() {
         "PAD={}|GENV_ENVIRONMENT_ID=alice-env",
         "x".repeat(64 * 1024)
     );
-    let open = ["--wait-stdin", "--open", path(&gpu)];
-    let with_block = |block: &str| {
-        let mut args = vec!["--reexec-envp", block];
-        args.extend_from_slice(&open);
-        args.iter().map(|a| a.to_string()).collect::<Vec<_>>()
-    };
-    let spawn = |node: &mut Node, args: &[String]| {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        node.spawn_with(None, &[], &args, Some(ALICE))
-    };
-    let storm = std::process::Command::new("sh")
-        .args([
-            "-c",
-            "i=0; while [ $i -lt 300 ]; do /bin/true; i=$((i+1)); done",
-        ])
-        .status()
-        .unwrap();
-    assert!(storm.success());
-    let worker = spawn(&mut node, &with_block(&big));
-    let unresolved = spawn(&mut node, &with_block(&unresolvable_block()));
+    storm();
+    let worker = spawn_with_block(&mut node, &big, &gpu);
     // The daemon is stopped: only the kernel decides this open.
     let lines = node.attempt(worker);
     assert_untouched(&mut node, worker, &lines, 1, "a 64 KiB block");
     drop(stopped);
     daemon.expect("[WARNING] The kernel lost");
-    daemon.wait_count("identities_resolved");
+    assert_not_read_from_proc(&daemon, worker);
+}
+
+/// An identity the kernel left unresolved, whose exec event was lost (the daemon
+/// stopped, its ring buffer overflowing under an exec storm), is resolved by the
+/// resynchronising cycle.
+#[test]
+fn any_tier_an_unresolved_identity_whose_exec_was_lost_is_resolved_by_the_resync() {
+    let _serial = serial();
+    let (mut node, [gpu, _]) = node();
+    four_k_hook(&mut node);
+    let Some(daemon) = deny(&node, &["--ring-buffer-bytes", "4096"]) else {
+        return;
+    };
+    let stopped = Stopped::after_first_cycle(&daemon);
+    // The first cycle may have resolved others' (the harness's own blocks can be over
+    // 4 KiB): the resync after the loss counts above that.
+    let resolved = daemon.count("identities_resolved");
+    storm();
+    let unresolved = spawn_with_block(&mut node, &unresolvable_block(), &gpu);
+    drop(stopped);
+    daemon.expect("[WARNING] The kernel lost");
+    daemon.wait_count_above("identities_resolved", resolved);
     let lines = node.attempt(unresolved);
     assert_untouched(&mut node, unresolved, &lines, 1, "resolved after the loss");
-    assert_not_read_from_proc(&daemon, worker);
 }
 
 /// A child forked before the daemon resolved its parent inherits "unresolved"; the
@@ -678,6 +723,7 @@ fn any_tier_identities_hold_through_a_64_kib_block_and_a_lost_exec() {
 fn any_tier_a_child_forked_before_its_parent_was_resolved_is_resolved_too() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
+    four_k_hook(&mut node);
     let Some(daemon) = deny(&node, &[]) else {
         return;
     };

@@ -87,10 +87,9 @@ pub mod cuda_call {
 pub mod identity {
     /// No `GENV_ENVIRONMENT_ID` in its environment block (or one too long to be real).
     pub const NO_ENV: u64 = 0;
-    /// The exec hook could not read the block (a page it could not read, more look-alike
-    /// entries than it can hold after the last assignment, or over 4 KiB on kernels
-    /// without `bpf_loop`); the daemon reads `/proc/<pid>/environ` and writes the
-    /// answer. Counts as outside until then.
+    /// The exec hook could not read the block (a page it could not read, or over 4 KiB
+    /// on kernels without `bpf_loop`); the daemon reads `/proc/<pid>/environ` and writes
+    /// the answer. Counts as outside until then.
     pub const UNRESOLVED: u64 = u64::MAX;
 }
 
@@ -254,7 +253,8 @@ pub struct RawEvent {
     pub uid: u32,
     /// One of [`verdict`] for `OPEN`.
     pub verdict: u32,
-    /// `bpf_ktime_get_ns()` when the event happened (CLOCK_MONOTONIC).
+    /// `bpf_ktime_get_ns()` when the event happened (CLOCK_MONOTONIC); 0 for `EXEC`,
+    /// `FORK` and `EXIT`, whose time the daemon does not use.
     pub ktime_ns: u64,
 }
 
@@ -363,6 +363,7 @@ pub const fn split_kernel_dev(dev: u32) -> (u32, u32) {
 }
 
 pub mod alloc;
+pub mod env_scan;
 
 #[cfg(feature = "user")]
 mod pod {

@@ -1,44 +1,41 @@
 //! Reading `GENV_ENVIRONMENT_ID` out of the current task's environment block at exec,
 //! as genv reads `/proc/<pid>/environ`: the last assignment wins, look-alike names do
-//! not count. The block is read whole, 4 KiB at a time, in `bpf_loop` steps (5.17 and
-//! later); without `bpf_loop` only blocks up to 4 KiB are read and larger ones are left
-//! to the daemon.
+//! not count. The block is read whole, a window at a time, in `bpf_loop` steps (5.17
+//! and later); without `bpf_loop` only blocks up to 4 KiB are read and larger ones are
+//! left to the daemon.
+//!
+//! Each window is copied in one read and its aligned words are looked up in a filter
+//! (`genv_ebpf_common::env_scan`); only the rare word that is part of the variable's
+//! name is compared further. The words are scanned in `bpf_loop` steps of
+//! `GROUP_WORDS`, which the verifier checks once, not once per word.
 
 use aya_ebpf::cty::c_void;
+use aya_ebpf::helpers::bpf_get_current_task;
 use aya_ebpf::helpers::generated as raw;
-use aya_ebpf::helpers::{bpf_get_current_task, bpf_probe_read_user};
-use genv_ebpf_common::{
-    ENV_VAR_PREFIX, FNV_OFFSET, MAX_ENV_ID, Offsets, avoid_sentinels, fnv_step, identity,
+use genv_ebpf_common::env_scan::{
+    CHUNK_BYTES, GROUP_WORDS, MAX_CHUNKS, MAX_GROUPS, PATTERN, WINDOW_BYTES, WINDOW_WORDS,
+    anchor_of, filter, is_assignment, pattern_start, scan_words,
 };
+use genv_ebpf_common::{FNV_OFFSET, MAX_ENV_ID, Offsets, avoid_sentinels, fnv_step, identity};
 
 use crate::kernel::read;
-use crate::maps::{
-    ENV_CANDIDATES, ENV_SCAN_BYTES, ENV_SCAN_PAD_WORDS, ENV_SCAN_WORDS, EnvScratch, SCRATCH,
-};
+use crate::maps::{EnvScratch, SCRATCH};
 
 /// How much of the block the exec hook reads.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Scan {
-    /// All of it, one 4 KiB chunk per `bpf_loop` step.
+    /// All of it, one window per `bpf_loop` step.
     Whole,
     /// Blocks up to 4 KiB; larger ones are unresolved (kernels without `bpf_loop`).
     First4K,
 }
 
-/// Bytes the scratch holds: a chunk plus the longest entry that can start in it (the
-/// prefix and `MAX_ENV_ID` bytes of value), so that an entry straddling two chunks is
-/// read whole by the chunk it starts in.
-const WINDOW_BYTES: u64 = ((ENV_SCAN_WORDS + ENV_SCAN_PAD_WORDS) * 8 - 8) as u64;
-const TOTAL_WORDS: usize = ENV_SCAN_WORDS + ENV_SCAN_PAD_WORDS;
-/// More chunks than the kernel lets argv and the environment have together (6 MiB).
-const MAX_CHUNKS: u64 = 2048;
+const FIRST_4K: u64 = 4096;
+/// Groups of a window holding a 4 KiB block, for the scan without `bpf_loop`.
+const FIRST_4K_GROUPS: usize = scan_words(FIRST_4K as usize + 8).div_ceil(GROUP_WORDS);
 
 /// The identity in the current task's environment block: the last
 /// `GENV_ENVIRONMENT_ID=` entry wins, as in genv (a Python dict built from it).
-///
-/// Each chunk is copied in one read and scanned eight bytes at a time: entry starts are
-/// the bytes after a NUL, and only starts holding a `G` are compared with the prefix.
-/// (One `bpf_probe_read_user_str` per entry instead cost ~100 ns an entry.)
 #[inline(always)]
 pub(crate) fn environment_identity(o: &Offsets, scan: Scan) -> u64 {
     // SAFETY: a helper without arguments; the task is read only through probe reads.
@@ -56,201 +53,222 @@ pub(crate) fn environment_identity(o: &Offsets, scan: Scan) -> u64 {
     if len == 0 {
         return identity::NO_ENV;
     }
-    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+    let Some(s) = SCRATCH.get_ptr_mut(0) else {
         return identity::NO_ENV;
     };
     // SAFETY: this CPU's scratch slot, used by this program alone (programs on one CPU
-    // do not preempt each other).
-    let s = unsafe { &mut *scratch };
-    // The walk's state lives in the scratch, not on the stack: the loop's steps then
-    // read plain map values, and the verifier has no pointer into another frame to
-    // follow.
-    s.start = start;
-    s.len = len;
-    s.found = identity::NO_ENV;
+    // do not preempt each other); written through the raw pointer only.
+    unsafe {
+        (*s).start = start;
+        (*s).len = len;
+        (*s).found = identity::NO_ENV;
+    }
     match scan {
-        Scan::First4K if len > ENV_SCAN_BYTES as u64 => return identity::UNRESOLVED,
+        Scan::First4K if len > FIRST_4K => return identity::UNRESOLVED,
         Scan::First4K => {
-            chunk(0);
+            if open_window(0) {
+                for g in 0..FIRST_4K_GROUPS {
+                    scan_group(g);
+                }
+                close_window();
+            }
         }
         Scan::Whole => {
-            let chunks = len.div_ceil(ENV_SCAN_BYTES as u64);
-            if chunks > MAX_CHUNKS {
+            let chunks = len.div_ceil(CHUNK_BYTES as u64);
+            if chunks > MAX_CHUNKS as u64 {
                 return identity::UNRESOLVED;
             }
             // SAFETY: `step` is a BPF subprogram; it takes no context.
             unsafe { raw::bpf_loop(chunks as u32, step as *mut c_void, core::ptr::null_mut(), 0) };
         }
     }
-    let Some(scratch) = SCRATCH.get_ptr(0) else {
+    let Some(s) = SCRATCH.get_ptr(0) else {
         return identity::NO_ENV;
     };
-    // SAFETY: as above.
-    unsafe { (*scratch).found }
+    // SAFETY: as above; volatile: the loop's steps wrote it.
+    unsafe { core::ptr::read_volatile(&(*s).found) }
 }
 
-/// One `bpf_loop` step: chunk `index` of the block. 0 goes on, 1 stops.
+/// One `bpf_loop` step: the `index`th chunk of the block from its end. The last
+/// assignment wins, so the walk goes backwards and stops at the first chunk holding
+/// one; a block without one is read whole. 0 goes on, 1 stops.
 #[inline(never)]
 extern "C" fn step(index: u64, _ctx: *mut c_void) -> i64 {
-    if chunk(index) { 0 } else { 1 }
-}
-
-/// Scans chunk `index` of the block the scratch names; `false` to stop the walk. A
-/// later chunk's assignment wins over an earlier one; a chunk whose look-alikes
-/// overflowed the candidate ring makes the answer unknown unless a later chunk assigns
-/// again.
-#[inline(always)]
-fn chunk(index: u64) -> bool {
-    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
-        return false;
+    let Some(s) = SCRATCH.get_ptr(0) else {
+        return 1;
     };
-    // SAFETY: this CPU's scratch slot, used by this program alone.
-    let s = unsafe { &mut *scratch };
-    let (start, len) = (s.start, s.len);
-    let offset = index * ENV_SCAN_BYTES as u64;
-    if offset >= len {
-        return false;
+    // SAFETY: this CPU's scratch slot.
+    let chunks = unsafe { (*s).len }.div_ceil(CHUNK_BYTES as u64);
+    if index >= chunks || !open_window(chunks - 1 - index) {
+        return 1;
     }
-    // Whether the chunk's first byte starts an entry: the block's does; otherwise the
-    // byte before it must be the previous entry's NUL.
-    // SAFETY: the helper checks the user address and fails instead of faulting.
-    let starts_entry =
-        offset == 0 || unsafe { bpf_probe_read_user((start + offset - 1) as *const u8) } == Ok(0);
-    let mut n = len - offset;
-    if n > WINDOW_BYTES {
-        n = WINDOW_BYTES;
-    }
-    if !copy_block(s, start + offset, n as usize) {
-        s.found = identity::UNRESOLVED; // a page not present: the daemon reads /proc
-        return false;
-    }
-    find_candidates(s, n as usize, starts_entry);
-    if let Some(found) = last_assignment(s, n as usize) {
-        s.found = found;
-    }
-    true
-}
-
-/// Copies the `n`-byte window at `start` into the scratch words; `false` if it could
-/// not be read.
-#[inline(always)]
-fn copy_block(s: &mut EnvScratch, start: u64, n: usize) -> bool {
-    if n > WINDOW_BYTES as usize {
-        return false;
-    }
-    // SAFETY: at most WINDOW_BYTES into a buffer that large; the helper checks the
-    // user address and fails instead of faulting.
-    let copied = unsafe {
-        raw::bpf_probe_read_user(
-            s.words.as_mut_ptr() as *mut c_void,
-            n as u32,
-            start as *const c_void,
+    // SAFETY: as above; volatile: `open_window` wrote it.
+    let valid = unsafe { core::ptr::read_volatile(&(*s).valid) } as usize;
+    let groups = scan_words(valid).div_ceil(GROUP_WORDS);
+    // SAFETY: `group_step` is a BPF subprogram; it takes no context.
+    unsafe {
+        raw::bpf_loop(
+            groups as u32,
+            group_step as *mut c_void,
+            core::ptr::null_mut(),
+            0,
         )
     };
-    // What an earlier, longer window left past `n` stays there: every read of a byte
-    // checks `n` (see `byte`), which costs less than zeroing it.
-    copied == 0
+    if close_window() { 1 } else { 0 }
 }
 
-/// Pass 1: records where entries start with a `G` in the window's first 4 KiB (an
-/// entry starting later belongs to the next chunk), eight bytes at a time.
-#[inline(always)]
-fn find_candidates(s: &mut EnvScratch, n: usize, starts_entry: bool) {
-    // SAFETY: a field of our own scratch slot (volatile: see `record_candidates`).
-    unsafe { core::ptr::write_volatile(&mut s.candidates, 0) };
-    let word_count = n.div_ceil(8);
-    // As if a NUL preceded byte 0 when it starts an entry.
-    let mut previous_nuls: u64 = if starts_entry { 0x80 << 56 } else { 0 };
-    for i in 0..ENV_SCAN_WORDS {
-        if i >= word_count {
-            break;
-        }
-        let word = s.words[i];
-        let nuls = zero_bytes(word);
-        let starts = (nuls << 8) | (previous_nuls >> 56);
-        let candidates = starts & zero_bytes(word ^ 0x4747_4747_4747_4747);
-        previous_nuls = nuls;
-        if candidates != 0 {
-            record_candidates(s, i, candidates);
-        }
-    }
+/// One `bpf_loop` step of a window's scan: group `index`. Always goes on.
+#[inline(never)]
+extern "C" fn group_step(index: u64, _ctx: *mut c_void) -> i64 {
+    scan_group(index as usize);
+    0
 }
 
-/// Pass 2: the identity in the last candidate holding the variable; `None` if the
-/// window assigns none.
+/// Copies chunk `index` of the block, with the 8 bytes before it, into the window;
+/// `false` past the block's end, or if the block could not be read (a page not present:
+/// the identity is then unresolved, and the daemon reads `/proc`).
 #[inline(always)]
-fn last_assignment(s: &EnvScratch, n: usize) -> Option<u64> {
-    // SAFETY: a field of our own scratch slot (volatile: see `record_candidates`).
-    let count = unsafe { core::ptr::read_volatile(&s.candidates) } as usize;
-    for t in 0..ENV_CANDIDATES {
-        if t >= count {
-            return None;
-        }
-        let at = s.positions[(count - 1 - t) % ENV_CANDIDATES] as usize;
-        if has_prefix(s, at, n) {
-            return Some(hash_value(s, at + ENV_VAR_PREFIX.len(), n));
-        }
-    }
-    // More `G` entries than the ring holds, none of the last ones the variable.
-    Some(identity::UNRESOLVED)
-}
-
-/// Bit 7 of each byte of `word` that is zero (and, harmlessly, of a 0x01 byte just
-/// above a zero one: every candidate is compared in full).
-#[inline(always)]
-fn zero_bytes(word: u64) -> u64 {
-    word.wrapping_sub(0x0101_0101_0101_0101) & !word & 0x8080_8080_8080_8080
-}
-
-/// Records the byte positions of the candidate starts in word `i`. The count is read
-/// and written through volatile accesses: kept in a register, it would differ between
-/// the paths through the eight branches, and the verifier would walk all 256 of them
-/// in every iteration.
-#[inline(always)]
-fn record_candidates(s: &mut EnvScratch, i: usize, candidates: u64) {
-    for k in 0..8 {
-        if candidates & (0x80 << (8 * k)) != 0 {
-            // SAFETY: fields of our own scratch slot.
-            unsafe {
-                let count = core::ptr::read_volatile(&s.candidates);
-                let slot = count as usize % ENV_CANDIDATES;
-                core::ptr::write_volatile(&mut s.positions[slot], (i * 8 + k) as u32);
-                core::ptr::write_volatile(&mut s.candidates, count.wrapping_add(1));
-            }
-        }
-    }
-}
-
-#[inline(always)]
-fn byte(s: &EnvScratch, at: usize, n: usize) -> u8 {
-    let bytes = s.words.as_ptr() as *const u8;
-    // Past the window's end reads as the NUL that ends the block.
-    if at >= n || at >= TOTAL_WORDS * 8 {
-        return 0;
-    }
-    // SAFETY: bounded by the buffer's size just above.
-    unsafe { *bytes.add(at) }
-}
-
-#[inline(always)]
-fn has_prefix(s: &EnvScratch, at: usize, n: usize) -> bool {
-    let mut k = 0;
-    while k < ENV_VAR_PREFIX.len() {
-        if byte(s, at + k, n) != ENV_VAR_PREFIX[k] {
+fn open_window(index: u64) -> bool {
+    let Some(s) = SCRATCH.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: this CPU's scratch slot; every copy stays within `words`, and the helper
+    // checks the user address and fails instead of faulting.
+    unsafe {
+        let (start, len) = ((*s).start, (*s).len);
+        let offset = index * CHUNK_BYTES as u64;
+        if offset >= len {
             return false;
         }
-        k += 1;
+        let rest = len - offset;
+        let words = (*s).words.as_mut_ptr();
+        let (copied, valid) = if offset == 0 {
+            // As if a NUL preceded the block: its first entry starts one.
+            *words = 0;
+            let n = rest.min(WINDOW_BYTES as u64 - 8);
+            let copied = raw::bpf_probe_read_user(
+                words.add(1) as *mut c_void,
+                n as u32,
+                start as *const c_void,
+            );
+            (copied, n + 8)
+        } else {
+            let n = (rest + 8).min(WINDOW_BYTES as u64);
+            let copied = raw::bpf_probe_read_user(
+                words as *mut c_void,
+                n as u32,
+                (start + offset - 8) as *const c_void,
+            );
+            (copied, n)
+        };
+        if copied != 0 {
+            (*s).found = identity::UNRESOLVED;
+            return false;
+        }
+        // What an earlier, longer window left past `valid` stays there: every match and
+        // every byte of a value is checked against `valid`, which costs less than
+        // zeroing it.
+        (*s).valid = valid;
+        (*s).value = 0;
     }
     true
+}
+
+/// Scans window words `1 + g * GROUP_WORDS ..` for anchors of the pattern.
+#[inline(always)]
+fn scan_group(g: usize) {
+    if g >= MAX_GROUPS {
+        return;
+    }
+    let Some(s) = SCRATCH.get_ptr(0) else {
+        return;
+    };
+    // The group's words are `group[1..=GROUP_WORDS]`: a constant offset in each load
+    // (`1 + g * GROUP_WORDS` as one index, the compiler may compute with an OR, which the
+    // verifier cannot bound).
+    // SAFETY: `g * GROUP_WORDS + GROUP_WORDS` is within `words` for every
+    // `g < MAX_GROUPS`.
+    let group = unsafe { (*s).words.as_ptr().add(g * GROUP_WORDS) };
+    // Unrolled: a handful of instructions a word, no loop counter.
+    macro_rules! words {
+        ($($j:literal)*) => {$(
+            // SAFETY: as above.
+            let word = unsafe { *group.add($j) };
+            let filtered = filter(word);
+            if filtered != 0 {
+                if let Some(a) = anchor_of(word, filtered) {
+                    matched(g * GROUP_WORDS + $j, a);
+                }
+            }
+        )*};
+    }
+    words!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32
+           33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 64);
+    const _: () = assert!(GROUP_WORDS == 64);
+}
+
+/// Word `k` is anchor `a`: records the assignment it is part of, if it is one and it
+/// starts in this window's chunk. Assignments are met in block order: the last wins.
+#[inline(never)]
+fn matched(k: usize, a: usize) {
+    // Words `k - 1 ..= k + 2`, through one bounded register: verifiers before 6.10 do
+    // not carry a bound checked on `k + 2` over to `k`, and the compiler would check one
+    // and index with the other (`black_box` keeps them one).
+    let before = core::hint::black_box(k.wrapping_sub(1));
+    if before >= WINDOW_WORDS - 3 {
+        return;
+    }
+    let Some(s) = SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's scratch slot; `before + 3` is within `words`.
+    unsafe {
+        let around = (*s).words.as_ptr().add(before);
+        if !is_assignment(*around, *around.add(2), *around.add(3), a) {
+            return;
+        }
+        if let Some(q) = pattern_start(before + 1, a, (*s).valid as usize) {
+            core::ptr::write_volatile(&mut (*s).value, (q + PATTERN.len()) as u64);
+        }
+    }
+}
+
+/// The chunk's last assignment, if any, becomes the identity; whether there was one.
+#[inline(always)]
+fn close_window() -> bool {
+    let Some(s) = SCRATCH.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: this CPU's scratch slot; volatile: the scan's steps wrote it.
+    unsafe {
+        let value = core::ptr::read_volatile(&(*s).value) as usize;
+        if value != 0 {
+            (*s).found = hash_value(&*s, value, (*s).valid as usize);
+        }
+        value != 0
+    }
 }
 
 /// `env_id_hash` of the NUL-terminated value at `at`, in a loop the verifier can
-/// bound (the same steps); a value longer than `MAX_ENV_ID` is no environment's.
+/// bound (the same steps); a value longer than `MAX_ENV_ID` is no environment's, and
+/// past the bytes read is the NUL that ends the block.
 #[inline(always)]
-fn hash_value(s: &EnvScratch, at: usize, n: usize) -> u64 {
+fn hash_value(s: &EnvScratch, at: usize, valid: usize) -> u64 {
+    // One bounded register for every byte (see `matched`).
+    let at = core::hint::black_box(at);
+    if at > WINDOW_BYTES - (MAX_ENV_ID + 1) {
+        return identity::NO_ENV;
+    }
+    // SAFETY: `at + MAX_ENV_ID` is within the window, checked just above.
+    let value = unsafe { (s.words.as_ptr() as *const u8).add(at) };
     let mut hash = FNV_OFFSET;
     for j in 0..=MAX_ENV_ID {
-        let b = byte(s, at + j, n);
+        // SAFETY: as above.
+        let b = if at + j < valid {
+            unsafe { *value.add(j) }
+        } else {
+            0
+        };
         if b == 0 {
             return avoid_sentinels(hash);
         }

@@ -6,9 +6,10 @@ use aya_ebpf::bindings::{
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, PerCpuArray, RingBuf};
+use genv_ebpf_common::env_scan::WINDOW_WORDS;
 use genv_ebpf_common::{
-    EnvEntry, ExeKey, MAX_ALLOWED_EXES, MAX_ENV_ID, MAX_ENVS, MAX_EXEMPT_PIDS, MAX_GPU_NODES,
-    MAX_PROCESSES, Offsets, RawEvent, decision,
+    EnvEntry, ExeKey, MAX_ALLOWED_EXES, MAX_ENVS, MAX_EXEMPT_PIDS, MAX_GPU_NODES, MAX_PROCESSES,
+    Offsets, RawEvent, decision,
 };
 
 /// Events to the daemon. The daemon may resize it at load time (a power of two pages).
@@ -49,34 +50,22 @@ pub static POLICY: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 pub static DECISIONS: PerCpuArray<u64> = PerCpuArray::with_max_entries(decision::SLOTS, 0);
 
-/// The environment block is read in chunks of 4 KiB, which keeps the verifier within its
-/// budget (8 KiB did not): one program pass without `bpf_loop`, one loop step with it.
-pub const ENV_SCAN_WORDS: usize = 512;
-pub const ENV_SCAN_BYTES: usize = ENV_SCAN_WORDS * 8;
-/// Zeroed words after the block: room for a prefix compare at the last position and
-/// the longest id, without reading outside the buffer.
-pub const ENV_SCAN_PAD_WORDS: usize = (20 + MAX_ENV_ID + 1).div_ceil(8) + 1;
-
-/// Per-CPU scratch for the exec hook: the environment block, word by word (too large
-/// for the 512-byte BPF stack).
+/// Per-CPU scratch for the exec hook (too large for the 512-byte BPF stack): a window of
+/// the environment block (`genv_ebpf_common::env_scan`), and the walk's state. The
+/// state lives here, not on the stack: the `bpf_loop` steps then read plain map values,
+/// and the verifier has no pointer into another frame to follow.
 #[repr(C)]
 pub struct EnvScratch {
-    pub words: [u64; ENV_SCAN_WORDS + ENV_SCAN_PAD_WORDS],
-    /// Byte positions of the last `ENV_CANDIDATES` entries that start with `G`, as a
-    /// ring; `candidates` counts all of them. Kept in map memory, which the verifier does
-    /// not track, so that the scan's branches converge.
-    pub positions: [u32; ENV_CANDIDATES],
-    pub candidates: u32,
-    pub _pad: u32,
+    pub words: [u64; WINDOW_WORDS],
     /// The block being walked (user address and length), and the identity so far.
     pub start: u64,
     pub len: u64,
     pub found: u64,
+    /// Bytes of the window read, the word before the chunk included.
+    pub valid: u64,
+    /// Window offset of the value of the chunk's last assignment; 0 for none.
+    pub value: u64,
 }
-
-/// Entries starting with `G` after the last `GENV_ENVIRONMENT_ID` the exec hook can
-/// pass over (GTK_*, GIT_*, GPG_*, ...); with more, the block goes to the daemon.
-pub const ENV_CANDIDATES: usize = 32;
 
 #[map]
 pub static SCRATCH: PerCpuArray<EnvScratch> = PerCpuArray::with_max_entries(1, 0);
@@ -99,7 +88,17 @@ pub fn policy() -> u32 {
 /// Filled in by the daemon before loading; read-only afterwards, so the verifier sees
 /// constants.
 #[unsafe(no_mangle)]
-static OFFSETS: Offsets = Offsets::UNSET;
+pub(crate) static OFFSETS: Offsets = Offsets::UNSET;
+
+/// One member of `OFFSETS`, read as [`offsets`] reads them all: for the paths every open
+/// of the machine takes, where copying all of them cost more than the rest.
+macro_rules! offset {
+    ($member:ident) => {
+        // SAFETY: a plain read of our own global; volatile, as in `offsets`.
+        unsafe { core::ptr::read_volatile(&$crate::maps::OFFSETS.$member) }
+    };
+}
+pub(crate) use offset;
 
 #[inline(always)]
 pub fn offsets() -> Offsets {

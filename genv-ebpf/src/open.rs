@@ -19,8 +19,8 @@ use genv_ebpf_common::{
 
 use crate::kernel::{current, read};
 use crate::maps::{
-    ALLOWED_EXES, ENVS, EXEMPT_PIDS, GPU_NODES, PROC_ENV, Wake, count_decision, emit, offsets,
-    policy,
+    ALLOWED_EXES, ENVS, EXEMPT_PIDS, GPU_NODES, PROC_ENV, Wake, count_decision, emit, offset,
+    offsets, policy,
 };
 
 const EPERM: i32 = 1;
@@ -33,15 +33,19 @@ const S_IFCHR: u16 = 0o020000;
 const FMODE_PATH: u32 = 1 << 14;
 
 /// The GPU index of the node `file` refers to, if it is a watched GPU node. Every open
-/// in the system comes through here: the device number is looked up first (0 for
-/// anything but a device), and the rest is read only for watched numbers.
+/// in the system comes through here: the device number is read first and anything but
+/// a device (0) returns at once; a device's number is looked up, and the rest is read
+/// only for watched numbers.
 #[inline(always)]
-fn gpu_of(file: *const u8, o: &Offsets) -> Option<(u32, u32)> {
-    let inode: *const u8 = read(file, o.file_f_inode)?;
-    let rdev: u32 = read(inode, o.inode_i_rdev)?;
+fn gpu_of(file: *const u8) -> Option<(u32, u32)> {
+    let inode: *const u8 = read(file, offset!(file_f_inode))?;
+    let rdev: u32 = read(inode, offset!(inode_i_rdev))?;
+    if rdev == 0 {
+        return None;
+    }
     // SAFETY: a plain lookup; the value is copied out at once.
     let index = unsafe { GPU_NODES.get(&rdev) }.copied()?;
-    let mode: u16 = read(inode, o.inode_i_mode)?;
+    let mode: u16 = read(inode, offset!(inode_i_mode))?;
     if mode & S_IFMT != S_IFCHR {
         return None; // a block device with the same number
     }
@@ -60,10 +64,11 @@ fn gpu_of(file: *const u8, o: &Offsets) -> Option<(u32, u32)> {
 /// returns -EPERM on `REFUSED`) and sent SIGKILL here on the others, so the open never
 /// returns to it.
 #[inline(always)]
-fn decide<C: EbpfContext>(ctx: &C, file: *const u8, o: &Offsets, tier: u32) -> u32 {
-    let Some((rdev, index)) = gpu_of(file, o) else {
+fn decide<C: EbpfContext>(ctx: &C, file: *const u8, tier: u32) -> u32 {
+    let Some((rdev, index)) = gpu_of(file) else {
         return 0;
     };
+    let o = &offsets();
     if read::<u32>(file, o.file_f_mode).is_none_or(|mode| mode & FMODE_PATH != 0) {
         return 0;
     }
@@ -216,7 +221,7 @@ pub fn open_lsm(ctx: LsmContext) -> i32 {
     if previous != 0 {
         return previous;
     }
-    match decide(&ctx, ctx.arg(0), &offsets(), hook::LSM) {
+    match decide(&ctx, ctx.arg(0), hook::LSM) {
         verdict::REFUSED => -EPERM,
         _ => 0,
     }
@@ -240,7 +245,7 @@ pub fn open_lsm(ctx: LsmContext) -> i32 {
 #[unsafe(link_section = "fexit/security_file_open")]
 pub fn open_fmod_ret(ctx: *mut c_void) -> i32 {
     let ctx = FExitContext::new(ctx);
-    match decide(&ctx, ctx.arg(0), &offsets(), hook::FMOD_RET) {
+    match decide(&ctx, ctx.arg(0), hook::FMOD_RET) {
         verdict::REFUSED => -EPERM,
         _ => 0,
     }
@@ -251,7 +256,7 @@ pub fn open_fmod_ret(ctx: *mut c_void) -> i32 {
 /// it cannot refuse, so `decide` kills.
 #[fentry(function = "security_file_open")]
 pub fn open_fentry(ctx: FEntryContext) -> u32 {
-    decide(&ctx, ctx.arg(0), &offsets(), hook::FENTRY);
+    decide(&ctx, ctx.arg(0), hook::FENTRY);
     0
 }
 
@@ -260,46 +265,64 @@ pub fn open_fentry(ctx: FEntryContext) -> u32 {
 /// through the task's file table to its inode.
 #[inline(always)]
 fn on_open_exit(ctx: &TracePointContext) {
-    let o = offsets();
-    // SAFETY: the offset comes from the tracepoint's format file.
-    let Ok(ret) = (unsafe { ctx.read_at::<i64>(o.sys_exit_ret as usize) }) else {
-        return;
+    // `ret` is at 16 in every kernel's `sys_exit_*` record (`struct syscall_trace_exit`:
+    // the common header, the syscall number, then `ret`): a load from the context, where
+    // a probe read is a helper call. The offset comes from the tracepoint's format file;
+    // the verifier knows it, and drops the branch not taken.
+    let ret = if offset!(sys_exit_ret) == 16 {
+        // SAFETY: within the tracepoint's record, 8-byte aligned; the verifier checks
+        // every context access.
+        unsafe { *(ctx.as_ptr().add(16) as *const i64) }
+    } else {
+        let at = offset!(sys_exit_ret) as usize;
+        // SAFETY: the offset comes from the tracepoint's format file.
+        let Ok(ret) = (unsafe { ctx.read_at::<i64>(at) }) else {
+            return;
+        };
+        ret
     };
-    on_open_returned(ctx, ret, &o);
+    on_open_returned(ctx, ret);
 }
 
 /// The descriptor an open returned (`ret`), if it is one, decided about.
 #[inline(always)]
-fn on_open_returned<C: EbpfContext>(ctx: &C, ret: i64, o: &Offsets) {
+fn on_open_returned<C: EbpfContext>(ctx: &C, ret: i64) {
     if ret < 0 || ret > i32::MAX as i64 {
         return;
     }
     let fd = ret as u32;
     // SAFETY: a helper without arguments; the task is read only through probe reads.
     let task = unsafe { bpf_get_current_task() } as *const u8;
-    let Some(files) = read::<*const u8>(task, o.task_files) else {
+    let Some(files) = read::<*const u8>(task, offset!(task_files)) else {
         return;
     };
-    let Some(fdt) = read::<*const u8>(files, o.files_fdt) else {
+    let Some(fdt) = read::<*const u8>(files, offset!(files_fdt)) else {
         return;
     };
-    let Some(max_fds) = read::<u32>(fdt, o.fdtable_max_fds) else {
+    let Some((max_fds, fds)) = fd_array(fdt) else {
         return;
     };
-    if fd >= max_fds {
-        return;
-    }
-    let Some(fds) = read::<*const *const u8>(fdt, o.fdtable_fd) else {
-        return;
-    };
-    if fds.is_null() {
+    if fd >= max_fds || fds.is_null() {
         return;
     }
     // SAFETY: a probe read of the descriptor's slot, bounded by max_fds above.
     let Ok(file) = (unsafe { bpf_probe_read_kernel(fds.wrapping_add(fd as usize)) }) else {
         return;
     };
-    decide(ctx, file, o, hook::TRACEPOINT);
+    decide(ctx, file, hook::TRACEPOINT);
+}
+
+/// `fdt->max_fds` and `fdt->fd`: one probe read where they are next to each other (as
+/// in every kernel's `struct fdtable` so far), two otherwise.
+#[inline(always)]
+fn fd_array(fdt: *const u8) -> Option<(u32, *const *const u8)> {
+    let (max_fds, fd) = (offset!(fdtable_max_fds), offset!(fdtable_fd));
+    if fd == max_fds + 8 && max_fds % 8 == 0 {
+        let [max, array] = read::<[u64; 2]>(fdt, max_fds)?;
+        Some((max as u32, array as *const *const u8))
+    } else {
+        Some((read(fdt, max_fds)?, read(fdt, fd)?))
+    }
 }
 
 /// `TS_COMPAT` in x86's `thread_info.status`: the task is in a 32-bit syscall
@@ -330,7 +353,7 @@ pub fn open_exit_compat(ctx: RawTracePointContext) -> i32 {
     };
     if COMPAT_OPENS.contains(&nr) {
         let ret: i64 = ctx.arg(1);
-        on_open_returned(&ctx, ret, &o);
+        on_open_returned(&ctx, ret);
     }
     0
 }

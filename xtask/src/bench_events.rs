@@ -5,10 +5,8 @@
 //! test node standing in for GPU 0. One at a time, 100 intruders are listed in the fake
 //! NVML and then told to open the node; for each, the daemon's own figure (open → SIGTERM
 //! sent, both on CLOCK_MONOTONIC) and the wall time until the intruder is reaped. Then
-//! 100,000 opens of `/dev/null` and 2,000 execs (with this process's environment and a
-//! `GENV_ENVIRONMENT_ID` last, so the exec hook reads the whole block) run with the
-//! programs attached, and the kernel's statistics (`kernel.bpf_stats_enabled=1` for the
-//! run) give each program's cost.
+//! opens and execs run with the programs attached, and the kernel's statistics
+//! (`kernel.bpf_stats_enabled=1` for the run) give each program's cost ([`bench_kernel`]).
 //!
 //! Then `--deny`: an outside process forks 10,000 children that each try to open the
 //! node once; on this host's tracepoint tier each must die inside the open. The same loop
@@ -26,9 +24,11 @@ use serde_json::{Value, json};
 
 use crate::sim;
 
+// Declared here, not in main.rs: it is this benchmark's second half.
+#[path = "bench_kernel.rs"]
+mod bench_kernel;
+
 const INTRUDERS: usize = 100;
-const BACKGROUND_OPENS: usize = 100_000;
-const EXECS: usize = 2_000;
 const ATTEMPTS: u32 = 10_000;
 const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
@@ -48,9 +48,6 @@ pub fn run(target: &Path) -> Result<String> {
     result
 }
 
-/// Execs per environment-block size in the `proc_exec` rows.
-const LARGE_EXECS: usize = 500;
-
 fn measure(target: &Path, dir: &Path) -> Result<String> {
     let gpu = dir.join("nvidia0");
     sim::make_test_node(&gpu)?;
@@ -65,16 +62,33 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
         &["--verbose"],
         "Watching GPU nodes",
     )?;
-    let (mut reacted_ms, mut gone_ms) = reactions(target, &gpu, &nvml, &lines)?;
+    let (reacted_ms, gone_ms) = reactions(target, &gpu, &nvml, &lines)?;
     write_bench_nvml(&nvml, json!([]))?;
-    let load = BackgroundLoad::run()?;
-    let status = fresh_status(&run_dir)?;
-    let large = large_block_execs(&run_dir, &status)?;
+    let load = bench_kernel::BackgroundLoad::run(&run_dir)?;
+    let status = bench_kernel::fresh_status(&run_dir)?;
+    let by_size = bench_kernel::exec_rows(&run_dir)?;
     // SAFETY: kill(2) takes no pointer; the daemon is this benchmark's child.
     unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
     daemon.wait()?;
     let host_loop = attempt_loop(target, dir, &gpu, &nvml)?;
 
+    let mut table = reaction_table(&tier, reacted_ms, gone_ms);
+    table += &bench_kernel::programs_table(&load, &status)?;
+    table += &by_size;
+    table += &format!(
+        "\n## `--deny`: {ATTEMPTS} open attempts by a process outside any environment\n\n\
+         One process of an unprivileged user (root is let through unless `--deny-root`) forks {ATTEMPTS} children one after the other; each opens the test GPU node once and, if the \
+         open returns to it, says so through a pipe. The LSM, fmod_ret and fentry rows come from the VM \
+         (`cargo xtask vm-test --kernel 6.1`, TCG: counts, not times).\n\n\
+         | tier | attempts | open returned | open succeeded | killed in the open |\n|---|---|---|---|---|\n"
+    );
+    table += &host_loop;
+    table += &vm_attempt_loops()?;
+    Ok(table)
+}
+
+/// The reaction table: the daemon's own figure and the wall time, in ms.
+fn reaction_table(tier: &str, mut reacted_ms: Vec<f64>, mut gone_ms: Vec<f64>) -> String {
     let mut table = format!(
         "\n## Event-driven reaction ({tier} tier)\n\n\
          `cargo xtask bench`: {INTRUDERS} intruders, one at a time, each listed in the fake NVML and then opening the \
@@ -100,18 +114,7 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
             samples[samples.len() - 1]
         );
     }
-    table += &programs_table(&load, &status)?;
-    table += &large;
-    table += &format!(
-        "\n## `--deny`: {ATTEMPTS} open attempts by a process outside any environment\n\n\
-         One process of an unprivileged user (root is let through unless `--deny-root`) forks {ATTEMPTS} children one after the other; each opens the test GPU node once and, if the \
-         open returns to it, says so through a pipe. The LSM, fmod_ret and fentry rows come from the VM \
-         (`cargo xtask vm-test --kernel 6.1`, TCG: counts, not times).\n\n\
-         | tier | attempts | open returned | open succeeded | killed in the open |\n|---|---|---|---|---|\n"
-    );
-    table += &host_loop;
-    table += &vm_attempt_loops()?;
-    Ok(table)
+    table
 }
 
 fn write_bench_nvml(nvml: &Path, processes: Value) -> Result<()> {
@@ -159,137 +162,6 @@ fn reactions(
         reacted_ms.push(ms);
     }
     Ok((reacted_ms, gone_ms))
-}
-
-/// Opens of `/dev/null` and execs with a realistic environment, for the programs'
-/// per-run costs.
-struct BackgroundLoad {
-    open_close_ns: f64,
-    env_vars: usize,
-    env_bytes: usize,
-}
-
-impl BackgroundLoad {
-    fn run() -> Result<Self> {
-        let started = Instant::now();
-        for _ in 0..BACKGROUND_OPENS {
-            drop(std::fs::File::open("/dev/null")?);
-        }
-        let open_close_ns = started.elapsed().as_nanos() as f64 / BACKGROUND_OPENS as f64;
-        let environment: Vec<(String, String)> = std::env::vars()
-            .filter(|(k, _)| k != "GENV_ENVIRONMENT_ID")
-            .chain([("GENV_ENVIRONMENT_ID".to_owned(), "bench-env".to_owned())])
-            .collect();
-        for _ in 0..EXECS {
-            let status = Command::new("/bin/true")
-                .env_clear()
-                .envs(environment.iter().cloned())
-                .status()?;
-            if !status.success() {
-                bail!("/bin/true failed");
-            }
-        }
-        Ok(Self {
-            open_close_ns,
-            env_vars: environment.len(),
-            env_bytes: environment.iter().map(|(k, v)| k.len() + v.len() + 2).sum(),
-        })
-    }
-}
-
-/// `proc_exec`'s cost per exec with environment blocks over one 4 KiB chunk, read whole
-/// in `bpf_loop` steps: the difference of the kernel's statistics around each batch.
-fn large_block_execs(run_dir: &Path, before: &Value) -> Result<String> {
-    let exec_stats = |status: &Value| -> (u64, u64) {
-        let programs = status["programs"].as_array().cloned().unwrap_or_default();
-        programs
-            .iter()
-            .find(|p| p["name"] == "proc_exec" || p["name"] == "proc_exec_4k")
-            .map(|p| {
-                let runs = p["runs"].as_u64().unwrap_or(0);
-                (runs, p["run_time_ns"].as_u64().unwrap_or(0))
-            })
-            .unwrap_or((0, 0))
-    };
-    let mut rows = format!(
-        "\n`proc_exec` with larger environment blocks ({LARGE_EXECS} execs of `/bin/true` each, \
-         `GENV_ENVIRONMENT_ID` last):\n\n| block | ns/exec |\n|---|---|\n"
-    );
-    let mut last = exec_stats(before);
-    for kib in [16, 64] {
-        let pad = "x".repeat(kib * 1024);
-        for _ in 0..LARGE_EXECS {
-            let status = Command::new("/bin/true")
-                .env_clear()
-                .env("PAD", &pad)
-                .env("GENV_ENVIRONMENT_ID", "bench-env")
-                .status()?;
-            if !status.success() {
-                bail!("/bin/true failed");
-            }
-        }
-        let now = exec_stats(&fresh_status(run_dir)?);
-        let (runs, ns) = (now.0 - last.0, now.1 - last.1);
-        let per_run = if runs > 0 {
-            ns as f64 / runs as f64
-        } else {
-            0.0
-        };
-        rows += &format!("| {kib} KiB | {per_run:.0} |\n");
-        last = now;
-    }
-    Ok(rows)
-}
-
-/// The daemon's status file, once it has been rewritten after now (it says the second
-/// it was written, and is rewritten about once a second).
-fn fresh_status(run_dir: &Path) -> Result<Value> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_secs();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let status: Value =
-            serde_json::from_str(&std::fs::read_to_string(run_dir.join("status.json"))?)?;
-        if status["updated"].as_u64().unwrap_or(0) > now {
-            return Ok(status);
-        }
-        if Instant::now() > deadline {
-            bail!("the daemon's status file was not rewritten within 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn programs_table(load: &BackgroundLoad, status: &Value) -> Result<String> {
-    let BackgroundLoad {
-        open_close_ns,
-        env_vars,
-        env_bytes,
-    } = load;
-    let mut table = format!(
-        "\n## Kernel programs\n\nThe kernel's own statistics (`kernel.bpf_stats_enabled=1`) after the runs above and \
-         {BACKGROUND_OPENS} opens of `/dev/null` (open+close took {open_close_ns:.0} ns each with the programs \
-         attached) and {EXECS} execs of `/bin/true` with {env_vars} environment variables ({env_bytes} bytes, \
-         `GENV_ENVIRONMENT_ID` last). The `open_*` programs run on every open in the system and return at once \
-         for non-GPU nodes; on a GPU node they look up the process's identity and environment. `proc_exec` reads \
-         the whole environment block of every exec.\n\n\
-         | program | runs | ns/run |\n|---|---|---|\n"
-    );
-    for program in status["programs"].as_array().context("status: programs")? {
-        let runs = program["runs"].as_u64().unwrap_or(0);
-        let ns = program["run_time_ns"].as_u64().unwrap_or(0);
-        table += &format!(
-            "| {} | {runs} | {} |\n",
-            program["name"].as_str().unwrap_or("?"),
-            if runs > 0 {
-                format!("{:.0}", ns as f64 / runs as f64)
-            } else {
-                "-".into()
-            }
-        );
-    }
-    Ok(table)
 }
 
 /// A release daemon on the simulated node (`--event-driven --non-env-processes`, the
