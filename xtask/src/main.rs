@@ -106,6 +106,10 @@ struct VmTest {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum BenchSection {
+    /// One full cycle at 0 to 10,000 GPU processes.
+    Cycle,
+    /// The event-driven reaction, the kernel programs, the --deny attempt loops.
+    Events,
     Footprint,
     BpfLog,
     MemoryAtAlloc,
@@ -121,6 +125,8 @@ fn main() -> Result<()> {
         Task::Bench {
             section: Some(section),
         } => match section {
+            BenchSection::Cycle => bench_cycle().map(|table| print!("{table}")),
+            BenchSection::Events => bench_section(bench_events::run),
             BenchSection::Footprint => bench_footprint_only(),
             BenchSection::BpfLog => bench_section(bench_bpf_log::run),
             BenchSection::MemoryAtAlloc => bench_section(bench_alloc::run),
@@ -196,6 +202,12 @@ pub fn build_node_artefacts(extra: &[&str]) -> Result<()> {
 
 /// `cargo xtask bench bpf-log`: one section alone, printed.
 fn bench_section(section: fn(&Path) -> Result<String>) -> Result<()> {
+    // Another build's release directory (the code before a change, built in a worktree
+    // of its own): measured by this bench as it is, for a side-by-side table.
+    if let Some(other) = std::env::var_os("GENV_BENCH_RELEASE_DIR") {
+        print!("{}", section(Path::new(&other))?);
+        return Ok(());
+    }
     toolchain::ensure_ebpf_toolchain()?;
     build_node_artefacts(&["--release"])?;
     print!("{}", section(&target_dir()?.join("release"))?);
@@ -216,10 +228,30 @@ fn bench_footprint_only() -> Result<()> {
 }
 
 fn bench() -> Result<()> {
+    let cycle = bench_cycle()?;
+    let release = target_dir()?.join("release");
+    let venv = genv_venv(&target_dir()?)?;
+    let table = format!(
+        "{cycle}{}{}{}{}{}",
+        bench_events::run(&release)?,
+        bench_bpf_log::run(&release)?,
+        bench_alloc::run(&release)?,
+        bench_footprint::run(&release, &venv)?,
+        bench_remote::run(&release)?
+    );
+    print!("{table}");
+    let docs = root().join("docs");
+    std::fs::create_dir_all(&docs)?;
+    std::fs::write(docs.join("bench.md"), table.as_bytes())?;
+    eprintln!("xtask: wrote docs/bench.md");
+    Ok(())
+}
+
+/// The release build of everything the bench runs, then the cycle benchmark's table.
+fn bench_cycle() -> Result<String> {
     toolchain::ensure_ebpf_toolchain()?;
     build_node_artefacts(&["--release"])?;
-    let release = target_dir()?.join("release");
-    let lib = release.join("libnvidia_ml_fake.so");
+    let lib = target_dir()?.join("release/libnvidia_ml_fake.so");
     let output = cargo(&[
         "bench",
         "-p",
@@ -237,21 +269,7 @@ fn bench() -> Result<()> {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let venv = genv_venv(&target_dir()?)?;
-    let table = format!(
-        "{stdout}{}{}{}{}{}",
-        bench_events::run(&release)?,
-        bench_bpf_log::run(&release)?,
-        bench_alloc::run(&release)?,
-        bench_footprint::run(&release, &venv)?,
-        bench_remote::run(&release)?
-    );
-    print!("{table}");
-    let docs = root().join("docs");
-    std::fs::create_dir_all(&docs)?;
-    std::fs::write(docs.join("bench.md"), table.as_bytes())?;
-    eprintln!("xtask: wrote docs/bench.md");
-    Ok(())
+    Ok(stdout.into_owned())
 }
 
 #[cfg(test)]
