@@ -13,12 +13,16 @@ use genv_enforcer_tests::workspace_root;
 /// report → actions → cycle), then the event side by stage: the kernel programs'
 /// handles, the intake of their events, what the daemon publishes as a service,
 /// `--memory-at-alloc`'s userspace half, the sync of the maps with genv's state, the
-/// daemon's loop; then the fleet and the command line.
-const LAYERS: [&str; 16] = [
+/// daemon's loop; then the fleet and the command line. `notify`, which tells users what
+/// was done to their processes and why, sits low: it needs only the backends and the
+/// snapshot's index formatting, and the rules, the report, the executor and the kernel's
+/// side all report through it.
+const LAYERS: [&str; 17] = [
     "warn_once",
     "backends",
     "state",
     "snapshot",
+    "notify",
     "rules",
     "report",
     "actions",

@@ -1,0 +1,170 @@
+//! Telling users what the enforcer did to their processes, and why.
+//!
+//! Each decision (a termination, a kill, a refusal at the open, a kill inside an
+//! allocation) becomes one [`Decision`]: sanitised, with the line its user sees
+//! ([`message`]). The [`Notifier`] then
+//! - writes that line to the process's controlling terminal, if it has one that is
+//!   its user's (`--notify tty`, the default; [`tty`], from a thread of its own,
+//!   [`writer`], rate-limited per user and per terminal, [`ratelimit`]);
+//! - keeps it in a bounded [`journal`] that `genv-enforcer why` reads over a Unix
+//!   socket which answers each user about their own processes only ([`server`],
+//!   [`client`]);
+//! - logs it as a structured record (target `decision`: rule, action, pid, uid, user,
+//!   environment, GPUs as fields), so that the system journal can answer "what happened
+//!   to alice today".
+//!
+//! Nothing here decides anything: the rules say why, the executor and the kernel's side
+//! report what they did. So it sits low, right above the snapshot.
+
+pub mod client;
+pub mod decision;
+pub mod journal;
+pub mod message;
+pub mod ratelimit;
+pub mod sanitize;
+pub mod server;
+pub mod tty;
+pub mod writer;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+pub use decision::{Action, Decision, Facts, Rule};
+use journal::Journal;
+pub use tty::Rdev;
+use writer::{Line, TtyWriter};
+
+use crate::backends::users;
+use crate::snapshot::join_indices;
+
+/// `--notify`: where users are told.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum NotifyMode {
+    /// Nowhere but the journal `why` reads and the log.
+    None,
+    /// On the process's controlling terminal as well.
+    #[default]
+    Tty,
+}
+
+/// Where a process's line may go: its controlling terminal and the uid that must own
+/// it, as found before the process was signalled (a killed process has no `/proc`
+/// left to look in).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Terminal {
+    pub rdev: Rdev,
+    pub uid: u32,
+}
+
+impl Terminal {
+    /// Process `pid`'s, if it is still the one that started at `start_time`.
+    pub fn of_process(pid: u32, start_time: Option<u64>) -> Option<Self> {
+        tty::of_process(pid, start_time).map(|(rdev, uid)| Self { rdev, uid })
+    }
+}
+
+/// The decisions' one way out.
+pub struct Notifier {
+    writer: Option<TtyWriter>,
+    journal: Arc<Mutex<Journal>>,
+}
+
+impl Notifier {
+    /// With `--notify tty`, starts the terminal writer's thread (where that fails, the
+    /// lines go to the journal and the log only, as said).
+    pub fn new(mode: NotifyMode) -> Self {
+        let writer = match mode {
+            NotifyMode::None => None,
+            NotifyMode::Tty => TtyWriter::spawn()
+                .inspect_err(|e| {
+                    tracing::warn!("--notify tty: cannot start the terminal writer: {e}")
+                })
+                .ok(),
+        };
+        Self {
+            writer,
+            journal: Arc::default(),
+        }
+    }
+
+    /// Serves `genv-enforcer why` at `<run_dir>/why.sock` from a thread of its own.
+    pub fn serve_why(&self, run_dir: &Path) -> anyhow::Result<()> {
+        let listener = server::listen(run_dir)?;
+        server::start(listener, Arc::clone(&self.journal))?;
+        Ok(())
+    }
+
+    /// Logs, keeps and tells one decision; `terminal` is where the process's line
+    /// goes, if anywhere. Never waits on a terminal.
+    pub fn decided(&self, facts: Facts<'_>, terminal: Option<Terminal>) -> Decision {
+        let decision = Decision::new(facts, unix_now());
+        log(&decision);
+        if let (Some(writer), Some(terminal)) = (&self.writer, terminal) {
+            // The terminal must be the process's user's, whoever's it was found as.
+            if terminal.uid == decision.uid {
+                writer.send(Line {
+                    text: decision.line.clone(),
+                    uid: decision.uid,
+                    rdev: terminal.rdev,
+                });
+            }
+        }
+        self.journal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(decision.clone());
+        decision
+    }
+
+    /// What became of the terminal lines so far (all zero with `--notify none`).
+    pub fn counts(&self) -> writer::Counts {
+        self.writer
+            .as_ref()
+            .map(TtyWriter::counts)
+            .unwrap_or_default()
+    }
+
+    /// For a one-shot run: lets the lines queued reach their terminals, for at most a
+    /// second.
+    pub fn flush(&self) {
+        if let Some(writer) = &self.writer {
+            writer.flush(Duration::from_secs(1));
+        }
+    }
+}
+
+/// The structured record: `[DECISION] …` in text logs, fields in JSON ones.
+fn log(d: &Decision) {
+    let user = users::display_name(d.uid);
+    tracing::info!(
+        target: "decision",
+        rule = d.rule.name(),
+        action = d.action.word(),
+        pid = d.pid,
+        uid = d.uid,
+        user = %sanitize::clean_str(&user, sanitize::NAME_CHARS),
+        env = d.env.as_deref().unwrap_or(""),
+        gpu = %join_indices(d.gpus.iter().copied()),
+        comm = %d.comm,
+        "{}",
+        d.line
+    );
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A number unique in this test process, for scratch names.
+    pub(crate) fn unique() -> u32 {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    }
+}
