@@ -248,6 +248,25 @@ mod tests {
         );
     }
 
+    /// `notify = "none"` in the file switches the terminal lines off.
+    #[test]
+    fn the_file_can_switch_notifying_off() {
+        use clap::Parser;
+        let path = file("# quiet terminals\nnotify = \"none\"\n");
+        let argv: Vec<OsString> = ["genv-enforcer", "enforce", "--config"]
+            .into_iter()
+            .map(OsString::from)
+            .chain([path.clone().into_os_string()])
+            .collect();
+        let expanded = expand(&argv).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let cli = super::super::args::Cli::try_parse_from(expanded).unwrap();
+        let super::super::args::Command::Enforce(args) = cli.command else {
+            unreachable!()
+        };
+        assert_eq!(args.notify, crate::notify::NotifyMode::None);
+    }
+
     #[test]
     fn errors_name_the_file_and_the_key() {
         let path = file("interval = { every = 5 }\n");

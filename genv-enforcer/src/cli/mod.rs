@@ -9,6 +9,7 @@ mod remote;
 pub mod remote_args;
 mod session_end;
 pub mod shared_args;
+mod why;
 
 use std::io::Read;
 use std::process::ExitCode;
@@ -53,6 +54,13 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Enforce(args) => enforce(args),
         Command::Status { run_dir, max_age } => crate::service::status::show(&run_dir, max_age),
+        Command::Why {
+            pid,
+            me,
+            limit,
+            json,
+            run_dir,
+        } => why::why(pid, me, limit, json, &run_dir),
         Command::Remote(args) => remote::run(args),
         Command::Usage(UsageCommand::Watch {
             poll_interval,
