@@ -148,6 +148,7 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
         tracing::warn!("{warning}");
     }
     raise_open_file_limit();
+    let notifier = std::sync::Arc::new(crate::notify::Notifier::new(config.notify));
     let mut enforcer = Enforcer {
         builder: snapshot_builder(
             &config.state_dir,
@@ -156,13 +157,14 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
             config.gpu_nodes,
         ),
         rules: config.rules,
-        executor: Executor::new(config.execution),
+        executor: Executor::new(config.execution).with_notifier(std::sync::Arc::clone(&notifier)),
         lock: LockPolicy::blocking(),
     };
     match config.mode {
         Mode::Once => {
             enforcer.cycle();
             enforcer.executor.finish();
+            notifier.flush();
             Ok(ExitCode::SUCCESS)
         }
         Mode::Polling(interval) => {

@@ -23,6 +23,7 @@ pub mod message;
 pub mod ratelimit;
 pub mod sanitize;
 pub mod server;
+pub mod subject;
 pub mod tty;
 pub mod writer;
 
@@ -32,6 +33,7 @@ use std::time::{Duration, SystemTime};
 
 pub use decision::{Action, Decision, Facts, Rule};
 use journal::Journal;
+pub use subject::Subject;
 pub use tty::Rdev;
 use writer::{Line, TtyWriter};
 
@@ -50,18 +52,11 @@ pub enum NotifyMode {
 
 /// Where a process's line may go: its controlling terminal and the uid that must own
 /// it, as found before the process was signalled (a killed process has no `/proc`
-/// left to look in).
+/// left to look in), by [`Subject::of_process`] or by the kernel at its decision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Terminal {
     pub rdev: Rdev,
     pub uid: u32,
-}
-
-impl Terminal {
-    /// Process `pid`'s, if it is still the one that started at `start_time`.
-    pub fn of_process(pid: u32, start_time: Option<u64>) -> Option<Self> {
-        tty::of_process(pid, start_time).map(|(rdev, uid)| Self { rdev, uid })
-    }
 }
 
 /// The decisions' one way out.
@@ -115,6 +110,14 @@ impl Notifier {
             .unwrap_or_else(|e| e.into_inner())
             .push(decision.clone());
         decision
+    }
+
+    /// What `caller` may see of the journal ([`journal::Journal::answer`]).
+    pub fn answer(&self, caller: u32, query: &journal::Query) -> Vec<Decision> {
+        self.journal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .answer(caller, query)
     }
 
     /// What became of the terminal lines so far (all zero with `--notify none`).

@@ -15,8 +15,6 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{FileType, Mode, OFlags};
 use rustix::io::Errno;
 
-use crate::backends::procfs;
-
 /// A terminal's device number, as `st_rdev` has it.
 pub type Rdev = u64;
 
@@ -66,22 +64,6 @@ pub fn path_of(rdev: Rdev) -> Option<PathBuf> {
     .map(PathBuf::from)
 }
 
-/// The controlling terminal of process `pid` and the uid it runs as, if it has one and
-/// is still the process that started at `start_time` (when given). The stat file's
-/// descriptor stays bound to the process it was opened for, so the uid read between
-/// two of its reads is that process's, even if the pid is reused meanwhile.
-pub fn of_process(pid: u32, start_time: Option<u64>) -> Option<(Rdev, u32)> {
-    let file = procfs::StatFile::open(pid).ok()?;
-    let stat = file.read().ok()?;
-    if start_time.is_some_and(|t| t != stat.start_time) {
-        return None;
-    }
-    let rdev = rdev_of_tty_nr(stat.tty_nr)?;
-    let uid = procfs::real_uid(pid).ok()?;
-    let again = file.read().ok()?;
-    (again.start_time == stat.start_time).then_some((rdev, uid))
-}
-
 /// Opens terminal `rdev` for writing, if it is `uid`'s terminal.
 pub fn open(rdev: Rdev, uid: u32) -> Result<OwnedFd, Refusal> {
     let path = path_of(rdev).ok_or(Refusal::Unnamed)?;
@@ -120,4 +102,4 @@ pub fn write_once(fd: &OwnedFd, bytes: &[u8]) -> Result<usize, Refusal> {
 }
 
 #[cfg(test)]
-pub(super) mod tests;
+pub(crate) mod tests;

@@ -39,6 +39,32 @@ pub(crate) fn pty() -> Pty {
     }
 }
 
+/// `program` in a session of its own, with the slave as its controlling terminal (and
+/// its stdin), as a login shell's job has.
+pub(crate) fn child_on(pty: &Pty, program: &str, args: &[&str]) -> std::process::Child {
+    let mut command = Command::new(program);
+    command
+        .args(args)
+        .stdin(Stdio::from(pty.slave.try_clone().unwrap()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: setsid and ioctl are async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
+    command.spawn().unwrap()
+}
+
+/// What the terminal emulator would read now.
+pub(crate) fn shown(pty: &Pty) -> String {
+    read_master(pty)
+}
+
 fn me() -> u32 {
     rustix::process::getuid().as_raw()
 }
@@ -150,55 +176,4 @@ fn tty_numbers_map_to_their_nodes() {
         Some(rustix::fs::makedev(136, 0xfa0))
     );
     assert_eq!(rdev_of_tty_nr(0), None);
-}
-
-/// A child in its own session, with the slave as its controlling terminal, as a login
-/// shell's job has.
-fn child_on(pty: &Pty) -> std::process::Child {
-    let mut command = Command::new("sleep");
-    command
-        .arg("60")
-        .stdin(Stdio::from(pty.slave.try_clone().unwrap()))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    // SAFETY: setsid and ioctl are async-signal-safe.
-    unsafe {
-        command.pre_exec(|| {
-            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    };
-    command.spawn().unwrap()
-}
-
-#[test]
-fn a_process_is_found_on_its_controlling_terminal_and_no_other() {
-    let pty = pty();
-    let mut child = child_on(&pty);
-    let pid = child.id();
-    let start = procfs::stat(pid).unwrap().start_time;
-    assert_eq!(of_process(pid, Some(start)), Some((pty.rdev, me())));
-    assert_eq!(of_process(pid, None), Some((pty.rdev, me())));
-    // Another process under this pid (another start time): nothing.
-    assert_eq!(of_process(pid, Some(start + 1)), None);
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert_eq!(of_process(pid, Some(start)), None);
-    // A process in a session of its own, with no controlling terminal.
-    let mut command = Command::new("sleep");
-    command.arg("60").stdin(Stdio::null());
-    // SAFETY: setsid is async-signal-safe.
-    unsafe {
-        command.pre_exec(|| match libc::setsid() {
-            -1 => Err(std::io::Error::last_os_error()),
-            _ => Ok(()),
-        })
-    };
-    let mut detached = command.spawn().unwrap();
-    assert_eq!(procfs::stat(detached.id()).unwrap().tty_nr, 0);
-    assert_eq!(of_process(detached.id(), None), None);
-    detached.kill().unwrap();
-    detached.wait().unwrap();
 }
