@@ -99,6 +99,7 @@ impl Notifier {
             // The terminal must be the process's user's, whoever's it was found as.
             if terminal.uid == decision.uid {
                 writer.send(Line {
+                    pid: decision.pid,
                     text: decision.line.clone(),
                     uid: decision.uid,
                     rdev: terminal.rdev,

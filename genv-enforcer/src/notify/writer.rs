@@ -24,6 +24,8 @@ const MAX_HELD: usize = 4096;
 /// A line for a terminal.
 #[derive(Clone, Debug)]
 pub struct Line {
+    /// The process it is about (for the log).
+    pub pid: u32,
     /// Sanitised, without a line break.
     pub text: String,
     /// Whose terminal it must be.
@@ -135,7 +137,14 @@ fn serve(lines: &Receiver<Line>, mut limits: Limits, open: &Opener, counters: &C
     while let Ok(line) = lines.recv() {
         let counter = if limits.allow(line.uid, line.rdev, Instant::now()) {
             let text = with_held_back(&line.text, held.remove(&line.rdev).unwrap_or(0));
-            match open(line.rdev, line.uid).and_then(|fd| write(&fd, &text)) {
+            let written = open(line.rdev, line.uid).and_then(|fd| write(&fd, &text));
+            if let Err(refusal) = written {
+                tracing::debug!(
+                    "Not telling process {} on its terminal: {refusal}",
+                    line.pid
+                );
+            }
+            match written {
                 Ok(()) => &counters.written,
                 Err(Refusal::Full) => &counters.terminal_full,
                 Err(_) => &counters.refused,

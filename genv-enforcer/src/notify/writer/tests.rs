@@ -8,6 +8,7 @@ use crate::notify::tty::tests::{Pty, pty};
 
 fn line(text: &str, pty: &Pty) -> Line {
     Line {
+        pid: 1,
         text: text.to_owned(),
         uid: rustix::process::getuid().as_raw(),
         rdev: pty.rdev,
