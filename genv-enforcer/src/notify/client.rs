@@ -86,8 +86,9 @@ pub fn render(decisions: &[Decision], with_user: Option<&dyn Fn(u32) -> String>)
 /// `2026-11-25 14:52:35` in the local time zone.
 fn local_time(secs: u64) -> String {
     let t = libc::time_t::try_from(secs).unwrap_or(0);
-    // SAFETY: localtime_r writes into `tm` only.
+    // SAFETY: all zeroes is a valid `tm` (integers, and a null zone name).
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    // SAFETY: localtime_r reads `t` and writes into `tm` only.
     if unsafe { libc::localtime_r(&t, &mut tm) }.is_null() {
         return secs.to_string();
     }
@@ -105,7 +106,7 @@ fn local_time(secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::notify::decision::{Action, Facts, Rule};
+    use crate::notify::{Action, Facts, Rule};
 
     #[test]
     fn no_daemon_is_said_naming_the_socket() {

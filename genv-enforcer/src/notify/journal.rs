@@ -108,7 +108,7 @@ impl Journal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::notify::decision::{Action, Facts, Rule};
+    use crate::notify::{Action, Facts, Rule};
 
     pub(crate) fn decision(pid: u32, uid: u32) -> Decision {
         Decision::new(

@@ -4,17 +4,29 @@
 //! 'genv activate --gpus 1' first`
 //!
 //! What happened, to which process, on which GPU; then why (the rule), then the genv
-//! command that fixes it. Every name in it was sanitised when the [`Decision`] was made.
+//! command that fixes it. Every name in it was sanitised when its
+//! [`Decision`](super::Decision) was made.
 
-use super::decision::{Action, Decision, Rule};
+use super::rule::{Action, Rule};
 use crate::snapshot::join_indices;
 
+/// What a line says, its names already sanitised.
+pub struct Said<'a> {
+    pub comm: &'a str,
+    pub pid: u32,
+    pub gpus: &'a [u32],
+    /// The environment as its user knows it (its name, else its id).
+    pub env: Option<&'a str>,
+    pub rule: &'a Rule,
+    pub action: Action,
+}
+
 /// The whole line, without a line break.
-pub fn line(d: &Decision) -> String {
+pub fn line(d: &Said<'_>) -> String {
     format!("genv-enforcer: {}: {}", what(d), why(d))
 }
 
-fn gpus(d: &Decision) -> String {
+fn gpus(d: &Said<'_>) -> String {
     match d.gpus.len() {
         0 => "a GPU".to_owned(),
         1 => format!("GPU {}", d.gpus[0]),
@@ -23,7 +35,7 @@ fn gpus(d: &Decision) -> String {
 }
 
 /// `stopped python (pid 1234) on GPU 1`.
-fn what(d: &Decision) -> String {
+fn what(d: &Said<'_>) -> String {
     let who = format!("{} (pid {})", d.comm, d.pid);
     let on = gpus(d);
     match d.action {
@@ -36,18 +48,18 @@ fn what(d: &Decision) -> String {
 }
 
 /// `environment 'train'`, or `its environment` where it has none to show.
-fn env_phrase(d: &Decision) -> String {
-    match d.env_shown() {
+fn env_phrase(d: &Said<'_>) -> String {
+    match d.env {
         Some(env) => format!("environment '{env}'"),
         None => "its environment".to_owned(),
     }
 }
 
 /// The rule, then the fix.
-fn why(d: &Decision) -> String {
+fn why(d: &Said<'_>) -> String {
     let env = env_phrase(d);
     let first_gpu = d.gpus.first().copied().unwrap_or(0);
-    match &d.rule {
+    match d.rule {
         Rule::NonEnvProcesses => format!(
             "not in a genv environment; run 'genv activate --gpus {}' first",
             d.gpus.len().max(1)
@@ -78,8 +90,8 @@ fn why(d: &Decision) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::decision::Facts;
     use super::*;
+    use crate::notify::decision::{Decision, Facts};
 
     fn decision(rule: Rule, action: Action, gpus: Vec<u32>) -> Decision {
         Decision::new(
@@ -98,11 +110,17 @@ mod tests {
 
     #[test]
     fn the_issues_example_reads_as_written() {
-        let mut d = decision(Rule::NonEnvProcesses, Action::Terminated, vec![1]);
-        d.env = None;
-        d.env_name = None;
+        let d = decision(Rule::NonEnvProcesses, Action::Terminated, vec![1]);
+        let said = Said {
+            env: None,
+            comm: &d.comm,
+            pid: d.pid,
+            gpus: &d.gpus,
+            rule: &d.rule,
+            action: d.action,
+        };
         assert_eq!(
-            line(&d),
+            line(&said),
             "genv-enforcer: stopped python (pid 1234) on GPU 1: not in a genv environment; run 'genv activate --gpus 1' first"
         );
     }

@@ -21,6 +21,7 @@ pub mod decision;
 pub mod journal;
 pub mod message;
 pub mod ratelimit;
+pub mod rule;
 pub mod sanitize;
 pub mod server;
 pub mod subject;
@@ -31,8 +32,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-pub use decision::{Action, Decision, Facts, Rule};
+pub use decision::{Decision, Facts};
 use journal::Journal;
+pub use rule::{Action, Rule};
 pub use subject::Subject;
 pub use tty::Rdev;
 use writer::{Line, TtyWriter};

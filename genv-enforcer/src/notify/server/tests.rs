@@ -2,7 +2,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream as StdStream;
 
 use super::*;
-use crate::notify::decision::{Action, Facts, Rule};
+use crate::notify::{Action, Facts, Rule};
 
 fn decision(pid: u32, uid: u32) -> Decision {
     Decision::new(
