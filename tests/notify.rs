@@ -12,6 +12,10 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use std::io::{BufRead, BufReader};
+use std::time::{Duration, Instant};
+
+use genv_enforcer_tests::events::{EventDaemon, make_gpu_node};
 use genv_enforcer_tests::{Node, device_record, env_record};
 use serde_json::json;
 
@@ -65,6 +69,70 @@ impl Terminal {
         bytes
     }
 
+    /// Waits (generously: a noisy machine) for a line containing `needle`; returns all
+    /// that was shown. The master wakes the wait when the daemon writes.
+    fn wait_for(&self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut shown = Vec::new();
+        loop {
+            shown.extend(self.shown());
+            let text = String::from_utf8_lossy(&shown).into_owned();
+            if text.contains(needle) {
+                return text;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "no {needle:?} on the terminal: {text:?}");
+            let mut fds = [rustix::event::PollFd::new(
+                &self.master,
+                rustix::event::PollFlags::IN,
+            )];
+            let timeout = rustix::event::Timespec::try_from(left).unwrap();
+            let _ = rustix::event::poll(&mut fds, Some(&timeout));
+        }
+    }
+
+    /// Fills the terminal's output until it takes no more: a terminal nobody reads.
+    fn fill(&self) {
+        let path = std::fs::read_link(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&self.slave)
+        ))
+        .unwrap();
+        let flags =
+            rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOCTTY;
+        let writer = rustix::fs::open(&path, flags, rustix::fs::Mode::empty()).unwrap();
+        let block = [b'.'; 4096];
+        loop {
+            match rustix::io::write(&writer, &block) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::AGAIN) => return,
+                Err(e) => panic!("filling {}: {e}", path.display()),
+            }
+        }
+    }
+
+    /// `gpu-process ARGS` run by `uid` on this terminal (as [`Self::run`]), once it said
+    /// it is ready (its opens done).
+    fn gpu_process(&self, uid: u32, args: &[&str]) -> std::process::Child {
+        let mut command = Command::new(genv_enforcer_tests::artefact("gpu-process"));
+        command
+            .args(args)
+            .stdin(Stdio::from(self.slave.try_clone().unwrap()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .env_remove("GENV_ENVIRONMENT_ID")
+            .uid(uid)
+            .gid(uid);
+        in_session_of(&mut command);
+        let mut child = command.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready", "gpu-process did not start");
+        child
+    }
+
     /// `program ARGS` run by `uid`, in a session of its own with this terminal as its
     /// controlling terminal and its standard input.
     fn run(
@@ -86,17 +154,23 @@ impl Terminal {
         if let Some(eid) = env {
             command.env("GENV_ENVIRONMENT_ID", eid);
         }
-        // SAFETY: setsid and ioctl are async-signal-safe.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            })
-        };
+        in_session_of(&mut command);
         command.spawn().unwrap()
     }
+}
+
+/// Makes `command` start a session of its own with its stdin as the controlling
+/// terminal.
+fn in_session_of(command: &mut Command) {
+    // SAFETY: setsid and ioctl are async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
 }
 
 /// The lines of `bytes` with text on them.
@@ -253,4 +327,43 @@ fn a_process_without_a_terminal_gets_nothing() {
     assert_eq!(run.terminated(), [pid]);
     assert!(run.stderr.contains(&format!("pid={pid}")), "{}", run.stderr);
     assert_eq!(std::fs::read(&out).unwrap(), b"");
+}
+
+/// Alice's terminal is full (nobody reads it): her process is terminated all the same,
+/// the writer drops her line at once, and the next process, on a terminal that reads,
+/// is terminated and told. A write that waited would hold the writer on the first
+/// terminal for ever, and the second line would never come.
+#[test]
+fn any_tier_a_terminal_nobody_reads_holds_up_nothing() {
+    let mut node = Node::new(2);
+    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
+    node.write_state(
+        json!([]),
+        json!([device_record(0, &[]), device_record(1, &[])]),
+    );
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    let gpu = gpu.to_str().unwrap();
+    let stalled = Terminal::new(ALICE);
+    stalled.fill();
+    let first = stalled.gpu_process(ALICE, &["--open", gpu]);
+    let first = node.adopt(first, &[(0, 100)]);
+    daemon.expect(&format!(
+        "Not telling process {first} on its terminal: the terminal is not reading"
+    ));
+    let reading = Terminal::new(ALICE);
+    let second = reading.gpu_process(ALICE, &["--open", gpu]);
+    let second = node.adopt(second, &[(0, 100)]);
+    reading.wait_for(&format!(
+        "genv-enforcer: stopped gpu-process (pid {second}) on GPU 0"
+    ));
+    assert_eq!(
+        node.wait_exit(first, Duration::from_secs(30)),
+        Some(libc::SIGTERM)
+    );
+    assert_eq!(
+        node.wait_exit(second, Duration::from_secs(30)),
+        Some(libc::SIGTERM)
+    );
 }
