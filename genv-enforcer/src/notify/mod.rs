@@ -29,6 +29,7 @@ pub mod tty;
 pub mod writer;
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -64,25 +65,29 @@ pub struct Terminal {
 /// The decisions' one way out.
 pub struct Notifier {
     writer: Option<TtyWriter>,
+    /// `--notify tty`; SIGHUP may change it.
+    to_terminals: AtomicBool,
     journal: Arc<Mutex<Journal>>,
 }
 
 impl Notifier {
-    /// With `--notify tty`, starts the terminal writer's thread (where that fails, the
-    /// lines go to the journal and the log only, as said).
+    /// Starts the terminal writer's thread (where that fails, the lines go to the
+    /// journal and the log only, as said); `mode` says whether it is used.
     pub fn new(mode: NotifyMode) -> Self {
-        let writer = match mode {
-            NotifyMode::None => None,
-            NotifyMode::Tty => TtyWriter::spawn()
-                .inspect_err(|e| {
-                    tracing::warn!("--notify tty: cannot start the terminal writer: {e}")
-                })
-                .ok(),
-        };
+        let writer = TtyWriter::spawn()
+            .inspect_err(|e| tracing::warn!("Cannot start the terminal writer: {e}"))
+            .ok();
         Self {
             writer,
+            to_terminals: AtomicBool::new(mode == NotifyMode::Tty),
             journal: Arc::default(),
         }
+    }
+
+    /// `--notify` read again (SIGHUP).
+    pub fn set_mode(&self, mode: NotifyMode) {
+        self.to_terminals
+            .store(mode == NotifyMode::Tty, Ordering::Relaxed);
     }
 
     /// Serves `genv-enforcer why` at `<run_dir>/why.sock` from a thread of its own.
@@ -97,7 +102,8 @@ impl Notifier {
     pub fn decided(&self, facts: Facts<'_>, terminal: Option<Terminal>) -> Decision {
         let decision = Decision::new(facts, unix_now());
         log(&decision);
-        if let (Some(writer), Some(terminal)) = (&self.writer, terminal) {
+        let to_terminals = self.to_terminals.load(Ordering::Relaxed);
+        if let (Some(writer), Some(terminal), true) = (&self.writer, terminal, to_terminals) {
             // The terminal must be the process's user's, whoever's it was found as.
             if terminal.uid == decision.uid {
                 writer.send(Line {
@@ -123,7 +129,7 @@ impl Notifier {
             .answer(caller, query)
     }
 
-    /// What became of the terminal lines so far (all zero with `--notify none`).
+    /// What became of the terminal lines so far.
     pub fn counts(&self) -> writer::Counts {
         self.writer
             .as_ref()
@@ -167,6 +173,43 @@ fn unix_now() -> u64 {
 #[cfg(test)]
 pub(crate) mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+    use crate::notify::tty::tests::{pty, shown};
+
+    /// `--notify none` (here, as SIGHUP sets it) writes nothing and still keeps the
+    /// decision; `tty` again writes.
+    #[test]
+    fn the_mode_decides_whether_terminals_are_written() {
+        let notifier = Notifier::new(NotifyMode::None);
+        let pty = pty();
+        let me = rustix::process::getuid().as_raw();
+        let terminal = Terminal {
+            rdev: pty.rdev,
+            uid: me,
+        };
+        let facts = |pid| Facts {
+            pid,
+            uid: me,
+            comm: b"python",
+            env: None,
+            gpus: vec![0],
+            rule: Rule::NonEnvProcesses,
+            action: Action::Refused,
+        };
+        notifier.decided(facts(1), Some(terminal));
+        notifier.set_mode(NotifyMode::Tty);
+        notifier.decided(facts(2), Some(terminal));
+        notifier.flush();
+        let text = shown(&pty);
+        assert!(!text.contains("(pid 1)") && text.contains("(pid 2)"), "{text}");
+        let all = journal::Query {
+            me: true,
+            limit: 10,
+            ..Default::default()
+        };
+        assert_eq!(notifier.answer(me, &all).len(), 2);
+    }
 
     /// A number unique in this test process, for scratch names.
     pub(crate) fn unique() -> u32 {
