@@ -202,7 +202,10 @@ pub(crate) mod tests {
         notifier.decided(facts(2), Some(terminal));
         notifier.flush();
         let text = shown(&pty);
-        assert!(!text.contains("(pid 1)") && text.contains("(pid 2)"), "{text}");
+        assert!(
+            !text.contains("(pid 1)") && text.contains("(pid 2)"),
+            "{text}"
+        );
         let all = journal::Query {
             me: true,
             limit: 10,

@@ -37,28 +37,14 @@ pub fn of_findings(host: usize, snapshot: &Snapshot, findings: &[Finding]) -> BT
 
 /// The processes `action` terminates, each with why.
 fn reasons(kind: &FindingKind, action: &Action, snapshot: &Snapshot) -> Vec<(u32, Why)> {
-    let env_name = |eid: Option<&str>| {
-        let envs = snapshot.envs.as_deref().unwrap_or_default();
-        envs.iter()
-            .find(|e| Some(e.eid.as_str()) == eid)
-            .and_then(|e| e.config.name.clone())
-    };
-    let process = |pid: u32| snapshot.processes.iter().find(|p| p.pid == pid);
-    let why = |pid: u32, rule: Rule, gpus: Option<Vec<u32>>| {
-        let p = process(pid);
-        Why {
-            rule,
-            gpus: gpus.unwrap_or_else(|| p.map(|p| p.indices().collect()).unwrap_or_default()),
-            detached: false,
-            env_name: env_name(p.and_then(|p| p.eid.as_deref())),
-        }
-    };
+    let one =
+        |pid: u32, rule: Rule, gpus: Option<Vec<u32>>| vec![(pid, why(snapshot, pid, rule, gpus))];
     match (kind, action) {
         (FindingKind::NonEnvProcess { .. }, Action::Terminate { pid, .. }) => {
-            vec![(*pid, why(*pid, Rule::NonEnvProcesses, None))]
+            one(*pid, Rule::NonEnvProcesses, None)
         }
         (FindingKind::NonAttachedDevices { indices, .. }, Action::Terminate { pid, .. }) => {
-            vec![(*pid, why(*pid, Rule::EnvDevices, Some(indices.clone())))]
+            one(*pid, Rule::EnvDevices, Some(indices.clone()))
         }
         (
             FindingKind::EnvOverMemory {
@@ -73,7 +59,7 @@ fn reasons(kind: &FindingKind, action: &Action, snapshot: &Snapshot) -> Vec<(u32
                 used_mb: used / 1_000_000,
                 capacity: capacity.to_string(),
             };
-            vec![(*pid, why(*pid, rule, Some(vec![*index])))]
+            one(*pid, rule, Some(vec![*index]))
         }
         (
             FindingKind::UserOverDevices {
@@ -83,23 +69,48 @@ fn reasons(kind: &FindingKind, action: &Action, snapshot: &Snapshot) -> Vec<(u32
                 ..
             },
             Action::Detach { index, eids, .. },
-        ) => snapshot
-            .processes
-            .iter()
-            .filter(|p| p.eid.as_ref().is_some_and(|e| eids.contains(e)) && p.is_on(*index))
-            .map(|p| {
-                let rule = Rule::MaxDevicesPerUser {
-                    user: username.clone(),
-                    devices: *devices,
-                    maximum: devices.saturating_sub(*over),
-                };
-                let mut why = why(p.pid, rule, Some(vec![*index]));
-                why.detached = true;
-                (p.pid, why)
-            })
-            .collect(),
+        ) => {
+            let rule = Rule::MaxDevicesPerUser {
+                user: username.clone(),
+                devices: *devices,
+                maximum: devices.saturating_sub(*over),
+            };
+            detached(snapshot, *index, eids, &rule)
+        }
         _ => Vec::new(),
     }
+}
+
+/// Why process `pid` goes: `rule`, about `gpus` (by default, all it uses).
+fn why(snapshot: &Snapshot, pid: u32, rule: Rule, gpus: Option<Vec<u32>>) -> Why {
+    let process = snapshot.processes.iter().find(|p| p.pid == pid);
+    let eid = process.and_then(|p| p.eid.as_deref());
+    let envs = snapshot.envs.as_deref().unwrap_or_default();
+    Why {
+        rule,
+        gpus: gpus.unwrap_or_else(|| process.map(|p| p.indices().collect()).unwrap_or_default()),
+        detached: false,
+        env_name: envs
+            .iter()
+            .find(|e| Some(e.eid.as_str()) == eid)
+            .and_then(|e| e.config.name.clone()),
+    }
+}
+
+/// The processes a detach of `index` from `eids` terminates, each told of the detach.
+fn detached(snapshot: &Snapshot, index: u32, eids: &[String], rule: &Rule) -> Vec<(u32, Why)> {
+    snapshot
+        .processes
+        .iter()
+        .filter(|p| p.eid.as_ref().is_some_and(|e| eids.contains(e)) && p.is_on(index))
+        .map(|p| {
+            let why = Why {
+                detached: true,
+                ..why(snapshot, p.pid, rule.clone(), Some(vec![index]))
+            };
+            (p.pid, why)
+        })
+        .collect()
 }
 
 #[cfg(test)]
