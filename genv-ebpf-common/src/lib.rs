@@ -258,6 +258,29 @@ pub struct RawEvent {
     pub ktime_ns: u64,
 }
 
+/// The process a kernel decision (a refusal, a kill) was about, as its user is told of
+/// it: read in the kernel at the decision, since the daemon may find the process gone
+/// (killed, reaped) by the time it reads the event.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Subject {
+    /// Its controlling terminal, a kernel `dev_t` ([`kernel_dev`]); 0 for none.
+    pub tty: u32,
+    pub _pad: u32,
+    /// Its `comm`, NUL-padded.
+    pub comm: [u8; 16],
+}
+
+/// An `OPEN` event the program refused or killed (verdicts [`verdict::REFUSED`],
+/// [`verdict::KILLED`], [`verdict::KILL_FAILED`]): the common record and its
+/// [`Subject`]. Every other open stays [`RawEvent`]'s size.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpenEvent {
+    pub head: RawEvent,
+    pub subject: Subject,
+}
+
 /// An `ALLOC` event: the common record and what only it carries, written as a record
 /// of its own size so that every other event (a GPU open, an exec) stays
 /// [`RawEvent`]'s size in the ring buffer.
@@ -269,6 +292,7 @@ pub struct AllocEvent {
     pub env: u64,
     /// Bytes the environment would use on the GPU with the allocation.
     pub would_use: u64,
+    pub subject: Subject,
 }
 
 /// `RawEvent::arg` of an `EXEC` whose environment block could not be read in full.
@@ -318,6 +342,15 @@ pub struct Offsets {
     pub task_group_leader: u32,
     /// `task_struct.start_boottime` (5.5 and later): ns since boot, suspend included.
     pub task_start_boottime: u32,
+    /// The controlling terminal, for a decision's [`Subject`]: `signal_struct.tty`,
+    /// `tty_struct.index` and `.driver`, `tty_driver.major` and `.minor_start` (its
+    /// number is `MKDEV(major, minor_start + index)`, as `tty_devnum` makes it). Each
+    /// `ABSENT` where the kernel has no TTY layer; the terminal is then 0.
+    pub signal_tty: u32,
+    pub tty_index: u32,
+    pub tty_driver: u32,
+    pub driver_major: u32,
+    pub driver_minor_start: u32,
 }
 
 impl Offsets {
@@ -348,6 +381,11 @@ impl Offsets {
         regs_orig_ax: Self::ABSENT,
         task_group_leader: 0,
         task_start_boottime: 0,
+        signal_tty: Self::ABSENT,
+        tty_index: Self::ABSENT,
+        tty_driver: Self::ABSENT,
+        driver_major: Self::ABSENT,
+        driver_minor_start: Self::ABSENT,
     };
 }
 
@@ -374,6 +412,10 @@ mod pod {
     unsafe impl aya::Pod for super::RawEvent {}
     // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::AllocEvent {}
+    // SAFETY: integers only, no implicit padding (see above).
+    unsafe impl aya::Pod for super::OpenEvent {}
+    // SAFETY: integers only, no implicit padding (see above).
+    unsafe impl aya::Pod for super::Subject {}
     // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::Offsets {}
     // SAFETY: integers only, no implicit padding (see above).
@@ -403,7 +445,9 @@ mod tests {
         // The programs and the daemon are built by different compilers for different
         // targets; a size change means one side was not rebuilt or a field is unaligned.
         assert_eq!(size_of::<RawEvent>(), 40);
-        assert_eq!(size_of::<AllocEvent>(), 56);
+        assert_eq!(size_of::<Subject>(), 24);
+        assert_eq!(size_of::<OpenEvent>(), 64);
+        assert_eq!(size_of::<AllocEvent>(), 80);
         assert_eq!(size_of::<alloc::EnvGpu>(), 16);
         assert_eq!(size_of::<alloc::Baseline>(), 16);
         assert_eq!(size_of::<alloc::Delta>(), 16);
@@ -411,7 +455,7 @@ mod tests {
         assert_eq!(size_of::<alloc::Ordinals>(), alloc::MAX_ORDINALS);
         assert_eq!(size_of::<alloc::CtxStack>(), 40);
         assert_eq!(size_of::<alloc::ProcGpu>(), 8);
-        assert_eq!(size_of::<Offsets>(), 24 * 4);
+        assert_eq!(size_of::<Offsets>(), 29 * 4);
         assert_eq!(size_of::<EnvEntry>(), 16);
         assert_eq!(size_of::<ExeKey>(), 16);
     }

@@ -14,13 +14,14 @@ use aya_ebpf::programs::{
 };
 use aya_log_ebpf::info;
 use genv_ebpf_common::{
-    EnvEntry, ExeKey, Offsets, RawEvent, USER_HZ, decision, hook, identity, kind, policy, verdict,
+    EnvEntry, ExeKey, Offsets, OpenEvent, RawEvent, USER_HZ, decision, hook, identity, kind,
+    policy, verdict,
 };
 
-use crate::kernel::{current, read};
+use crate::kernel::{current, read, subject};
 use crate::maps::{
-    ALLOWED_EXES, ENVS, EXEMPT_PIDS, GPU_NODES, PROC_ENV, Wake, count_decision, emit, offset,
-    offsets, policy,
+    ALLOWED_EXES, ENVS, EXEMPT_PIDS, GPU_NODES, PROC_ENV, Wake, count_decision, now_ns, offset,
+    offsets, policy, send,
 };
 
 const EPERM: i32 = 1;
@@ -101,20 +102,28 @@ fn decide<C: EbpfContext>(ctx: &C, file: *const u8, tier: u32) -> u32 {
             }
         }
     };
-    emit(
-        RawEvent {
-            kind: kind::OPEN,
-            pid,
-            tid,
-            arg: rdev,
-            index,
-            hook: tier,
-            uid,
-            verdict,
-            ktime_ns: 0,
-        },
-        Wake::Now,
-    );
+    let head = RawEvent {
+        kind: kind::OPEN,
+        pid,
+        tid,
+        arg: rdev,
+        index,
+        hook: tier,
+        uid,
+        verdict,
+        ktime_ns: now_ns(),
+    };
+    match verdict {
+        // The user is told of these: who and where, while the process is still here.
+        verdict::REFUSED | verdict::KILLED | verdict::KILL_FAILED => send(
+            &OpenEvent {
+                head,
+                subject: subject(o),
+            },
+            Wake::Now,
+        ),
+        _ => send(&head, Wake::Now),
+    }
     log_decision(ctx, index, pid, uid, identity, env, verdict);
     verdict
 }
