@@ -68,6 +68,11 @@ impl Executor {
         self
     }
 
+    /// Where the daemon tells of what the kernel decided, too.
+    pub fn notifier(&self) -> Option<&Arc<Notifier>> {
+        self.notifier.as_ref()
+    }
+
     fn prefix(&self) -> &'static str {
         if self.config.dry_run {
             "[DRY-RUN] "

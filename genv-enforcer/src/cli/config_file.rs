@@ -202,6 +202,7 @@ pub fn reloader(argv: Vec<OsString>, started: &EnforceArgs) -> Reloader {
             interval,
             memory_interval,
             execution: config.execution,
+            notify: config.notify,
         };
         // What the rules say of themselves, as at start (said as SIGHUP's).
         Ok((reloadable, config.warnings))

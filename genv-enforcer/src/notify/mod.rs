@@ -29,7 +29,7 @@ pub mod tty;
 pub mod writer;
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -62,12 +62,34 @@ pub struct Terminal {
     pub uid: u32,
 }
 
+/// The log records one user's decisions may make: a loop of refused programs must not
+/// flood the log (20 at once, then 10 a second; `why` keeps them all, within its bounds).
+const LOG_RATE: ratelimit::Rate = ratelimit::Rate {
+    burst: 20,
+    every: Duration::from_millis(100),
+};
+
+/// What the notifier did, for `status`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Counts {
+    /// Decisions recorded (in the journal `why` reads).
+    pub decisions: u64,
+    /// Log records held back by [`LOG_RATE`].
+    pub logs_held_back: u64,
+    /// The terminal lines.
+    #[serde(flatten)]
+    pub terminals: writer::Counts,
+}
+
 /// The decisions' one way out.
 pub struct Notifier {
     writer: Option<TtyWriter>,
     /// `--notify tty`; SIGHUP may change it.
     to_terminals: AtomicBool,
     journal: Arc<Mutex<Journal>>,
+    logs: Mutex<ratelimit::Buckets<u32>>,
+    decisions: AtomicU64,
+    logs_held_back: AtomicU64,
 }
 
 impl Notifier {
@@ -81,6 +103,9 @@ impl Notifier {
             writer,
             to_terminals: AtomicBool::new(mode == NotifyMode::Tty),
             journal: Arc::default(),
+            logs: Mutex::new(ratelimit::Buckets::new(LOG_RATE)),
+            decisions: AtomicU64::new(0),
+            logs_held_back: AtomicU64::new(0),
         }
     }
 
@@ -101,7 +126,12 @@ impl Notifier {
     /// goes, if anywhere. Never waits on a terminal.
     pub fn decided(&self, facts: Facts<'_>, terminal: Option<Terminal>) -> Decision {
         let decision = Decision::new(facts, unix_now());
-        log(&decision);
+        self.decisions.fetch_add(1, Ordering::Relaxed);
+        if self.may_log(decision.uid) {
+            log(&decision);
+        } else {
+            self.logs_held_back.fetch_add(1, Ordering::Relaxed);
+        }
         let to_terminals = self.to_terminals.load(Ordering::Relaxed);
         if let (Some(writer), Some(terminal), true) = (&self.writer, terminal, to_terminals) {
             // The terminal must be the process's user's, whoever's it was found as.
@@ -129,12 +159,27 @@ impl Notifier {
             .answer(caller, query)
     }
 
-    /// What became of the terminal lines so far.
-    pub fn counts(&self) -> writer::Counts {
-        self.writer
-            .as_ref()
-            .map(TtyWriter::counts)
-            .unwrap_or_default()
+    fn may_log(&self, uid: u32) -> bool {
+        let mut logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        let allowed = logs.has(uid, now);
+        if allowed {
+            logs.take(uid, now);
+        }
+        allowed
+    }
+
+    /// What was recorded, logged and written so far.
+    pub fn counts(&self) -> Counts {
+        Counts {
+            decisions: self.decisions.load(Ordering::Relaxed),
+            logs_held_back: self.logs_held_back.load(Ordering::Relaxed),
+            terminals: self
+                .writer
+                .as_ref()
+                .map(TtyWriter::counts)
+                .unwrap_or_default(),
+        }
     }
 
     /// For a one-shot run: lets the lines queued reach their terminals, for at most a
