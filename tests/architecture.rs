@@ -598,7 +598,11 @@ fn no_folder_has_a_circle() {
 }
 
 /// The suites whose tests run on every BPF tier in the VM (xtask's `TIER_SUITES`).
-const TIER_SUITES: [&str; 2] = ["tests/event_driven.rs", "tests/prevention.rs"];
+const TIER_SUITES: [&str; 3] = [
+    "tests/event_driven.rs",
+    "tests/prevention.rs",
+    "tests/notify.rs",
+];
 
 /// The `#[test]` functions of a suite's source, by name.
 fn test_names(source: &str) -> Vec<String> {

@@ -1,210 +1,88 @@
 //! Users are told, on their own terminals, what the enforcer did to their processes and
-//! why: real pseudo-terminals, held by an unprivileged user's process as its controlling
-//! terminal (a session of its own, `TIOCSCTTY`), as a login shell's job holds its pty.
+//! why, and `why` shows each user their own: real pseudo-terminals, held by an
+//! unprivileged user's process as its controlling terminal (a session of its own,
+//! `TIOCSCTTY`), as a login shell's job holds its pty.
 //!
-//! Each test reads what the terminal emulator's side (the pty master) would show, after
-//! the enforcer said it dealt with the line (its exit, or a log line), never after a
-//! sleep.
+//! Each test reads what the terminal emulator's side (the pty master) shows once the
+//! enforcer has dealt with the line (its exit, a log line, the line itself), never
+//! after a sleep.
+//!
+//! A tier suite (xtask's `TIER_SUITES`): `tier_` tests depend on the program that sees
+//! the open (the kernel refuses or kills it); `any_tier_` ones do not (the executor's
+//! terminations, the terminal writer, `why`, the allocation probes).
 
-use std::io::Read;
-use std::os::fd::{FromRawFd, OwnedFd};
-use std::os::unix::process::CommandExt;
+#[path = "notify/terminal.rs"]
+mod terminal;
+
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
 
-use std::io::{BufRead, BufReader};
-use std::time::{Duration, Instant};
-
-use genv_enforcer_tests::events::{EventDaemon, make_gpu_node};
-use genv_enforcer_tests::{Node, device_record, env_record};
+use genv_enforcer_tests::events::{EventDaemon, make_gpu_node, tier_refuses};
+use genv_enforcer_tests::{Node, artefact, device_record, env_record};
 use serde_json::json;
+use terminal::{Terminal, gpu_process, inert, lines, told};
 
-/// Two unprivileged users (no passwd entry needed for the second).
+/// Two unprivileged users (the second needs no passwd entry).
 const ALICE: u32 = 65534;
+const BOB: u32 = 65533;
+const DEATH: Duration = Duration::from_secs(30);
 
-/// A pseudo-terminal whose slave belongs to `owner`, as login gives one to its user.
-struct Terminal {
-    master: OwnedFd,
-    slave: OwnedFd,
-}
+/// The daemons here decide for the whole machine (a `--deny` one kills any outsider
+/// opening a test GPU node): one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-impl Terminal {
-    fn new(owner: u32) -> Self {
-        let (mut master, mut slave) = (-1, -1);
-        // SAFETY: openpty writes two descriptors; no name buffer, no settings.
-        let rc = unsafe {
-            libc::openpty(
-                &mut master,
-                &mut slave,
-                std::ptr::null_mut(),
-                std::ptr::null(),
-                std::ptr::null(),
-            )
-        };
-        assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
-        // SAFETY: both are ours, just opened.
-        let (master, slave) =
-            unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
-        rustix::fs::fchown(
-            &slave,
-            Some(rustix::fs::Uid::from_raw(owner)),
-            Some(rustix::fs::Gid::from_raw(owner)),
-        )
-        .unwrap();
-        rustix::fs::fcntl_setfl(&master, rustix::fs::OFlags::NONBLOCK).unwrap();
-        Self { master, slave }
-    }
-
-    /// Everything written to the terminal so far, raw.
-    fn shown(&self) -> Vec<u8> {
-        let mut file = std::fs::File::from(self.master.try_clone().unwrap());
-        let mut bytes = Vec::new();
-        let mut chunk = [0u8; 4096];
-        while let Ok(n) = file.read(&mut chunk) {
-            if n == 0 {
-                break;
-            }
-            bytes.extend_from_slice(&chunk[..n]);
-        }
-        bytes
-    }
-
-    /// Waits (generously: a noisy machine) for a line containing `needle`; returns all
-    /// that was shown. The master wakes the wait when the daemon writes.
-    fn wait_for(&self, needle: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut shown = Vec::new();
-        loop {
-            shown.extend(self.shown());
-            let text = String::from_utf8_lossy(&shown).into_owned();
-            if text.contains(needle) {
-                return text;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "no {needle:?} on the terminal: {text:?}");
-            let mut fds = [rustix::event::PollFd::new(
-                &self.master,
-                rustix::event::PollFlags::IN,
-            )];
-            let timeout = rustix::event::Timespec::try_from(left).unwrap();
-            let _ = rustix::event::poll(&mut fds, Some(&timeout));
-        }
-    }
-
-    /// Fills the terminal's output until it takes no more: a terminal nobody reads.
-    fn fill(&self) {
-        let path = std::fs::read_link(format!(
-            "/proc/self/fd/{}",
-            std::os::fd::AsRawFd::as_raw_fd(&self.slave)
-        ))
-        .unwrap();
-        let flags =
-            rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOCTTY;
-        let writer = rustix::fs::open(&path, flags, rustix::fs::Mode::empty()).unwrap();
-        let block = [b'.'; 4096];
-        loop {
-            match rustix::io::write(&writer, &block) {
-                Ok(_) => {}
-                Err(rustix::io::Errno::AGAIN) => return,
-                Err(e) => panic!("filling {}: {e}", path.display()),
-            }
-        }
-    }
-
-    /// `gpu-process ARGS` run by `uid` on this terminal (as [`Self::run`]), once it said
-    /// it is ready (its opens done).
-    fn gpu_process(&self, uid: u32, args: &[&str]) -> std::process::Child {
-        let mut command = Command::new(genv_enforcer_tests::artefact("gpu-process"));
-        command
-            .args(args)
-            .stdin(Stdio::from(self.slave.try_clone().unwrap()))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .env_remove("GENV_ENVIRONMENT_ID")
-            .uid(uid)
-            .gid(uid);
-        in_session_of(&mut command);
-        let mut child = command.spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(line.trim(), "ready", "gpu-process did not start");
-        child
-    }
-
-    /// `program ARGS` run by `uid`, in a session of its own with this terminal as its
-    /// controlling terminal and its standard input.
-    fn run(
-        &self,
-        uid: u32,
-        program: &Path,
-        args: &[&str],
-        env: Option<&str>,
-    ) -> std::process::Child {
-        let mut command = Command::new(program);
-        command
-            .args(args)
-            .stdin(Stdio::from(self.slave.try_clone().unwrap()))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .env_remove("GENV_ENVIRONMENT_ID")
-            .uid(uid)
-            .gid(uid);
-        if let Some(eid) = env {
-            command.env("GENV_ENVIRONMENT_ID", eid);
-        }
-        in_session_of(&mut command);
-        command.spawn().unwrap()
-    }
-}
-
-/// Makes `command` start a session of its own with its stdin as the controlling
-/// terminal.
-fn in_session_of(command: &mut Command) {
-    // SAFETY: setsid and ioctl are async-signal-safe.
-    unsafe {
-        command.pre_exec(|| {
-            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    };
-}
-
-/// The lines of `bytes` with text on them.
-fn lines(bytes: &[u8]) -> Vec<String> {
-    String::from_utf8_lossy(bytes)
-        .split('\n')
-        .map(|l| l.trim_matches('\r').to_owned())
-        .filter(|l| !l.is_empty())
-        .collect()
-}
-
-/// Nothing a terminal acts on: only printable text, and the line breaks around it.
-fn inert(bytes: &[u8]) -> bool {
-    String::from_utf8_lossy(bytes)
-        .chars()
-        .all(|c| c == '\r' || c == '\n' || !c.is_control())
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn sleep() -> PathBuf {
     PathBuf::from("/bin/sleep")
 }
 
+/// `program ARGS` run by `uid` on `terminal`, its output thrown away.
+fn on_terminal(
+    terminal: &Terminal,
+    uid: u32,
+    program: &Path,
+    eid: Option<&str>,
+) -> std::process::Child {
+    let mut command = Command::new(program);
+    command
+        .arg("600")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    terminal.attach(&mut command, uid);
+    if let Some(eid) = eid {
+        command.env("GENV_ENVIRONMENT_ID", eid);
+    }
+    command.spawn().unwrap()
+}
+
+/// A node with two GPUs, no environment, and a test node for GPU 0.
+fn node_with_gpu() -> (Node, PathBuf) {
+    let node = Node::new(2);
+    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
+    node.write_state(
+        json!([]),
+        json!([device_record(0, &[]), device_record(1, &[])]),
+    );
+    (node, gpu)
+}
+
 #[test]
-fn a_terminated_outsider_is_told_once_why_on_its_own_terminal() {
+fn any_tier_a_terminated_outsider_is_told_once_why_on_its_own_terminal() {
     let mut node = Node::new(2);
     let terminal = Terminal::new(ALICE);
-    let child = terminal.run(ALICE, &sleep(), &["600"], None);
-    let pid = node.adopt(child, &[(1, 100)]);
+    let pid = node.adopt(on_terminal(&terminal, ALICE, &sleep(), None), &[(1, 100)]);
     let run = node.enforce_once(&["--non-env-processes"]);
     assert!(run.success, "{}", run.stderr);
     assert_eq!(run.terminated(), [pid]);
-    let shown = terminal.shown();
     assert_eq!(
-        lines(&shown),
+        lines(&terminal.shown()),
         [format!(
             "genv-enforcer: stopped sleep (pid {pid}) on GPU 1: not in a genv environment; run 'genv activate --gpus 1' first"
         )],
@@ -222,6 +100,7 @@ fn a_terminated_outsider_is_told_once_why_on_its_own_terminal() {
         "action=\"terminated\"".to_owned(),
         format!("pid={pid}"),
         format!("uid={ALICE}"),
+        "user=nobody".to_owned(),
         "gpu=1".to_owned(),
     ] {
         assert!(record.contains(&field), "{field} in {record}");
@@ -230,11 +109,10 @@ fn a_terminated_outsider_is_told_once_why_on_its_own_terminal() {
 
 /// `--notify none`: the terminal is left alone; the log still has the decision.
 #[test]
-fn notify_none_writes_to_no_terminal() {
+fn any_tier_notify_none_writes_to_no_terminal() {
     let mut node = Node::new(1);
     let terminal = Terminal::new(ALICE);
-    let child = terminal.run(ALICE, &sleep(), &["600"], None);
-    let pid = node.adopt(child, &[(0, 100)]);
+    let pid = node.adopt(on_terminal(&terminal, ALICE, &sleep(), None), &[(0, 100)]);
     let run = node.enforce_once(&["--non-env-processes", "--notify", "none"]);
     assert_eq!(run.terminated(), [pid]);
     assert!(run.stderr.contains(&format!("pid={pid}")), "{}", run.stderr);
@@ -244,7 +122,7 @@ fn notify_none_writes_to_no_terminal() {
 /// An environment named to clear the screen and fake a prompt, and a program named to
 /// retitle the window and break the line: the terminal gets one line, with neither.
 #[test]
-fn hostile_names_never_reach_the_terminal_raw() {
+fn any_tier_hostile_names_never_reach_the_terminal_raw() {
     let mut node = Node::new(2);
     let shell = node.spawn_with(None, &[], &[], Some(ALICE));
     let mut env = env_record("e1", ALICE, "alice", None, shell);
@@ -258,7 +136,7 @@ fn hostile_names_never_reach_the_terminal_raw() {
     let hostile = node.dir.join("\u{1b}]0;pw\u{7}\u{1b}[2J\nx");
     std::fs::copy(sleep(), &hostile).unwrap();
     let terminal = Terminal::new(ALICE);
-    let child = terminal.run(ALICE, &hostile, &["600"], Some("e1"));
+    let child = on_terminal(&terminal, ALICE, &hostile, Some("e1"));
     let pid = node.adopt(child, &[(1, 100)]);
     let run = node.enforce_once(&[]);
     assert_eq!(run.terminated(), [pid], "{}", run.stderr);
@@ -286,11 +164,10 @@ fn hostile_names_never_reach_the_terminal_raw() {
 /// terminal): nothing is written to it. The daemon says why in its log, which is how
 /// this test knows the line was dealt with.
 #[test]
-fn a_terminal_of_another_user_gets_nothing() {
+fn any_tier_a_terminal_of_another_user_gets_nothing() {
     let mut node = Node::new(1);
     let roots = Terminal::new(0);
-    let child = roots.run(ALICE, &sleep(), &["600"], None);
-    let pid = node.adopt(child, &[(0, 100)]);
+    let pid = node.adopt(on_terminal(&roots, ALICE, &sleep(), None), &[(0, 100)]);
     let run = node.enforce_once(&["--non-env-processes"]);
     assert_eq!(run.terminated(), [pid]);
     assert!(
@@ -306,18 +183,18 @@ fn a_terminal_of_another_user_gets_nothing() {
 /// A process with no controlling terminal (a batch job, its output in a file) is
 /// written nothing; its decision is still logged.
 #[test]
-fn a_process_without_a_terminal_gets_nothing() {
+fn any_tier_a_process_without_a_terminal_gets_nothing() {
     let mut node = Node::new(1);
     let out = node.dir.join("job.out");
     let mut command = Command::new(sleep());
     command
         .arg("600")
         .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out).unwrap())
-        .uid(ALICE);
+        .stdout(std::fs::File::create(&out).unwrap());
+    std::os::unix::process::CommandExt::uid(&mut command, ALICE);
     // SAFETY: setsid is async-signal-safe.
     unsafe {
-        command.pre_exec(|| match libc::setsid() {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, || match libc::setsid() {
             -1 => Err(std::io::Error::last_os_error()),
             _ => Ok(()),
         })
@@ -329,41 +206,186 @@ fn a_process_without_a_terminal_gets_nothing() {
     assert_eq!(std::fs::read(&out).unwrap(), b"");
 }
 
-/// Alice's terminal is full (nobody reads it): her process is terminated all the same,
-/// the writer drops her line at once, and the next process, on a terminal that reads,
-/// is terminated and told. A write that waited would hold the writer on the first
-/// terminal for ever, and the second line would never come.
+/// Alice's terminal is full and stopped (nobody reads it): her process is terminated
+/// all the same, the writer drops her line at once, and the next process, on a terminal
+/// that reads, is terminated and told. A write that waited would hold the writer on the
+/// first terminal for ever, and the second line would never come.
 #[test]
 fn any_tier_a_terminal_nobody_reads_holds_up_nothing() {
-    let mut node = Node::new(2);
-    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
-    node.write_state(
-        json!([]),
-        json!([device_record(0, &[]), device_record(1, &[])]),
-    );
+    let _serial = serial();
+    let (mut node, gpu) = node_with_gpu();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
     };
-    let gpu = gpu.to_str().unwrap();
+    let open = ["--open", gpu.to_str().unwrap()];
     let stalled = Terminal::new(ALICE);
-    stalled.fill();
-    let first = stalled.gpu_process(ALICE, &["--open", gpu]);
-    let first = node.adopt(first, &[(0, 100)]);
+    stalled.stall();
+    let first = node.adopt(gpu_process(&stalled, ALICE, None, &open), &[(0, 100)]);
     daemon.expect(&format!(
         "Not telling process {first} on its terminal: the terminal is not reading"
     ));
     let reading = Terminal::new(ALICE);
-    let second = reading.gpu_process(ALICE, &["--open", gpu]);
-    let second = node.adopt(second, &[(0, 100)]);
+    let second = node.adopt(gpu_process(&reading, ALICE, None, &open), &[(0, 100)]);
     reading.wait_for(&format!(
         "genv-enforcer: stopped gpu-process (pid {second}) on GPU 0"
     ));
-    assert_eq!(
-        node.wait_exit(first, Duration::from_secs(30)),
-        Some(libc::SIGTERM)
+    assert_eq!(node.wait_exit(first, DEATH), Some(libc::SIGTERM));
+    assert_eq!(node.wait_exit(second, DEATH), Some(libc::SIGTERM));
+}
+
+/// Under `--deny`, an outsider's open is refused (lsm, fmod_ret) or the outsider killed
+/// in it (fentry, tracepoint): either way, its terminal gets one line saying so, from
+/// what the program read at its decision (a killed process is gone by then).
+#[test]
+fn tier_a_refused_or_killed_opener_is_told_once_why() {
+    let _serial = serial();
+    let (mut node, gpu) = node_with_gpu();
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes", "--deny"]) else {
+        return;
+    };
+    daemon.expect("GPU opens outside any environment are ");
+    let terminal = Terminal::new(ALICE);
+    let args = ["--wait-stdin", "--open", gpu.to_str().unwrap()];
+    let pid = node.adopt(gpu_process(&terminal, ALICE, None, &args), &[]);
+    node.attempt(pid);
+    let expected = match tier_refuses(&daemon.tier) {
+        true => format!(
+            "genv-enforcer: refused GPU 0 to gpu-process (pid {pid}): not in a genv environment; run 'genv activate --gpus 1' first"
+        ),
+        false => {
+            assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGKILL));
+            format!(
+                "genv-enforcer: killed gpu-process (pid {pid}) on GPU 0: not in a genv environment; run 'genv activate --gpus 1' first"
+            )
+        }
+    };
+    let shown = terminal.wait_for(&expected);
+    daemon.expect(&format!("pid={pid}"));
+    assert_eq!(told(shown.as_bytes()), [expected]);
+}
+
+/// `--memory-at-alloc kill`: Alice's program, in her environment capped at 1g, is
+/// killed inside the allocation that would cross the cap, and told so on its terminal.
+#[test]
+fn any_tier_a_process_killed_in_an_allocation_is_told_why() {
+    let _serial = serial();
+    let mut node = Node::new(2);
+    let (lib, cuda_env) = node.cuda();
+    let shell = node.spawn_with(None, &[], &[], Some(ALICE));
+    node.write_state(
+        json!([env_record("alpha", ALICE, "alice", Some("1g"), shell)]),
+        json!([device_record(0, &["alpha"]), device_record(1, &[])]),
     );
-    assert_eq!(
-        node.wait_exit(second, Duration::from_secs(30)),
-        Some(libc::SIGTERM)
+    let args = [
+        "--memory-at-alloc",
+        "kill",
+        "--cuda-lib",
+        lib.to_str().unwrap(),
+    ];
+    let Some(daemon) = EventDaemon::start(&node, &args) else {
+        return;
+    };
+    daemon.expect("caps held at the allocation: alpha 1g");
+    let terminal = Terminal::new(ALICE);
+    let mut command = Command::new(artefact("cuda-user"));
+    command
+        .envs(cuda_env)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    terminal.attach(&mut command, ALICE);
+    command
+        .env("GENV_ENVIRONMENT_ID", "alpha")
+        .env("CUDA_VISIBLE_DEVICES", "0");
+    let mut child = command.spawn().unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut ready = String::new();
+    stdout.read_line(&mut ready).unwrap();
+    assert!(
+        ready.starts_with("ready "),
+        "cuda-user did not start: {ready:?}"
+    );
+    let pid = node.adopt(child, &[]);
+    let mut call = |call: &str| {
+        writeln!(stdin, "{call}").unwrap();
+        let mut answer = String::new();
+        stdout.read_line(&mut answer).unwrap();
+        answer
+    };
+    assert!(call("init").starts_with("ok"));
+    daemon.expect(&format!(
+        "Process {pid} started CUDA with CUDA_VISIBLE_DEVICES=0"
+    ));
+    assert!(call("ctx 0").starts_with("ok"));
+    assert!(call("alloc 600").starts_with("ok"));
+    assert_eq!(call("alloc 600"), "", "the allocation returned");
+    assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGKILL));
+    let expected = format!(
+        "genv-enforcer: killed cuda-user (pid {pid}) in a memory allocation on GPU 0: the allocation would take environment 'alpha' to 1258m, over its gpu_memory of 1g"
+    );
+    let shown = terminal.wait_for(&expected);
+    assert_eq!(told(shown.as_bytes()).len(), 1, "{shown:?}");
+}
+
+/// `genv-enforcer why`, run by `uid`.
+fn why(uid: u32, run_dir: &Path, args: &[&str]) -> Output {
+    let mut command = Command::new(artefact("genv-enforcer"));
+    command.arg("why").args(args).arg("--run-dir").arg(run_dir);
+    std::os::unix::process::CommandExt::uid(&mut command, uid);
+    std::os::unix::process::CommandExt::gid(&mut command, uid);
+    command.output().unwrap()
+}
+
+fn stdout(output: &Output) -> String {
+    assert!(output.status.success(), "{output:?}");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Alice sees what was done to her processes and nothing of Bob's, and Bob the other
+/// way round; root sees both. With no daemon, `why` says so.
+#[test]
+fn any_tier_why_shows_each_user_their_own_decisions_and_root_all() {
+    let _serial = serial();
+    let (mut node, gpu) = node_with_gpu();
+    let run_dir = node.dir.join("run");
+    let none = why(ALICE, &run_dir, &[]);
+    assert_eq!(none.status.code(), Some(3), "{none:?}");
+    let said = String::from_utf8_lossy(&none.stderr);
+    assert!(said.contains("no genv-enforcer is answering at"), "{said}");
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    let open = ["--open", gpu.to_str().unwrap()];
+    let (alices, bobs) = (Terminal::new(ALICE), Terminal::new(BOB));
+    let alice = node.adopt(gpu_process(&alices, ALICE, None, &open), &[(0, 100)]);
+    let bob = node.adopt(gpu_process(&bobs, BOB, None, &open), &[(0, 100)]);
+    for pid in [alice, bob] {
+        assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGTERM));
+        daemon.expect(&format!("pid={pid}"));
+    }
+    let (of_alice, of_bob) = (format!("(pid {alice})"), format!("(pid {bob})"));
+    let seen = stdout(&why(ALICE, &run_dir, &[]));
+    assert!(
+        seen.contains(&of_alice) && !seen.contains(&of_bob),
+        "{seen}"
+    );
+    assert!(
+        seen.contains("non-env-processes") && seen.contains("terminated"),
+        "{seen}"
+    );
+    let seen = stdout(&why(BOB, &run_dir, &[]));
+    assert!(
+        seen.contains(&of_bob) && !seen.contains(&of_alice),
+        "{seen}"
+    );
+    // Asking for the other's pid shows nothing either.
+    let seen = stdout(&why(ALICE, &run_dir, &[&bob.to_string()]));
+    assert!(!seen.contains(&of_bob), "{seen}");
+    let seen = stdout(&why(0, &run_dir, &[]));
+    assert!(seen.contains(&of_alice) && seen.contains(&of_bob), "{seen}");
+    let seen = stdout(&why(0, &run_dir, &["--me"]));
+    assert!(
+        !seen.contains(&of_alice) && !seen.contains(&of_bob),
+        "{seen}"
     );
 }

@@ -102,19 +102,30 @@ fn decide<C: EbpfContext>(ctx: &C, file: *const u8, tier: u32) -> u32 {
             }
         }
     };
-    let head = RawEvent {
-        kind: kind::OPEN,
-        pid,
-        tid,
-        arg: rdev,
-        index,
-        hook: tier,
-        uid,
-        verdict,
-        ktime_ns: now_ns(),
-    };
-    match verdict {
-        // The user is told of these: who and where, while the process is still here.
+    report_open(
+        RawEvent {
+            kind: kind::OPEN,
+            pid,
+            tid,
+            arg: rdev,
+            index,
+            hook: tier,
+            uid,
+            verdict,
+            ktime_ns: now_ns(),
+        },
+        o,
+    );
+    log_decision(ctx, index, pid, uid, identity, env, verdict);
+    verdict
+}
+
+/// Sends an open's event: with the process as the program reads it (its terminal, its
+/// name) when it is refused or killed, since its user is told of it and the process
+/// may be gone by the time the daemon reads the event.
+#[inline(always)]
+fn report_open(head: RawEvent, o: &Offsets) {
+    match head.verdict {
         verdict::REFUSED | verdict::KILLED | verdict::KILL_FAILED => send(
             &OpenEvent {
                 head,
@@ -124,8 +135,6 @@ fn decide<C: EbpfContext>(ctx: &C, file: *const u8, tier: u32) -> u32 {
         ),
         _ => send(&head, Wake::Now),
     }
-    log_decision(ctx, index, pid, uid, identity, env, verdict);
-    verdict
 }
 
 /// The attached-GPU mask of the active environment `env` (the one the process's

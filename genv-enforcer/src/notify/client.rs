@@ -60,10 +60,12 @@ pub fn ask(run_dir: &Path, query: &Query) -> Result<Vec<Decision>, WhyError> {
 pub fn render(decisions: &[Decision], with_user: Option<&dyn Fn(u32) -> String>) -> String {
     let mut out = String::new();
     let user_head = if with_user.is_some() { "USER" } else { "" };
-    out.push_str(&format!(
-        "{:<19}  {:>7}  {:<16}  {:<4}  {:<20}  {:<20}  {user_head}\n",
+    let head = format!(
+        "{:<19}  {:>7}  {:<16}  {:<4}  {:<20}  {:<20}  {user_head}",
         "TIME", "PID", "COMMAND", "GPU", "RULE", "ACTION"
-    ));
+    );
+    out.push_str(head.trim_end());
+    out.push('\n');
     for d in decisions {
         let user = with_user.map(|name| clean_str(&name(d.uid), NAME_CHARS));
         let row = format!(

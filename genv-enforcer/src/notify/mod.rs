@@ -127,11 +127,11 @@ impl Notifier {
     pub fn decided(&self, facts: Facts<'_>, terminal: Option<Terminal>) -> Decision {
         let decision = Decision::new(facts, unix_now());
         self.decisions.fetch_add(1, Ordering::Relaxed);
-        if self.may_log(decision.uid) {
-            log(&decision);
-        } else {
-            self.logs_held_back.fetch_add(1, Ordering::Relaxed);
-        }
+        // Kept first: once its log record or its line is out, `why` has it too.
+        self.journal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(decision.clone());
         let to_terminals = self.to_terminals.load(Ordering::Relaxed);
         if let (Some(writer), Some(terminal), true) = (&self.writer, terminal, to_terminals) {
             // The terminal must be the process's user's, whoever's it was found as.
@@ -144,10 +144,11 @@ impl Notifier {
                 });
             }
         }
-        self.journal
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(decision.clone());
+        if self.may_log(decision.uid) {
+            log(&decision);
+        } else {
+            self.logs_held_back.fetch_add(1, Ordering::Relaxed);
+        }
         decision
     }
 
