@@ -7,6 +7,9 @@
 //! enforcer has dealt with the line (its exit, a log line, the line itself), never
 //! after a sleep.
 //!
+//! The tests that start daemons run one at a time (`serial`): a `--deny` daemon kills
+//! any outsider that opens a test GPU node, whoever's test it is.
+//!
 //! A tier suite (xtask's `TIER_SUITES`): `tier_` tests depend on the program that sees
 //! the open (the kernel refuses or kills it); `any_tier_` ones do not (the executor's
 //! terminations, the terminal writer, `why`, the allocation probes).
@@ -14,29 +17,18 @@
 #[path = "notify/terminal.rs"]
 mod terminal;
 
+use genv_enforcer_tests::events::{EventDaemon, make_gpu_node, tier_refuses};
+use genv_enforcer_tests::harness::{PATIENCE, path, serial};
+use genv_enforcer_tests::{Node, artefact, device_record, env_record};
+use serde_json::json;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::Mutex;
-use std::time::Duration;
-
-use genv_enforcer_tests::events::{EventDaemon, make_gpu_node, tier_refuses};
-use genv_enforcer_tests::{Node, artefact, device_record, env_record};
-use serde_json::json;
 use terminal::{Terminal, gpu_process, inert, lines, told};
 
 /// Two unprivileged users (the second needs no passwd entry).
 const ALICE: u32 = 65534;
 const BOB: u32 = 65533;
-const DEATH: Duration = Duration::from_secs(30);
-
-/// The daemons here decide for the whole machine (a `--deny` one kills any outsider
-/// opening a test GPU node): one at a time.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn sleep() -> PathBuf {
     PathBuf::from("/bin/sleep")
@@ -217,7 +209,7 @@ fn any_tier_a_terminal_nobody_reads_holds_up_nothing() {
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
     };
-    let open = ["--open", gpu.to_str().unwrap()];
+    let open = ["--open", path(&gpu)];
     let stalled = Terminal::new(ALICE);
     stalled.stall();
     let first = node.adopt(gpu_process(&stalled, ALICE, None, &open), &[(0, 100)]);
@@ -229,8 +221,8 @@ fn any_tier_a_terminal_nobody_reads_holds_up_nothing() {
     reading.wait_for(&format!(
         "genv-enforcer: stopped gpu-process (pid {second}) on GPU 0"
     ));
-    assert_eq!(node.wait_exit(first, DEATH), Some(libc::SIGTERM));
-    assert_eq!(node.wait_exit(second, DEATH), Some(libc::SIGTERM));
+    assert_eq!(node.wait_exit(first, PATIENCE), Some(libc::SIGTERM));
+    assert_eq!(node.wait_exit(second, PATIENCE), Some(libc::SIGTERM));
 }
 
 /// Under `--deny`, an outsider's open is refused (lsm, fmod_ret) or the outsider killed
@@ -245,7 +237,7 @@ fn tier_a_refused_or_killed_opener_is_told_once_why() {
     };
     daemon.expect("GPU opens outside any environment are ");
     let terminal = Terminal::new(ALICE);
-    let args = ["--wait-stdin", "--open", gpu.to_str().unwrap()];
+    let args = ["--wait-stdin", "--open", path(&gpu)];
     let pid = node.adopt(gpu_process(&terminal, ALICE, None, &args), &[]);
     node.attempt(pid);
     let expected = match tier_refuses(&daemon.tier) {
@@ -253,7 +245,7 @@ fn tier_a_refused_or_killed_opener_is_told_once_why() {
             "genv-enforcer: refused GPU 0 to gpu-process (pid {pid}): not in a genv environment; run 'genv activate --gpus 1' first"
         ),
         false => {
-            assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGKILL));
+            assert_eq!(node.wait_exit(pid, PATIENCE), Some(libc::SIGKILL));
             format!(
                 "genv-enforcer: killed gpu-process (pid {pid}) on GPU 0: not in a genv environment; run 'genv activate --gpus 1' first"
             )
@@ -276,12 +268,7 @@ fn any_tier_a_process_killed_in_an_allocation_is_told_why() {
         json!([env_record("alpha", ALICE, "alice", Some("1g"), shell)]),
         json!([device_record(0, &["alpha"]), device_record(1, &[])]),
     );
-    let args = [
-        "--memory-at-alloc",
-        "kill",
-        "--cuda-lib",
-        lib.to_str().unwrap(),
-    ];
+    let args = ["--memory-at-alloc", "kill", "--cuda-lib", path(&lib)];
     let Some(daemon) = EventDaemon::start(&node, &args) else {
         return;
     };
@@ -319,7 +306,7 @@ fn any_tier_a_process_killed_in_an_allocation_is_told_why() {
     assert!(call("ctx 0").starts_with("ok"));
     assert!(call("alloc 600").starts_with("ok"));
     assert_eq!(call("alloc 600"), "", "the allocation returned");
-    assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGKILL));
+    assert_eq!(node.wait_exit(pid, PATIENCE), Some(libc::SIGKILL));
     let expected = format!(
         "genv-enforcer: killed cuda-user (pid {pid}) in a memory allocation on GPU 0: the allocation would take environment 'alpha' to 1258m, over its gpu_memory of 1g"
     );
@@ -355,12 +342,12 @@ fn any_tier_why_shows_each_user_their_own_decisions_and_root_all() {
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;
     };
-    let open = ["--open", gpu.to_str().unwrap()];
+    let open = ["--open", path(&gpu)];
     let (alices, bobs) = (Terminal::new(ALICE), Terminal::new(BOB));
     let alice = node.adopt(gpu_process(&alices, ALICE, None, &open), &[(0, 100)]);
     let bob = node.adopt(gpu_process(&bobs, BOB, None, &open), &[(0, 100)]);
     for pid in [alice, bob] {
-        assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGTERM));
+        assert_eq!(node.wait_exit(pid, PATIENCE), Some(libc::SIGTERM));
         daemon.expect(&format!("pid={pid}"));
     }
     let (of_alice, of_bob) = (format!("(pid {alice})"), format!("(pid {bob})"));

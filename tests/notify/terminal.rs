@@ -7,7 +7,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// A pseudo-terminal whose slave belongs to `owner`, as login gives one to its user.
 pub struct Terminal {
@@ -63,7 +63,7 @@ impl Terminal {
     /// Waits (generously: a noisy machine) for `needle` on the terminal; returns all
     /// that was shown meanwhile. The master wakes the wait when the daemon writes.
     pub fn wait_for(&self, needle: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + genv_enforcer_tests::harness::PATIENCE;
         let mut shown = Vec::new();
         loop {
             shown.extend(self.shown());
