@@ -103,6 +103,10 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
 /// this daemon's exemption); the status file with the instance.
 fn shut_down<I>(intake: Option<I>, mut daemon: Daemon, instance: Instance) {
     drop(intake);
+    // What users were told last reaches their terminals and the log.
+    if let Some(notifier) = daemon.enforcer.executor.notifier() {
+        notifier.flush();
+    }
     if let Some(kernel) = daemon.kernel.take() {
         kernel.release();
     }

@@ -11,7 +11,8 @@
 //!   [`client`]);
 //! - logs it as a structured record (target `decision`: rule, action, pid, uid, user,
 //!   environment, GPUs as fields), so that the system journal can answer "what happened
-//!   to alice today".
+//!   to alice today" ([`logger`], from a thread of its own: the user's name may take a
+//!   directory's time to look up).
 //!
 //! Nothing here decides anything: the rules say why, the executor and the kernel's side
 //! report what they did. So it sits low, right above the snapshot.
@@ -19,7 +20,9 @@
 pub mod client;
 pub mod decision;
 pub mod journal;
+pub mod logger;
 pub mod message;
+mod progress;
 pub mod ratelimit;
 pub mod rule;
 pub mod sanitize;
@@ -35,13 +38,11 @@ use std::time::{Duration, SystemTime};
 
 pub use decision::{Decision, Facts};
 use journal::Journal;
+use logger::Logger;
 pub use rule::{Action, Rule};
 pub use subject::Subject;
 pub use tty::Rdev;
 use writer::{Line, TtyWriter};
-
-use crate::backends::users;
-use crate::snapshot::join_indices;
 
 /// `--notify`: where users are told.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -74,7 +75,7 @@ const LOG_RATE: ratelimit::Rate = ratelimit::Rate {
 pub struct Counts {
     /// Decisions recorded (in the journal `why` reads).
     pub decisions: u64,
-    /// Log records held back by [`LOG_RATE`].
+    /// Log records held back by [`LOG_RATE`], or dropped with the logger behind.
     pub logs_held_back: u64,
     /// The terminal lines.
     #[serde(flatten)]
@@ -84,6 +85,7 @@ pub struct Counts {
 /// The decisions' one way out.
 pub struct Notifier {
     writer: Option<TtyWriter>,
+    logger: Option<Logger>,
     /// `--notify tty`; SIGHUP may change it.
     to_terminals: AtomicBool,
     journal: Arc<Mutex<Journal>>,
@@ -99,8 +101,12 @@ impl Notifier {
         let writer = TtyWriter::spawn()
             .inspect_err(|e| tracing::warn!("Cannot start the terminal writer: {e}"))
             .ok();
+        let logger = Logger::spawn()
+            .inspect_err(|e| tracing::warn!("Cannot start the decisions' logger: {e}"))
+            .ok();
         Self {
             writer,
+            logger,
             to_terminals: AtomicBool::new(mode == NotifyMode::Tty),
             journal: Arc::default(),
             logs: Mutex::new(ratelimit::Buckets::new(LOG_RATE)),
@@ -144,10 +150,13 @@ impl Notifier {
                 });
             }
         }
-        if self.may_log(decision.uid) {
-            log(&decision);
-        } else {
+        if !self.may_log(decision.uid) {
             self.logs_held_back.fetch_add(1, Ordering::Relaxed);
+        } else if let Some(logger) = &self.logger {
+            logger.send(decision.clone());
+        } else {
+            // No thread to look the name up from: the uid alone, now.
+            logger::log(&decision, "");
         }
         decision
     }
@@ -174,7 +183,8 @@ impl Notifier {
     pub fn counts(&self) -> Counts {
         Counts {
             decisions: self.decisions.load(Ordering::Relaxed),
-            logs_held_back: self.logs_held_back.load(Ordering::Relaxed),
+            logs_held_back: self.logs_held_back.load(Ordering::Relaxed)
+                + self.logger.as_ref().map_or(0, Logger::dropped),
             terminals: self
                 .writer
                 .as_ref()
@@ -183,31 +193,16 @@ impl Notifier {
         }
     }
 
-    /// For a one-shot run: lets the lines queued reach their terminals, for at most a
-    /// second.
+    /// For a one-shot run: lets the lines queued reach their terminals and the log, for
+    /// at most a second each.
     pub fn flush(&self) {
         if let Some(writer) = &self.writer {
             writer.flush(Duration::from_secs(1));
         }
+        if let Some(logger) = &self.logger {
+            logger.flush(Duration::from_secs(1));
+        }
     }
-}
-
-/// The structured record: `[DECISION] …` in text logs, fields in JSON ones.
-fn log(d: &Decision) {
-    let user = users::display_name(d.uid);
-    tracing::info!(
-        target: "decision",
-        rule = d.rule.name(),
-        action = d.action.word(),
-        pid = d.pid,
-        uid = d.uid,
-        user = %sanitize::clean_str(&user, sanitize::NAME_CHARS),
-        env = d.env.as_deref().unwrap_or(""),
-        gpu = %join_indices(d.gpus.iter().copied()),
-        comm = %d.comm,
-        "{}",
-        d.line
-    );
 }
 
 fn unix_now() -> u64 {

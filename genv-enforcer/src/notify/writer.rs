@@ -6,13 +6,14 @@
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
-use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::progress::Progress;
 use super::ratelimit::Limits;
 use super::tty::{self, Rdev, Refusal};
 
@@ -54,9 +55,8 @@ struct Counters {
     queue_full: AtomicU64,
     terminal_full: AtomicU64,
     refused: AtomicU64,
-    /// Lines taken off the queue and dealt with, for [`TtyWriter::flush`].
-    done: Mutex<u64>,
-    done_changed: Condvar,
+    /// Lines queued and dealt with, for [`TtyWriter::flush`].
+    progress: Progress,
 }
 
 type Opener = Box<dyn Fn(Rdev, u32) -> Result<OwnedFd, Refusal> + Send>;
@@ -64,8 +64,6 @@ type Opener = Box<dyn Fn(Rdev, u32) -> Result<OwnedFd, Refusal> + Send>;
 pub struct TtyWriter {
     queue: SyncSender<Line>,
     counters: Arc<Counters>,
-    /// Lines queued, for [`TtyWriter::flush`].
-    sent: AtomicU64,
 }
 
 impl TtyWriter {
@@ -80,18 +78,14 @@ impl TtyWriter {
         std::thread::Builder::new()
             .name("notify-tty".into())
             .spawn(move || serve(&lines, limits, &open, &theirs))?;
-        Ok(Self {
-            queue,
-            counters,
-            sent: AtomicU64::new(0),
-        })
+        Ok(Self { queue, counters })
     }
 
     /// Queues `line`; never waits. False when it was dropped.
     pub fn send(&self, line: Line) -> bool {
         match self.queue.try_send(line) {
             Ok(()) => {
-                self.sent.fetch_add(1, Relaxed);
+                self.counters.progress.sent();
                 true
             }
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
@@ -115,19 +109,7 @@ impl TtyWriter {
     /// Waits until every line queued so far was dealt with, or `within` passed: for a
     /// one-shot run, before it exits.
     pub fn flush(&self, within: Duration) {
-        let deadline = Instant::now() + within;
-        let sent = self.sent.load(Relaxed);
-        let mut done = self.counters.done.lock().unwrap_or_else(|e| e.into_inner());
-        while *done < sent {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return;
-            }
-            done = match self.counters.done_changed.wait_timeout(done, left) {
-                Ok((done, _)) => done,
-                Err(e) => e.into_inner().0,
-            };
-        }
+        self.counters.progress.wait(within);
     }
 }
 
@@ -157,8 +139,7 @@ fn serve(lines: &Receiver<Line>, mut limits: Limits, open: &Opener, counters: &C
             &counters.held_back
         };
         counter.fetch_add(1, Relaxed);
-        *counters.done.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        counters.done_changed.notify_all();
+        counters.progress.done();
     }
 }
 
