@@ -17,7 +17,9 @@
 #[path = "notify/terminal.rs"]
 mod terminal;
 
-use genv_enforcer_tests::events::{EventDaemon, make_gpu_node, tier_refuses};
+use genv_enforcer_tests::events::{
+    EventDaemon, make_gpu_node, tier_refuses, tier_sees_failed_opens,
+};
 use genv_enforcer_tests::harness::{PATIENCE, path, serial};
 use genv_enforcer_tests::{Node, artefact, device_record, env_record};
 use serde_json::json;
@@ -254,6 +256,35 @@ fn tier_a_refused_or_killed_opener_is_told_once_why() {
     let shown = terminal.wait_for(&expected);
     daemon.expect(&format!("pid={pid}"));
     assert_eq!(told(shown.as_bytes()), [expected]);
+}
+
+/// On the kill tiers SIGKILL reaches the opener's thread group only: a process sharing
+/// its file table (`clone(CLONE_FILES)`) keeps the GPU until the daemon's sweep kills it
+/// too, and its user is told of that kill as well, from what was read of it before.
+/// (Where the tier sees failed opens, the test node's open fails, nothing is shared,
+/// and only the opener is told.)
+#[test]
+fn tier_a_process_sharing_a_killed_openers_descriptors_is_told_too() {
+    let _serial = serial();
+    let (mut node, gpu) = node_with_gpu();
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes", "--deny"]) else {
+        return;
+    };
+    daemon.expect("GPU opens outside any environment are ");
+    let terminal = Terminal::new(ALICE);
+    let args = ["--wait-stdin", "--open-clone-files", path(&gpu)];
+    let sharer = node.adopt(gpu_process(&terminal, ALICE, None, &args), &[]);
+    node.attempt(sharer);
+    if tier_sees_failed_opens() {
+        let shown = terminal.wait_for("genv-enforcer: ");
+        assert!(node.alive(sharer), "it holds nothing: left alone");
+        assert!(!shown.contains(&format!("(pid {sharer})")), "{shown:?}");
+        return;
+    }
+    assert_eq!(node.wait_exit(sharer, PATIENCE), Some(libc::SIGKILL));
+    terminal.wait_for(&format!(
+        "genv-enforcer: killed gpu-process (pid {sharer}) on GPU 0: not in a genv environment; run 'genv activate --gpus 1' first"
+    ));
 }
 
 /// `--memory-at-alloc kill`: Alice's program, in her environment capped at 1g, is

@@ -16,6 +16,9 @@ use crate::snapshot::join_indices;
 
 /// Records waiting for the thread, at most.
 const QUEUE: usize = 1024;
+/// How long the thread waits for a user's name it has not looked up before (a lookup
+/// that takes longer goes on, and the record names the uid alone).
+const NAME_WAIT: Duration = Duration::from_secs(2);
 
 pub struct Logger {
     queue: SyncSender<Decision>,
@@ -65,7 +68,8 @@ impl Logger {
 
 fn serve(records: &Receiver<Decision>, progress: &Progress) {
     while let Ok(decision) = records.recv() {
-        log(&decision, &users::display_name(decision.uid));
+        let user = users::name_within(decision.uid, NAME_WAIT);
+        log(&decision, user.as_deref().unwrap_or(""));
         progress.done();
     }
 }

@@ -159,6 +159,7 @@ impl Daemon {
         };
         for killed in kernel.sweep_holders(&self.settings.kernel, &gpus) {
             println!("{}", killed.line());
+            self.tell_holder(&killed);
             self.status.counts.killed_holders += 1;
         }
     }

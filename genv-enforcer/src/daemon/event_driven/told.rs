@@ -1,11 +1,13 @@
 //! What the kernel decided, told to the user it was done to ([`crate::notify`]): a GPU
-//! open refused or killed under `--deny`, an allocation killed past its environment's
-//! cap. The process is often gone by now, so who it was and where its terminal is come
+//! open refused or killed under `--deny` (and the processes sharing a killed opener's
+//! descriptors, killed by the daemon's sweep), an allocation killed past its
+//! environment's cap. The process is often gone by now, so who it was and where its terminal is come
 //! from what the program read at its decision.
 
 use super::Daemon;
 use crate::intake::{AllocOutcome, GpuOpen, KernelSubject, OverCap, Verdict};
 use crate::notify::{Action, Facts, Rule, Terminal};
+use crate::sync::holders::Killed;
 
 impl Daemon {
     /// A process the kernel refused a GPU, or killed in its open.
@@ -29,6 +31,25 @@ impl Daemon {
             action,
         };
         notifier.decided(facts, terminal(&subject, open.uid));
+    }
+
+    /// A process that held a GPU opened by a process the kernel killed (sharing its
+    /// file table), killed by the daemon's sweep.
+    pub(super) fn tell_holder(&self, killed: &Killed) {
+        let (Some(notifier), Some(subject)) = (self.enforcer.executor.notifier(), &killed.subject)
+        else {
+            return;
+        };
+        let facts = Facts {
+            pid: killed.pid,
+            uid: killed.uid,
+            comm: &subject.comm,
+            env: None,
+            gpus: killed.gpus.clone(),
+            rule: Rule::NonEnvProcesses,
+            action: Action::Killed,
+        };
+        notifier.decided(facts, subject.terminal);
     }
 
     /// A process the kernel killed inside an allocation past its cap.
