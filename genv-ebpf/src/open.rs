@@ -14,15 +14,15 @@ use aya_ebpf::programs::{
 };
 use aya_log_ebpf::info;
 use genv_ebpf_common::{
-    EnvEntry, ExeKey, Offsets, OpenEvent, RawEvent, USER_HZ, decision, hook, identity, kind,
-    policy, verdict,
+    EnvEntry, ExeKey, Offsets, RawEvent, USER_HZ, decision, hook, identity, kind, policy, verdict,
 };
 
-use crate::kernel::{current, read, subject};
+use crate::kernel::{current, read};
 use crate::maps::{
-    ALLOWED_EXES, ENVS, EXEMPT_PIDS, GPU_NODES, PROC_ENV, Wake, count_decision, now_ns, offset,
-    offsets, policy, send,
+    ALLOWED_EXES, ENVS, EXEMPT_PIDS, GPU_NODES, PROC_ENV, count_decision, now_ns, offset, offsets,
+    policy,
 };
+use crate::told::report_open;
 
 const EPERM: i32 = 1;
 const SIGKILL: u32 = 9;
@@ -118,23 +118,6 @@ fn decide<C: EbpfContext>(ctx: &C, file: *const u8, tier: u32) -> u32 {
     );
     log_decision(ctx, index, pid, uid, identity, env, verdict);
     verdict
-}
-
-/// Sends an open's event: with the process as the program reads it (its terminal, its
-/// name) when it is refused or killed, since its user is told of it and the process
-/// may be gone by the time the daemon reads the event.
-#[inline(always)]
-fn report_open(head: RawEvent, o: &Offsets) {
-    match head.verdict {
-        verdict::REFUSED | verdict::KILLED | verdict::KILL_FAILED => send(
-            &OpenEvent {
-                head,
-                subject: subject(o),
-            },
-            Wake::Now,
-        ),
-        _ => send(&head, Wake::Now),
-    }
 }
 
 /// The attached-GPU mask of the active environment `env` (the one the process's

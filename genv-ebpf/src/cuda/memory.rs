@@ -13,8 +13,9 @@ use super::{
     CUDA_GPUS, ENV_MEMORY, LOCATION_DEVICE, PENDING, PROC_CAP, PROC_CHARGE, PROP_LOCATION, Pending,
     SIGKILL, handle, read_user_u64, take_pending,
 };
-use crate::kernel::{current, subject};
+use crate::kernel::current;
 use crate::maps::{ENVS, PROC_ENV, Wake, now_ns, offsets, policy, send};
+use crate::told::subject;
 
 /// `cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)`, and the two asynchronous ones
 /// whose first two arguments are the same (`cuMemAllocAsync`,
