@@ -13,12 +13,16 @@ use genv_enforcer_tests::workspace_root;
 /// report → actions → cycle), then the event side by stage: the kernel programs'
 /// handles, the intake of their events, what the daemon publishes as a service,
 /// `--memory-at-alloc`'s userspace half, the sync of the maps with genv's state, the
-/// daemon's loop; then the fleet and the command line.
-const LAYERS: [&str; 16] = [
+/// daemon's loop; then the fleet and the command line. `notify`, which tells users what
+/// was done to their processes and why, sits low: it needs only the backends and the
+/// snapshot's index formatting, and the rules, the report, the executor and the kernel's
+/// side all report through it.
+const LAYERS: [&str; 17] = [
     "warn_once",
     "backends",
     "state",
     "snapshot",
+    "notify",
     "rules",
     "report",
     "actions",
@@ -594,7 +598,11 @@ fn no_folder_has_a_circle() {
 }
 
 /// The suites whose tests run on every BPF tier in the VM (xtask's `TIER_SUITES`).
-const TIER_SUITES: [&str; 2] = ["tests/event_driven.rs", "tests/prevention.rs"];
+const TIER_SUITES: [&str; 3] = [
+    "tests/event_driven.rs",
+    "tests/prevention.rs",
+    "tests/notify.rs",
+];
 
 /// The `#[test]` functions of a suite's source, by name.
 fn test_names(source: &str) -> Vec<String> {

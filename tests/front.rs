@@ -310,3 +310,32 @@ fn a_bash_as_sh_imports_no_function_from_a_users_environment() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `genv why` is the enforcer's, for anyone: run by an ordinary user through the front,
+/// it reaches the installed enforcer's `why`, which says that no daemon answers (none
+/// runs here), naming the socket it asked.
+#[test]
+fn genv_why_reaches_the_enforcers_why_for_an_ordinary_user() {
+    let dir = scratch();
+    let root = dir.join("root");
+    install(&root, Some(&root.join("usr/local/bin/genv-enforcer")));
+    let run_dir = dir.join("run");
+    let output = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg(front(&root))
+        .args(["why", "--me"])
+        .env("PATH", "/usr/bin:/bin")
+        .env("GENV_ENFORCER_RUN_DIR", &run_dir)
+        .output()
+        .unwrap();
+    let said = text(&output);
+    assert_eq!(output.status.code(), Some(3), "{said}");
+    assert!(
+        said.contains(&format!(
+            "no genv-enforcer is answering at {}/why.sock",
+            run_dir.display()
+        )),
+        "{said}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -231,45 +231,8 @@ pub mod hook {
     }
 }
 
-/// One event, as the programs write it.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RawEvent {
-    /// One of [`kind`].
-    pub kind: u32,
-    /// Thread-group id (the process's pid, as userspace sees it).
-    pub pid: u32,
-    /// The thread that acted.
-    pub tid: u32,
-    /// Kind-specific: the child's pid for `FORK`, the node's `dev_t` for `OPEN`,
-    /// [`EXEC_UNRESOLVED`] for an `EXEC` whose identity the daemon must read.
-    pub arg: u32,
-    /// The GPU index for `OPEN`; [`FORK_UNRESOLVED`] for a `FORK` whose child inherited
-    /// an unresolved identity.
-    pub index: u32,
-    /// One of [`hook`] for `OPEN`.
-    pub hook: u32,
-    /// The real uid of the process, for `OPEN`.
-    pub uid: u32,
-    /// One of [`verdict`] for `OPEN`.
-    pub verdict: u32,
-    /// `bpf_ktime_get_ns()` when the event happened (CLOCK_MONOTONIC); 0 for `EXEC`,
-    /// `FORK` and `EXIT`, whose time the daemon does not use.
-    pub ktime_ns: u64,
-}
-
-/// An `ALLOC` event: the common record and what only it carries, written as a record
-/// of its own size so that every other event (a GPU open, an exec) stays
-/// [`RawEvent`]'s size in the ring buffer.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct AllocEvent {
-    pub head: RawEvent,
-    /// The environment's [`env_id_hash`].
-    pub env: u64,
-    /// Bytes the environment would use on the GPU with the allocation.
-    pub would_use: u64,
-}
+mod record;
+pub use record::{AllocEvent, OpenEvent, RawEvent, Subject};
 
 /// `RawEvent::arg` of an `EXEC` whose environment block could not be read in full.
 pub const EXEC_UNRESOLVED: u32 = 1;
@@ -318,6 +281,15 @@ pub struct Offsets {
     pub task_group_leader: u32,
     /// `task_struct.start_boottime` (5.5 and later): ns since boot, suspend included.
     pub task_start_boottime: u32,
+    /// The controlling terminal, for a decision's [`Subject`]: `signal_struct.tty`,
+    /// `tty_struct.index` and `.driver`, `tty_driver.major` and `.minor_start` (its
+    /// number is `MKDEV(major, minor_start + index)`, as `tty_devnum` makes it). Each
+    /// `ABSENT` where the kernel has no TTY layer; the terminal is then 0.
+    pub signal_tty: u32,
+    pub tty_index: u32,
+    pub tty_driver: u32,
+    pub driver_major: u32,
+    pub driver_minor_start: u32,
 }
 
 impl Offsets {
@@ -348,6 +320,11 @@ impl Offsets {
         regs_orig_ax: Self::ABSENT,
         task_group_leader: 0,
         task_start_boottime: 0,
+        signal_tty: Self::ABSENT,
+        tty_index: Self::ABSENT,
+        tty_driver: Self::ABSENT,
+        driver_major: Self::ABSENT,
+        driver_minor_start: Self::ABSENT,
     };
 }
 
@@ -374,6 +351,10 @@ mod pod {
     unsafe impl aya::Pod for super::RawEvent {}
     // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::AllocEvent {}
+    // SAFETY: integers only, no implicit padding (see above).
+    unsafe impl aya::Pod for super::OpenEvent {}
+    // SAFETY: integers only, no implicit padding (see above).
+    unsafe impl aya::Pod for super::Subject {}
     // SAFETY: integers only, no implicit padding (see above).
     unsafe impl aya::Pod for super::Offsets {}
     // SAFETY: integers only, no implicit padding (see above).
@@ -403,7 +384,9 @@ mod tests {
         // The programs and the daemon are built by different compilers for different
         // targets; a size change means one side was not rebuilt or a field is unaligned.
         assert_eq!(size_of::<RawEvent>(), 40);
-        assert_eq!(size_of::<AllocEvent>(), 56);
+        assert_eq!(size_of::<Subject>(), 24);
+        assert_eq!(size_of::<OpenEvent>(), 64);
+        assert_eq!(size_of::<AllocEvent>(), 80);
         assert_eq!(size_of::<alloc::EnvGpu>(), 16);
         assert_eq!(size_of::<alloc::Baseline>(), 16);
         assert_eq!(size_of::<alloc::Delta>(), 16);
@@ -411,7 +394,7 @@ mod tests {
         assert_eq!(size_of::<alloc::Ordinals>(), alloc::MAX_ORDINALS);
         assert_eq!(size_of::<alloc::CtxStack>(), 40);
         assert_eq!(size_of::<alloc::ProcGpu>(), 8);
-        assert_eq!(size_of::<Offsets>(), 24 * 4);
+        assert_eq!(size_of::<Offsets>(), 29 * 4);
         assert_eq!(size_of::<EnvEntry>(), 16);
         assert_eq!(size_of::<ExeKey>(), 16);
     }

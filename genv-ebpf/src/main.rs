@@ -31,6 +31,8 @@ mod lifecycle;
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod open;
+#[cfg(target_arch = "bpf")]
+mod told;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

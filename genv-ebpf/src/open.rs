@@ -19,9 +19,10 @@ use genv_ebpf_common::{
 
 use crate::kernel::{current, read};
 use crate::maps::{
-    ALLOWED_EXES, ENVS, EXEMPT_PIDS, GPU_NODES, PROC_ENV, Wake, count_decision, emit, offset,
-    offsets, policy,
+    ALLOWED_EXES, ENVS, EXEMPT_PIDS, GPU_NODES, PROC_ENV, count_decision, now_ns, offset, offsets,
+    policy,
 };
+use crate::told::report_open;
 
 const EPERM: i32 = 1;
 const SIGKILL: u32 = 9;
@@ -101,7 +102,7 @@ fn decide<C: EbpfContext>(ctx: &C, file: *const u8, tier: u32) -> u32 {
             }
         }
     };
-    emit(
+    report_open(
         RawEvent {
             kind: kind::OPEN,
             pid,
@@ -111,9 +112,9 @@ fn decide<C: EbpfContext>(ctx: &C, file: *const u8, tier: u32) -> u32 {
             hook: tier,
             uid,
             verdict,
-            ktime_ns: 0,
+            ktime_ns: now_ns(),
         },
-        Wake::Now,
+        o,
     );
     log_decision(ctx, index, pid, uid, identity, env, verdict);
     verdict

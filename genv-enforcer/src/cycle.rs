@@ -323,6 +323,18 @@ pub fn execute_report(
             let terminations = Report {
                 terminate: report.terminate.clone(),
                 detach: Vec::new(),
+                // Without the detach, its processes are stopped for the rule alone.
+                why: report
+                    .why
+                    .iter()
+                    .map(|(pid, why)| {
+                        let why = crate::report::Why {
+                            detached: false,
+                            ..why.clone()
+                        };
+                        (*pid, why)
+                    })
+                    .collect(),
             };
             executor.execute(&terminations, state);
         }
@@ -391,6 +403,7 @@ mod tests {
                 index: 0,
                 envs: vec![env],
             }],
+            why: Default::default(),
         }
     }
 

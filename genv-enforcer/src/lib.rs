@@ -14,9 +14,10 @@
 //! command line into one validated configuration and runs it.
 //!
 //! Each module uses only modules below it in the layering that `tests/architecture.rs`
-//! checks (warn_once, backends, state, snapshot, rules, report, actions, cycle, kernel, intake,
-//! service, alloc, sync, daemon, remote, cli), and no file uses a sibling that uses it
-//! back.
+//! checks (warn_once, backends, state, snapshot, notify, rules, report, actions, cycle,
+//! kernel, intake, service, alloc, sync, daemon, remote, cli), and no file uses a sibling
+//! that uses it back. What the enforcer did is told to the users it did it to through
+//! [`notify`].
 
 pub mod actions;
 pub mod alloc;
@@ -26,6 +27,7 @@ pub mod cycle;
 pub mod daemon;
 pub mod intake;
 pub mod kernel;
+pub mod notify;
 pub mod remote;
 pub mod report;
 pub mod rules;

@@ -5,6 +5,10 @@
 //! in the order first asked, and a detach also terminates the environment's processes on
 //! that device.
 
+mod why;
+
+use std::collections::BTreeMap;
+
 use serde_json::Value;
 
 use crate::rules::{Action, Finding, Survey};
@@ -13,10 +17,15 @@ use crate::snapshot::WireError;
 use crate::state::Env;
 use crate::state::model::{self, ShapeError};
 
+pub use why::Why;
+
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Report {
     pub terminate: Vec<GpuProcess>,
     pub detach: Vec<Detach>,
+    /// Why each terminated process goes, by pid, for the line its user is told; not
+    /// part of genv's wire format (a report read from `usage execute` has none).
+    pub why: BTreeMap<u32, Why>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -93,6 +102,7 @@ impl Report {
                         .collect(),
                 })
                 .collect(),
+            why: why::of_findings(host, snapshot, findings),
         }
     }
 
@@ -145,7 +155,11 @@ impl Report {
                 })
             })
             .collect::<Result<Vec<_>, ShapeError>>()?;
-        Ok(Self { terminate, detach })
+        Ok(Self {
+            terminate,
+            detach,
+            why: BTreeMap::new(),
+        })
     }
 }
 
@@ -210,7 +224,11 @@ mod fuzz_tests {
                 .into_iter()
                 .map(|(index, envs)| Detach { index, envs })
                 .collect();
-            Report { terminate, detach }
+            Report {
+                terminate,
+                detach,
+                why: BTreeMap::new(),
+            }
         })
     }
 

@@ -38,7 +38,7 @@ pub use setup::{ensure_packages, prepare};
 /// proves the same whatever program sees the opens (the exec, fork and exit hooks,
 /// userspace's state handling, the memory poll: identical on every tier) and runs
 /// with the first tier of each kernel only.
-pub const TIER_SUITES: [&str; 2] = ["event_driven", "prevention"];
+pub const TIER_SUITES: [&str; 3] = ["event_driven", "prevention", "notify"];
 /// The name prefix of the tier suites' tests that run once per kernel.
 pub const ONCE_PER_KERNEL: &str = "any_tier_";
 /// The test binaries whose scenarios depend on the kernel, not the tier (uprobes load

@@ -5,8 +5,8 @@
 //! a device node standing in for GPU 1 (`/dev/full`'s number, which opens without an
 //! NVIDIA driver). The enforcer runs `enforce --event-driven --non-env-processes`; then
 //! a rogue process outside any environment opens GPU 1, and a process of the
-//! environment strays onto it. The demo shows the daemon's lines and measures how long
-//! each intruder lived after its open.
+//! environment strays onto it. The demo shows the daemon's lines, measures how long
+//! each intruder lived after its open, and shows the line its user is told.
 
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
@@ -150,15 +150,28 @@ fn intrude(node: &mut Node, daemon: &Daemon, events: bool, what: &str, pid: u32)
     if events {
         wanted.push(format!("Acted on process {pid} "));
     }
+    // The decision's record: what the process's user is told.
+    wanted.push(format!("(pid {pid}) "));
+    let mut told = None;
     // Two pipes (stdout, stderr): the lines come in either order.
     while !wanted.is_empty() {
         let needles: Vec<&str> = wanted.iter().map(String::as_str).collect();
         let line = show_until(daemon, &needles, Duration::from_secs(30))?;
+        told = told.or_else(|| told_line(&line));
         wanted.retain(|w| !line.contains(w.as_str()));
     }
     println!(
         "  -> ended by {status} {:.1} ms after it was told to open (genv polls every 10 s)",
         lived.as_secs_f64() * 1e3
     );
+    if let Some(told) = told {
+        println!("  -> its user sees, on the process's terminal and in `genv why`:\n     {told}");
+    }
     Ok(())
+}
+
+/// The line a `[DECISION]` record tells the user, without the record's fields.
+fn told_line(line: &str) -> Option<String> {
+    let told = line.split("[DECISION] ").nth(1)?;
+    Some(told.split(" rule=").next().unwrap_or(told).to_owned())
 }

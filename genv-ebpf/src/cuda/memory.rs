@@ -14,7 +14,8 @@ use super::{
     SIGKILL, handle, read_user_u64, take_pending,
 };
 use crate::kernel::current;
-use crate::maps::{ENVS, PROC_ENV, Wake, now_ns, policy, send};
+use crate::maps::{ENVS, PROC_ENV, Wake, now_ns, offsets, policy, send};
+use crate::told::subject;
 
 /// `cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)`, and the two asynchronous ones
 /// whose first two arguments are the same (`cuMemAllocAsync`,
@@ -338,6 +339,7 @@ fn report(pid: u32, env: u64, gpu: u32, usage: i64, verdict: u32) {
         },
         env,
         would_use: usage.max(0) as u64,
+        subject: subject(&offsets()),
     };
     send(&event, Wake::Now);
 }

@@ -4,14 +4,16 @@
 pub mod kill;
 
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustix::process::Signal;
 
 pub use kill::{Outcome, Protected};
 
-use crate::report::Report;
-use crate::snapshot::join_indices;
+use crate::notify::{self, Facts, Notifier, Subject};
+use crate::report::{Report, Why};
+use crate::snapshot::{GpuProcess, join_indices};
 use crate::state::StateDir;
 
 /// How the executor acts.
@@ -31,12 +33,22 @@ struct Pending {
     pid: u32,
     eid: Option<String>,
     deadline: Instant,
+    /// What its user was told at the SIGTERM, to tell them of the SIGKILL too.
+    told: Option<Told>,
+}
+
+/// A terminated process as its user was told of it.
+struct Told {
+    subject: Subject,
+    why: Why,
 }
 
 pub struct Executor {
     config: ExecutorConfig,
     protected: Protected,
     pending: Vec<Pending>,
+    /// Where each termination is told to the user it is done to, and why.
+    notifier: Option<Arc<Notifier>>,
 }
 
 impl Executor {
@@ -45,7 +57,20 @@ impl Executor {
             config,
             protected: Protected::for_this_process(),
             pending: Vec::new(),
+            notifier: None,
         }
+    }
+
+    /// Tells each process's user what was done and why (for the processes a report
+    /// says why of).
+    pub fn with_notifier(mut self, notifier: Arc<Notifier>) -> Self {
+        self.notifier = Some(notifier);
+        self
+    }
+
+    /// Where the daemon tells of what the kernel decided, too.
+    pub fn notifier(&self) -> Option<&Arc<Notifier>> {
+        self.notifier.as_ref()
     }
 
     fn prefix(&self) -> &'static str {
@@ -60,12 +85,7 @@ impl Executor {
     /// `devices.json`).
     pub fn execute(&mut self, report: &Report, state: &StateDir) {
         for process in &report.terminate {
-            self.terminate(
-                process.pid,
-                process.start_time,
-                process.eid.as_deref(),
-                &join_indices(process.indices()),
-            );
+            self.terminate(process, report.why.get(&process.pid));
         }
         for detach in &report.detach {
             for env in &detach.envs {
@@ -90,23 +110,43 @@ impl Executor {
         }
     }
 
-    fn terminate(&mut self, pid: u32, start_time: Option<u64>, eid: Option<&str>, indices: &str) {
+    fn terminate(&mut self, process: &GpuProcess, why: Option<&Why>) {
+        let (pid, start_time) = (process.pid, process.start_time);
+        let eid = process.eid.as_deref();
         if let Some(reason) = self.protected.reason(pid) {
             tracing::warn!("Not terminating process {pid}: {reason}");
             return;
         }
         println!(
-            "{}Terminating process {pid} from environment {} that is running on GPU(s) {indices}",
+            "{}Terminating process {pid} from environment {} that is running on GPU(s) {}",
             self.prefix(),
-            eid.unwrap_or("N/A")
+            eid.unwrap_or("N/A"),
+            join_indices(process.indices())
         );
         if self.config.dry_run || !self.config.signals {
             return;
         }
-        let sent = kill::open(pid, start_time, &self.protected)
-            .and_then(|pidfd| kill::send(&pidfd, Signal::TERM).map(|()| pidfd));
+        let mut told = None;
+        let sent = kill::open(pid, start_time, &self.protected).and_then(|pidfd| {
+            // Who it is and where its terminal is, while it is still there to read.
+            told = self.notifier.as_ref().zip(why).and_then(|(_, why)| {
+                let subject = Subject::of_process(pid, start_time)?;
+                Some(Told {
+                    subject,
+                    why: why.clone(),
+                })
+            });
+            kill::send(&pidfd, Signal::TERM).map(|()| pidfd)
+        });
         match sent {
             Ok(pidfd) => {
+                if let Some(told) = &told {
+                    let action = match told.why.detached {
+                        true => notify::Action::Detached,
+                        false => notify::Action::Terminated,
+                    };
+                    self.tell(pid, eid, told, action);
+                }
                 if let Some(grace) = self.config.kill_after {
                     self.pending.retain(|p| p.pid != pid);
                     self.pending.push(Pending {
@@ -114,6 +154,7 @@ impl Executor {
                         pid,
                         eid: eid.map(str::to_owned),
                         deadline: Instant::now() + grace,
+                        told,
                     });
                 }
             }
@@ -127,10 +168,28 @@ impl Executor {
         }
     }
 
+    /// Tells process `pid`'s user what was done to it, and why.
+    fn tell(&self, pid: u32, eid: Option<&str>, told: &Told, action: notify::Action) {
+        let Some(notifier) = &self.notifier else {
+            return;
+        };
+        let facts = Facts {
+            pid,
+            uid: told.subject.uid,
+            comm: &told.subject.comm,
+            env: eid.map(|eid| (eid, told.why.env_name.as_deref())),
+            gpus: told.why.gpus.clone(),
+            rule: told.why.rule.clone(),
+            action,
+        };
+        notifier.decided(facts, told.subject.terminal);
+    }
+
     /// Sends SIGKILL to processes whose grace period ended; forgets those that exited.
     pub fn escalate(&mut self, now: Instant) {
         let grace = self.config.kill_after.unwrap_or_default().as_secs_f64();
-        self.pending.retain(|p| {
+        let mut killed = Vec::new();
+        self.pending.retain_mut(|p| {
             if kill::has_exited(&p.pidfd) {
                 return false;
             }
@@ -142,11 +201,18 @@ impl Executor {
                 p.pid,
                 p.eid.as_deref().unwrap_or("N/A")
             );
-            if let Err(Outcome::PermissionDenied) = kill::send(&p.pidfd, Signal::KILL) {
-                tracing::error!("Not enough permissions to kill process {}", p.pid);
+            match kill::send(&p.pidfd, Signal::KILL) {
+                Ok(()) => killed.extend(p.told.take().map(|told| (p.pid, p.eid.take(), told))),
+                Err(Outcome::PermissionDenied) => {
+                    tracing::error!("Not enough permissions to kill process {}", p.pid)
+                }
+                Err(_) => {}
             }
             false
         });
+        for (pid, eid, told) in killed {
+            self.tell(pid, eid.as_deref(), &told, notify::Action::Killed);
+        }
     }
 
     /// When the next escalation is due, if any process is being watched.
@@ -176,5 +242,7 @@ impl Executor {
     }
 }
 
+#[cfg(test)]
+mod notify_tests;
 #[cfg(test)]
 mod tests;

@@ -410,6 +410,7 @@ fn report(targets: &[(u32, u64)]) -> Report {
     Report {
         terminate,
         detach: Vec::new(),
+        why: Default::default(),
     }
 }
 

@@ -310,11 +310,13 @@ mod tests {
         };
         let over = OverCap {
             pid: 42,
+            uid: 0,
             env: 7,
             index: 0,
             would_use: 1_200_000_000,
             outcome: AllocOutcome::Killed,
             at_ns: 0,
+            subject: Default::default(),
         };
         let line = "Environment 21364 would use 1200m on device 0 which is 200m over its capacity of 1g; killed process 42 at the allocation";
         assert_eq!(caps.line(&over, None), line);

@@ -314,6 +314,17 @@ impl AllocSide {
     pub fn line(&self, over: &OverCap) -> String {
         self.caps.line(over, self.started_caps.get(&over.pid))
     }
+
+    /// The environment an allocation was charged to and the cap it was held to (the
+    /// one the process was started with, where that allows more), for its user.
+    pub fn held_to(&self, over: &OverCap) -> Option<(String, String)> {
+        let (eid, cap) = self.caps.by_identity.get(&over.env)?;
+        let held = match self.started_caps.get(&over.pid) {
+            Some(StartedWith::Cap(own)) if own.bytes() > cap.bytes() => own.to_string(),
+            _ => cap.to_string(),
+        };
+        Some((eid.clone(), held))
+    }
 }
 
 /// Whether the process that started at `started` is still there with a thread that has

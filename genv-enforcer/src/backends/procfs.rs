@@ -43,6 +43,9 @@ pub struct ProcStat {
     /// ASLR, different on each), so a changed value means a new program image with a
     /// new environment block. Zero when the reader may not see them.
     pub exec_fingerprint: [u64; 3],
+    /// The controlling terminal's device number as the kernel encodes it here
+    /// (`new_encode_dev`); 0 for none.
+    pub tty_nr: u32,
 }
 
 impl ProcStat {
@@ -133,7 +136,7 @@ fn read_all(path: &str) -> io::Result<Vec<u8>> {
 fn parse_stat(text: &str) -> Option<ProcStat> {
     let rest = &text[text.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
-    // After comm: state(3) ppid(4) ... flags(9) ... starttime(22) ... startcode(26)
+    // After comm: state(3) ppid(4) ... tty_nr(7) ... flags(9) ... starttime(22) ... startcode(26)
     // endcode(27) startstack(28), numbered as in proc(5).
     let field = |n: usize| -> Option<u64> { fields.get(n - 3)?.parse().ok() };
     Some(ProcStat {
@@ -146,6 +149,11 @@ fn parse_stat(text: &str) -> Option<ProcStat> {
             field(27).unwrap_or(0),
             field(28).unwrap_or(0),
         ],
+        // Printed as a signed int: kept as the same 32 bits.
+        tty_nr: fields
+            .get(4)
+            .and_then(|n| n.parse::<i32>().ok())
+            .map_or(0, |n| n as u32),
     })
 }
 
@@ -358,13 +366,13 @@ mod tests {
 
     #[test]
     fn parses_stat_with_a_hostile_comm() {
-        let line =
-            "4242 (a) b (c) S 17 4242 4242 0 -1 4194560 99 0 0 0 0 0 0 0 20 0 1 0 123456 1000 100";
+        let line = "4242 (a) b (c) S 17 4242 4242 34817 -1 4194560 99 0 0 0 0 0 0 0 20 0 1 0 123456 1000 100";
         let stat = parse_stat(line).unwrap();
         assert_eq!(
             (stat.state, stat.ppid, stat.flags, stat.start_time),
             ('S', 17, 4194560, 123456)
         );
+        assert_eq!(stat.tty_nr, 34817, "/dev/pts/1");
         assert!(!stat.is_kernel_thread());
     }
 

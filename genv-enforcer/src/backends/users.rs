@@ -16,10 +16,14 @@ pub const LOOKUP_WAIT: Duration = Duration::from_millis(100);
 /// a deleted user) or the lookup has not answered yet. Answers, found or not, are kept
 /// for the daemon's life.
 pub fn name_of(uid: u32) -> Option<String> {
+    name_within(uid, LOOKUP_WAIT)
+}
+
+/// [`name_of`], waiting up to `wait` for a lookup not cached yet: for a thread of its
+/// own, off the event loop, which can wait for a slow directory (or a slow machine).
+pub fn name_within(uid: u32, wait: Duration) -> Option<String> {
     static NAMES: OnceLock<Names> = OnceLock::new();
-    NAMES
-        .get_or_init(|| Names::new(lookup))
-        .name_of(uid, LOOKUP_WAIT)
+    NAMES.get_or_init(|| Names::new(lookup)).name_of(uid, wait)
 }
 
 /// The user's name, or the uid as text.

@@ -11,6 +11,7 @@ use crate::alloc::MemoryAtAlloc;
 use crate::backends::devmap::NodeOverride;
 use crate::backends::nvml::DEFAULT_LIBRARY;
 use crate::kernel::TierChoice;
+use crate::notify::NotifyMode;
 use crate::snapshot::{OrphanPolicy, SnapshotJson};
 
 use super::shared_args::{MAX_SECONDS, RuleArgs, non_negative_seconds, positive_seconds};
@@ -49,6 +50,24 @@ pub enum Command {
         /// probe; 20 at least.
         #[arg(long, value_name = "SECONDS", value_parser = status_max_age)]
         max_age: Option<u64>,
+    },
+    /// What the enforcer did to your processes, and why: the running daemon's recent
+    /// decisions about them (root: about everyone's), with the line each was told.
+    Why {
+        /// Only decisions about this process.
+        pid: Option<u32>,
+        /// Only your own processes (for root, who otherwise sees everyone's).
+        #[arg(long)]
+        me: bool,
+        /// The newest this many decisions.
+        #[arg(long, value_name = "N", default_value_t = 20)]
+        limit: usize,
+        /// Print the decisions as one JSON array.
+        #[arg(long)]
+        json: bool,
+        /// The running enforcer's runtime directory (its socket is `why.sock` there).
+        #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_RUN_DIR", default_value = DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
     },
     /// Remove the programs and maps an enforcer left pinned (--keep-pinned): the kernel
     /// stops deciding about GPU opens until an enforcer runs again.
@@ -134,6 +153,12 @@ pub struct EnforceArgs {
     /// `terminate` them as outside any environment.
     #[arg(long, value_enum, default_value_t = OrphanPolicy::Leave)]
     pub orphans: OrphanPolicy,
+
+    /// Where the users whose processes are stopped or refused are told why and how to
+    /// fix it: on the process's own terminal (`tty`), or only in the log and in what
+    /// `genv-enforcer why` shows (`none`).
+    #[arg(long, value_enum, value_name = "WHERE", default_value_t = NotifyMode::Tty)]
+    pub notify: NotifyMode,
 
     #[command(flatten)]
     pub execution: ExecutionArgs,

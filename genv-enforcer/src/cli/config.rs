@@ -14,6 +14,7 @@ use crate::backends::devmap::NodeOverride;
 use crate::daemon::Settings;
 use crate::kernel::TierChoice;
 use crate::kernel::policy_maps::DenyPolicy;
+use crate::notify::NotifyMode;
 use crate::rules::{DeviceLimit, Rules};
 use crate::snapshot::EnvPolicy;
 use crate::sync::KernelSettings;
@@ -40,6 +41,8 @@ pub struct EnforceConfig {
     /// `/proc` scan alike.
     pub gpu_nodes: Vec<NodeOverride>,
     pub mode: Mode,
+    /// `--notify`: whether users are told on their terminals.
+    pub notify: NotifyMode,
     /// Flags that are accepted but do nothing here, said once at start.
     pub warnings: Vec<String>,
 }
@@ -81,6 +84,7 @@ impl EnforceConfig {
             state_dir: args.sources.genv_tmpdir.clone(),
             nvml_lib: args.sources.nvml_lib.clone(),
             gpu_nodes: args.events.gpu_node.clone(),
+            notify: args.notify,
             rules,
             mode,
             warnings,
@@ -351,5 +355,25 @@ mod tests {
         assert_eq!(settings.interval, Duration::from_secs(10));
         let lonely = config(&["--max-devices-for-user", "alice=1"]).unwrap();
         assert_eq!(lonely.warnings.len(), 1);
+    }
+
+    /// Users are told on their terminals unless the admin says otherwise, in every mode.
+    #[test]
+    fn notify_is_tty_unless_switched_off() {
+        assert_eq!(config(&[]).unwrap().notify, NotifyMode::Tty);
+        assert_eq!(
+            config(&["--interval", "0", "--notify", "none"])
+                .unwrap()
+                .notify,
+            NotifyMode::None
+        );
+        assert_eq!(
+            config(&["--event-driven", "--notify", "none", "--notify", "tty"])
+                .unwrap()
+                .notify,
+            NotifyMode::Tty
+        );
+        let cli = Cli::try_parse_from(["genv-enforcer", "enforce", "--notify", "wall"]);
+        assert!(cli.unwrap_err().to_string().contains("--notify"));
     }
 }

@@ -202,6 +202,7 @@ pub fn reloader(argv: Vec<OsString>, started: &EnforceArgs) -> Reloader {
             interval,
             memory_interval,
             execution: config.execution,
+            notify: config.notify,
         };
         // What the rules say of themselves, as at start (said as SIGHUP's).
         Ok((reloadable, config.warnings))
@@ -246,6 +247,25 @@ mod tests {
                 .count(),
             2
         );
+    }
+
+    /// `notify = "none"` in the file switches the terminal lines off.
+    #[test]
+    fn the_file_can_switch_notifying_off() {
+        use clap::Parser;
+        let path = file("# quiet terminals\nnotify = \"none\"\n");
+        let argv: Vec<OsString> = ["genv-enforcer", "enforce", "--config"]
+            .into_iter()
+            .map(OsString::from)
+            .chain([path.clone().into_os_string()])
+            .collect();
+        let expanded = expand(&argv).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let cli = super::super::args::Cli::try_parse_from(expanded).unwrap();
+        let super::super::args::Command::Enforce(args) = cli.command else {
+            unreachable!()
+        };
+        assert_eq!(args.notify, crate::notify::NotifyMode::None);
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //!
 //! `--log-format text` (the default) prints each event as the enforcer always has:
 //! `[INFO] …`, `[WARNING] …`, `[ERROR] …`, `[DEBUG] …`, and `[EVENT] …` / `[BPF] …` for
-//! what `--verbose` and `--bpf-log` report. `--log-format json` prints one JSON object a
+//! what `--verbose` and `--bpf-log` report, `[DECISION] …` for what was done to a
+//! process and why (its fields after the line: `rule=… action=… pid=… uid=… user=…`). `--log-format json` prints one JSON object a
 //! line (timestamp, level, target, fields.message) for log shippers.
 
 use std::fmt;
@@ -48,6 +49,7 @@ where
         let tag = match (metadata.target(), *metadata.level()) {
             ("event", _) => "EVENT",
             ("bpf", _) => "BPF",
+            ("decision", _) => "DECISION",
             (_, Level::ERROR) => "ERROR",
             (_, Level::WARN) => "WARNING",
             (_, Level::INFO) => "INFO",

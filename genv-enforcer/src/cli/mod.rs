@@ -9,6 +9,7 @@ mod remote;
 pub mod remote_args;
 mod session_end;
 pub mod shared_args;
+mod why;
 
 use std::io::Read;
 use std::process::ExitCode;
@@ -53,6 +54,13 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Enforce(args) => enforce(args),
         Command::Status { run_dir, max_age } => crate::service::status::show(&run_dir, max_age),
+        Command::Why {
+            pid,
+            me,
+            limit,
+            json,
+            run_dir,
+        } => why::why(pid, me, limit, json, &run_dir),
         Command::Remote(args) => remote::run(args),
         Command::Usage(UsageCommand::Watch {
             poll_interval,
@@ -140,6 +148,7 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
         tracing::warn!("{warning}");
     }
     raise_open_file_limit();
+    let notifier = std::sync::Arc::new(crate::notify::Notifier::new(config.notify));
     let mut enforcer = Enforcer {
         builder: snapshot_builder(
             &config.state_dir,
@@ -148,13 +157,14 @@ fn enforce(args: EnforceArgs) -> Result<ExitCode> {
             config.gpu_nodes,
         ),
         rules: config.rules,
-        executor: Executor::new(config.execution),
+        executor: Executor::new(config.execution).with_notifier(std::sync::Arc::clone(&notifier)),
         lock: LockPolicy::blocking(),
     };
     match config.mode {
         Mode::Once => {
             enforcer.cycle();
             enforcer.executor.finish();
+            notifier.flush();
             Ok(ExitCode::SUCCESS)
         }
         Mode::Polling(interval) => {

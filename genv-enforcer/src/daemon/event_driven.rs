@@ -21,6 +21,7 @@ use anyhow::Result;
 
 mod checks;
 mod events;
+mod told;
 
 use super::schedule::Schedule;
 use super::settings::Settings;
@@ -52,6 +53,7 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
     let mut stop = StopSignals::install()?;
     let mut hangup = Hangup::install()?;
     let instance = Instance::claim(&settings.run_dir)?;
+    let _why = serve_why(&enforcer, &settings.run_dir);
     let (mut daemon, mut intake) = Daemon::start(enforcer, settings)?;
     instance.publish(&daemon.status);
     release_startup_memory();
@@ -101,11 +103,36 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
 /// this daemon's exemption); the status file with the instance.
 fn shut_down<I>(intake: Option<I>, mut daemon: Daemon, instance: Instance) {
     drop(intake);
+    // What users were told last reaches their terminals and the log.
+    if let Some(notifier) = daemon.enforcer.executor.notifier() {
+        notifier.flush();
+    }
     if let Some(kernel) = daemon.kernel.take() {
         kernel.release();
     }
     drop(daemon);
     drop(instance);
+}
+
+/// `genv-enforcer why`'s socket, in the run directory this daemon now holds alone.
+fn serve_why(enforcer: &Enforcer, run_dir: &std::path::Path) -> Option<WhySocket> {
+    let notifier = enforcer.executor.notifier()?;
+    match notifier.serve_why(run_dir) {
+        Ok(()) => Some(WhySocket(run_dir.join(crate::notify::server::SOCKET))),
+        Err(e) => {
+            tracing::warn!("genv-enforcer why will not be answered: {e:#}");
+            None
+        }
+    }
+}
+
+/// The socket, removed when the daemon ends.
+struct WhySocket(std::path::PathBuf);
+
+impl Drop for WhySocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// Environments as the kernel read them at exec, not as /proc shows them now.
@@ -245,6 +272,9 @@ impl Daemon {
             .as_ref()
             .and_then(StateWatch::target)
             .map(|t| t.describe(self.enforcer.builder.state().root()));
+        if let Some(notifier) = self.enforcer.executor.notifier() {
+            self.status.told = notifier.counts();
+        }
         instance.publish(&self.status);
         if let Some(metrics) = &self.metrics {
             let tier = self.status.tier.as_deref();

@@ -45,5 +45,8 @@ pub async fn run(
             }
         }
     }
+    if let Some(notifier) = enforcer.executor.notifier() {
+        notifier.flush();
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -111,6 +111,7 @@ mod tests {
             uid: 0,
             verdict: crate::intake::Verdict::Outside,
             at_ns: 0,
+            subject: None,
         }
     }
 

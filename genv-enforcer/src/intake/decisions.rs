@@ -108,6 +108,7 @@ mod tests {
             uid: 0,
             verdict: Verdict::Refused,
             at_ns: 0,
+            subject: None,
         };
         assert_eq!(
             decision_line(&open).unwrap(),
@@ -141,6 +142,7 @@ mod tests {
             uid: 0,
             verdict: Verdict::Killed,
             at_ns: 0,
+            subject: None,
         };
         let mut limiter = LineLimiter::default();
         let start = std::time::Instant::now();

@@ -1,9 +1,11 @@
 //! Kernel events, typed: a record with an unknown kind or hook is refused, not guessed.
 
 use genv_ebpf_common::{
-    AllocEvent, EXEC_UNRESOLVED, FORK_UNRESOLVED, RawEvent, cuda_call, hook, kind,
+    AllocEvent, EXEC_UNRESOLVED, FORK_UNRESOLVED, OpenEvent, RawEvent, cuda_call, hook, kind,
     split_kernel_dev, verdict,
 };
+
+use super::subject::KernelSubject;
 
 use crate::kernel::Tier;
 
@@ -46,6 +48,8 @@ pub struct CudaStart {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OverCap {
     pub pid: u32,
+    /// The process's real uid.
+    pub uid: u32,
     /// The environment's identity (`env_id_hash` of its id).
     pub env: u64,
     pub index: u32,
@@ -53,6 +57,8 @@ pub struct OverCap {
     pub would_use: u64,
     pub outcome: AllocOutcome,
     pub at_ns: u64,
+    /// The process, as the program read it in the call.
+    pub subject: KernelSubject,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +93,8 @@ pub struct GpuOpen {
     pub verdict: Verdict,
     /// CLOCK_MONOTONIC nanoseconds of the open.
     pub at_ns: u64,
+    /// The process as the program read it, for an open it refused or killed.
+    pub subject: Option<KernelSubject>,
 }
 
 /// The kernel side's decision about a GPU open.
@@ -158,11 +166,13 @@ pub struct UnknownEvent {
 /// A ring buffer record the daemon cannot take as an event.
 #[derive(Clone, Copy, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BadRecord {
-    /// Not one [`RawEvent`] (nor one [`AllocEvent`]): the programs write exactly one
-    /// per record.
+    /// Not one [`RawEvent`] (nor one [`OpenEvent`] or [`AllocEvent`]): the programs
+    /// write exactly one per record.
     #[error(
-        "kernel record of {0} bytes, expected {size}: the daemon and its programs disagree",
-        size = size_of::<RawEvent>()
+        "kernel record of {0} bytes, expected {raw}, {open} or {alloc}: the daemon and its programs disagree",
+        raw = size_of::<RawEvent>(),
+        open = size_of::<OpenEvent>(),
+        alloc = size_of::<AllocEvent>()
     )]
     Size(usize),
     #[error(transparent)]
@@ -178,6 +188,12 @@ impl KernelEvent {
             let alloc: AllocEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
             return Ok(Self::try_from(alloc)?);
         }
+        if bytes.len() == size_of::<OpenEvent>() {
+            // SAFETY: exactly one OpenEvent's bytes; every bit pattern is valid (plain
+            // integers, no padding); read unaligned, as the ring promises no alignment.
+            let open: OpenEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+            return Ok(Self::try_from(open)?);
+        }
         if bytes.len() != size_of::<RawEvent>() {
             return Err(BadRecord::Size(bytes.len()));
         }
@@ -186,6 +202,31 @@ impl KernelEvent {
         // promise for our type.
         let raw: RawEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
         Ok(Self::try_from(raw)?)
+    }
+}
+
+/// An open the program refused or killed: the only opens written as an [`OpenEvent`],
+/// with the process as the program read it.
+impl TryFrom<OpenEvent> for KernelEvent {
+    type Error = UnknownEvent;
+
+    fn try_from(open: OpenEvent) -> Result<Self, UnknownEvent> {
+        let raw = open.head;
+        let decided = [verdict::REFUSED, verdict::KILLED, verdict::KILL_FAILED];
+        if raw.kind != kind::OPEN || !decided.contains(&raw.verdict) {
+            return Err(UnknownEvent {
+                kind: raw.kind,
+                hook: raw.hook,
+                verdict: raw.verdict,
+            });
+        }
+        match KernelEvent::try_from(raw)? {
+            KernelEvent::Open(gpu_open) => Ok(KernelEvent::Open(GpuOpen {
+                subject: Some(open.subject.into()),
+                ..gpu_open
+            })),
+            other => Ok(other),
+        }
     }
 }
 
@@ -205,6 +246,7 @@ impl TryFrom<AllocEvent> for KernelEvent {
         }
         Ok(KernelEvent::Alloc(OverCap {
             pid: raw.pid,
+            uid: raw.uid,
             env: alloc.env,
             index: raw.index,
             would_use: alloc.would_use,
@@ -215,6 +257,7 @@ impl TryFrom<AllocEvent> for KernelEvent {
                 _ => return Err(unknown),
             },
             at_ns: raw.ktime_ns,
+            subject: alloc.subject.into(),
         }))
     }
 }
@@ -251,6 +294,9 @@ impl TryFrom<RawEvent> for KernelEvent {
                     uid: raw.uid,
                     verdict: Verdict::from_raw(raw.verdict).ok_or(unknown)?,
                     at_ns: raw.ktime_ns,
+                    // An open of the common record's size: none read (an open the
+                    // program let through, or a program from before it read one).
+                    subject: None,
                 })
             }
             kind::CUDA if raw.hook == hook::UPROBE => KernelEvent::CudaStart(CudaStart {
@@ -350,7 +396,7 @@ mod tests {
         assert_eq!(KernelEvent::from_record(&[]), Err(BadRecord::Size(0)));
         assert_eq!(
             BadRecord::Size(39).to_string(),
-            "kernel record of 39 bytes, expected 40: the daemon and its programs disagree"
+            "kernel record of 39 bytes, expected 40, 64 or 80: the daemon and its programs disagree"
         );
     }
 }

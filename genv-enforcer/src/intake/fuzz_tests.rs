@@ -3,7 +3,9 @@
 //! without a panic; only exactly one `RawEvent` (or one `AllocEvent`) of a known kind,
 //! hook and verdict is an event, and it is the event the programs meant.
 
-use genv_ebpf_common::{AllocEvent, RawEvent, hook, kind, split_kernel_dev, verdict};
+use genv_ebpf_common::{
+    AllocEvent, OpenEvent, RawEvent, Subject, hook, kind, split_kernel_dev, verdict,
+};
 use proptest::collection::vec;
 use proptest::prelude::*;
 
@@ -12,6 +14,9 @@ use crate::state::arbitrary::check;
 
 const SIZE: usize = size_of::<RawEvent>();
 const ALLOC_SIZE: usize = size_of::<AllocEvent>();
+const OPEN_SIZE: usize = size_of::<OpenEvent>();
+/// The sizes a record may have.
+const SIZES: [usize; 3] = [SIZE, OPEN_SIZE, ALLOC_SIZE];
 
 /// The record's bytes as the programs write them: the fields in declaration order,
 /// native-endian (the programs are built for the host's endianness).
@@ -31,12 +36,25 @@ fn record(raw: &RawEvent) -> Vec<u8> {
     bytes
 }
 
+/// A `Subject`'s bytes, as the programs append it.
+fn subject_bytes(subject: &Subject) -> Vec<u8> {
+    let mut bytes = subject.tty.to_ne_bytes().to_vec();
+    bytes.extend(subject._pad.to_ne_bytes());
+    bytes.extend(subject.comm);
+    bytes
+}
+
 /// An `AllocEvent`'s bytes: the common record, then its own fields.
 fn alloc_record(alloc: &AllocEvent) -> Vec<u8> {
     let mut bytes = record(&alloc.head);
     bytes.extend(alloc.env.to_ne_bytes());
     bytes.extend(alloc.would_use.to_ne_bytes());
+    bytes.extend(subject_bytes(&alloc.subject));
     bytes
+}
+
+fn subject() -> impl Strategy<Value = Subject> {
+    (any::<u32>(), any::<[u8; 16]>()).prop_map(|(tty, comm)| Subject { tty, _pad: 0, comm })
 }
 
 /// A field that is sometimes one of the values the programs write, sometimes anything.
@@ -93,16 +111,18 @@ fn raw_event() -> impl Strategy<Value = RawEvent> {
 
 #[test]
 fn any_bytes_decode_without_a_panic_and_only_one_record_is_an_event() {
-    let length = prop_oneof![0..=2 * SIZE, Just(SIZE), Just(SIZE), Just(ALLOC_SIZE)];
+    let length = prop_oneof![
+        0..=2 * ALLOC_SIZE,
+        Just(SIZE),
+        Just(SIZE),
+        Just(OPEN_SIZE),
+        Just(ALLOC_SIZE)
+    ];
     let bytes = length.prop_flat_map(|n| vec(any::<u8>(), n));
     check(bytes, |bytes| {
         match KernelEvent::from_record(&bytes) {
-            Err(BadRecord::Size(n)) => {
-                prop_assert!(n == bytes.len() && n != SIZE && n != ALLOC_SIZE)
-            }
-            Err(BadRecord::Unknown(_)) | Ok(_) => {
-                prop_assert!(bytes.len() == SIZE || bytes.len() == ALLOC_SIZE)
-            }
+            Err(BadRecord::Size(n)) => prop_assert!(n == bytes.len() && !SIZES.contains(&n)),
+            Err(BadRecord::Unknown(_)) | Ok(_) => prop_assert!(SIZES.contains(&bytes.len())),
         }
         Ok(())
     });
@@ -197,12 +217,14 @@ fn cuda_start_as_described(
 /// describes; with another kind or hook in its head, it is no event.
 #[test]
 fn an_allocation_record_decodes_to_the_event_it_describes() {
-    let alloc =
-        (raw_event(), any::<u64>(), any::<u64>()).prop_map(|(head, env, would_use)| AllocEvent {
+    let alloc = (raw_event(), any::<u64>(), any::<u64>(), subject()).prop_map(
+        |(head, env, would_use, subject)| AllocEvent {
             head,
             env,
             would_use,
-        });
+            subject,
+        },
+    );
     check((alloc, 0..8usize), |(alloc, offset)| {
         let mut memory = vec![0xa5; offset];
         memory.extend(alloc_record(&alloc));
@@ -223,6 +245,7 @@ fn an_allocation_record_decodes_to_the_event_it_describes() {
                     (over.would_use, over.at_ns),
                     (alloc.would_use, head.ktime_ns)
                 );
+                prop_assert_eq!(over.subject, alloc.subject.into());
             }
             Ok(other) => return Err(TestCaseError::fail(format!("{other:?}"))),
             Err(e) => prop_assert!(matches!(e, BadRecord::Unknown(_)), "{e:?}"),
@@ -235,12 +258,21 @@ fn an_allocation_record_decodes_to_the_event_it_describes() {
 /// whatever it holds.
 #[test]
 fn a_record_of_another_size_is_refused() {
-    check((raw_event(), 0..2 * SIZE + 8), |(raw, length)| {
+    check((raw_event(), 0..2 * ALLOC_SIZE + 8), |(raw, length)| {
         let mut bytes = record(&raw);
         bytes.resize(length, 0);
         let decoded = KernelEvent::from_record(&bytes);
         if length == SIZE {
             prop_assert_eq!(decoded, KernelEvent::try_from(raw).map_err(BadRecord::from));
+        } else if length == OPEN_SIZE {
+            let padded = OpenEvent {
+                head: raw,
+                ..OpenEvent::default()
+            };
+            prop_assert_eq!(
+                decoded,
+                KernelEvent::try_from(padded).map_err(BadRecord::from)
+            );
         } else if length == ALLOC_SIZE {
             let padded = AllocEvent {
                 head: raw,
@@ -253,8 +285,41 @@ fn a_record_of_another_size_is_refused() {
         } else {
             prop_assert_eq!(decoded, Err(BadRecord::Size(length)));
             let message = decoded.unwrap_err().to_string();
-            let expected = format!("{length} bytes, expected {SIZE}");
+            let expected = format!("{length} bytes, expected {SIZE}, {OPEN_SIZE} or {ALLOC_SIZE}");
             prop_assert!(message.contains(&expected), "{}", message);
+        }
+        Ok(())
+    });
+}
+
+/// An `OpenEvent` the programs wrote (a refused or killed open, with the process as
+/// the program read it), at any offset, decodes to that open and its subject; any
+/// other kind or verdict in its head is no event.
+#[test]
+fn a_decided_open_record_decodes_with_its_subject() {
+    let open = (raw_event(), subject()).prop_map(|(head, subject)| OpenEvent { head, subject });
+    check((open, 0..8usize), |(open, offset)| {
+        let mut memory = vec![0xa5; offset];
+        memory.extend(record(&open.head));
+        memory.extend(subject_bytes(&open.subject));
+        let decoded = KernelEvent::from_record(&memory[offset..]);
+        let head = open.head;
+        let decided = [verdict::REFUSED, verdict::KILLED, verdict::KILL_FAILED];
+        match decoded {
+            Ok(KernelEvent::Open(gpu_open)) => {
+                prop_assert_eq!(head.kind, kind::OPEN);
+                prop_assert!(decided.contains(&head.verdict));
+                prop_assert_eq!((gpu_open.pid, gpu_open.uid), (head.pid, head.uid));
+                prop_assert_eq!(gpu_open.subject, Some(open.subject.into()));
+            }
+            Ok(other) => return Err(TestCaseError::fail(format!("{other:?}"))),
+            Err(e) => {
+                prop_assert!(matches!(e, BadRecord::Unknown(_)), "{e:?}");
+                let known = head.kind == kind::OPEN && decided.contains(&head.verdict);
+                let hook_known = [hook::LSM, hook::FMOD_RET, hook::FENTRY, hook::TRACEPOINT]
+                    .contains(&head.hook);
+                prop_assert!(!(known && hook_known), "{head:?}");
+            }
         }
         Ok(())
     });

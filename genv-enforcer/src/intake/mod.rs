@@ -6,6 +6,7 @@ pub mod decision_log;
 pub mod decisions;
 mod event;
 mod ring;
+mod subject;
 
 #[cfg(test)]
 mod fuzz_tests;
@@ -15,3 +16,4 @@ pub use event::{
     Verdict,
 };
 pub use ring::EventIntake;
+pub use subject::KernelSubject;

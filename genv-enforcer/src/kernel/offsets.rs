@@ -56,5 +56,12 @@ pub fn for_running_kernel(btf: &Btf, tracefs_root: &Path) -> Result<Offsets, Off
         regs_orig_ax: optional("pt_regs", "orig_ax"),
         task_group_leader: member("task_struct", "group_leader")?,
         task_start_boottime: member("task_struct", "start_boottime")?,
+        // The controlling terminal, for the user a refusal or a kill is told to: absent
+        // (no terminal told) on a kernel without a TTY layer.
+        signal_tty: optional("signal_struct", "tty"),
+        tty_index: optional("tty_struct", "index"),
+        tty_driver: optional("tty_struct", "driver"),
+        driver_major: optional("tty_driver", "major"),
+        driver_minor_start: optional("tty_driver", "minor_start"),
     })
 }

@@ -1,6 +1,6 @@
 //! SIGHUP: the configuration file read again, and what can change without touching the
 //! kernel programs put in force at once: the rules, the intervals, how reports are
-//! carried out. What cannot (the tier, `--deny`, pins, the state directory, NVML) is
+//! carried out, whether users are told on their terminals. What cannot (the tier, `--deny`, pins, the state directory, NVML) is
 //! kept, and said to need a restart. The reading itself is the command line's (`cli`),
 //! handed down as a [`Reloader`].
 
@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::actions::ExecutorConfig;
 use crate::cycle::Enforcer;
+use crate::notify::NotifyMode;
 use crate::rules::Rules;
 
 use super::signals::notify;
@@ -20,6 +21,8 @@ pub struct Reloadable {
     /// The event-driven mode's memory poll.
     pub memory_interval: Option<Duration>,
     pub execution: ExecutorConfig,
+    /// `--notify`: whether users are told on their terminals.
+    pub notify: NotifyMode,
 }
 
 /// Reads the configuration again: the new settings, and warnings about changes that
@@ -73,6 +76,9 @@ pub fn reload(reloader: Option<&mut Reloader>, enforcer: &mut Enforcer) -> Optio
     let periods = reloader.read().map(|new| {
         enforcer.rules = new.rules;
         enforcer.executor.reconfigure(new.execution);
+        if let Some(notifier) = enforcer.executor.notifier() {
+            notifier.set_mode(new.notify);
+        }
         NewPeriods {
             interval: new.interval,
             memory_interval: new.memory_interval,

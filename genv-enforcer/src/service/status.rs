@@ -60,6 +60,9 @@ pub struct Status {
     /// The last full cycle's figures.
     #[serde(default)]
     pub last_cycle: Option<LastCycle>,
+    /// What users were told: decisions recorded, log records held back, terminal lines.
+    #[serde(default)]
+    pub told: crate::notify::Counts,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -225,6 +228,18 @@ fn print_rest(status: &Status) {
     println!(
         "actions: {} terminated, {} detached",
         c.terminated, c.detached
+    );
+    let t = &status.told;
+    let lines = &t.terminals;
+    println!(
+        "told: {} decisions ({} log records held back); terminal lines: {} written, {} held back, {} to a full terminal, {} refused, {} dropped",
+        t.decisions,
+        t.logs_held_back,
+        lines.written,
+        lines.held_back,
+        lines.terminal_full,
+        lines.refused,
+        lines.queue_full
     );
     for o in &status.orphans {
         println!(

@@ -396,6 +396,7 @@ mod tests {
                 flags: if *kthread { 0x0020_0000 } else { 0 },
                 start_time: pid as u64 * 10,
                 exec_fingerprint: [self.image.load(Relaxed), 0, 0],
+                tty_nr: 0,
             })
         }
         fn environment_id(&self, pid: u32) -> Result<Option<String>, EnvironError> {

@@ -18,13 +18,16 @@ use crate::actions::kill::{self, Protected};
 use crate::backends::devmap::DeviceMap;
 use crate::backends::{procfs, users};
 use crate::kernel::policy_maps::PolicyMaps;
+use crate::notify::Subject;
 
-/// A holder the sweep killed: its pid, uid and the GPUs it held.
+/// A holder the sweep killed: its pid, uid and the GPUs it held, and (read before the
+/// kill, for the user told of it) its name and terminal.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Killed {
     pub pid: u32,
     pub uid: u32,
     pub gpus: Vec<u32>,
+    pub subject: Option<Subject>,
 }
 
 /// Kills every process outside any environment that holds one of `gpus` open (root's
@@ -59,11 +62,13 @@ pub fn sweep(
         let Ok(pidfd) = kill::open(pid, Some(stat.start_time), &protected) else {
             continue;
         };
+        let subject = Subject::of_process(pid, Some(stat.start_time));
         if kill::send(&pidfd, Signal::KILL).is_ok() {
             killed.push(Killed {
                 pid,
                 uid,
                 gpus: held,
+                subject,
             });
         }
     }

@@ -142,6 +142,11 @@ impl KernelSide {
         self.alloc.as_ref().map(|alloc| alloc.line(over))
     }
 
+    /// The environment and cap an allocation past its cap was held to.
+    pub fn alloc_held_to(&self, over: &OverCap) -> Option<(String, String)> {
+        self.alloc.as_ref().and_then(|alloc| alloc.held_to(over))
+    }
+
     /// Before the daemon exits: its process id leaves the exemptions, which pinned maps
     /// would otherwise keep for whichever process gets that id next. (A daemon killed
     /// outright leaves it until the next daemon takes over and removes its pins.)

@@ -124,6 +124,7 @@ impl Daemon {
         if let Some(line) = self.decision_lines.line(&open, now) {
             println!("{line}");
         }
+        self.tell_open(&open);
         let counts = &mut self.status.counts;
         match open.verdict {
             Verdict::Refused => counts.refused += 1,
@@ -158,6 +159,7 @@ impl Daemon {
         };
         for killed in kernel.sweep_holders(&self.settings.kernel, &gpus) {
             println!("{}", killed.line());
+            self.tell_holder(&killed);
             self.status.counts.killed_holders += 1;
         }
     }
@@ -173,6 +175,7 @@ impl Daemon {
         if let Some(line) = self.kernel.as_ref().and_then(|k| k.alloc_line(over)) {
             println!("{line}");
         }
+        self.tell_alloc(over);
         if over.outcome == AllocOutcome::Killed {
             self.settled.insert(over.pid, now);
         }

@@ -1,0 +1,155 @@
+//! `genv-enforcer why [PID | --me]`: asks the running daemon over `<run-dir>/why.sock`
+//! what it did to the caller's processes, and prints it. Run by any user; the daemon
+//! decides what the caller may see (see [`super::server`]).
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::decision::Decision;
+use super::journal::Query;
+use super::sanitize::{NAME_CHARS, clean_str};
+use super::server::{Answer, SOCKET};
+use crate::snapshot::join_indices;
+
+/// How long the daemon has to answer.
+const ANSWER_WITHIN: Duration = Duration::from_secs(10);
+/// The largest answer read: the whole journal, with room to spare.
+const ANSWER_BYTES: u64 = 16 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WhyError {
+    #[error(
+        "no genv-enforcer is answering at {0} ({1}): the daemon is not running, or runs with another --run-dir (genv-enforcer status tells)"
+    )]
+    NotRunning(PathBuf, std::io::Error),
+    #[error("asking the daemon at {0}: {1}")]
+    Io(PathBuf, std::io::Error),
+    #[error("the daemon's answer is not one this version reads: {0}")]
+    BadAnswer(serde_json::Error),
+    #[error("the daemon refused: {0}")]
+    Refused(String),
+}
+
+/// Asks the daemon whose run directory is `run_dir`.
+pub fn ask(run_dir: &Path, query: &Query) -> Result<Vec<Decision>, WhyError> {
+    let path = run_dir.join(SOCKET);
+    let mut stream =
+        UnixStream::connect(&path).map_err(|e| WhyError::NotRunning(path.clone(), e))?;
+    let io = |e| WhyError::Io(path.clone(), e);
+    stream.set_read_timeout(Some(ANSWER_WITHIN)).map_err(io)?;
+    stream.set_write_timeout(Some(ANSWER_WITHIN)).map_err(io)?;
+    let mut request = serde_json::to_vec(query).expect("a query serializes");
+    request.push(b'\n');
+    stream.write_all(&request).map_err(io)?;
+    let mut text = Vec::new();
+    stream
+        .take(ANSWER_BYTES)
+        .read_to_end(&mut text)
+        .map_err(io)?;
+    let answer: Answer = serde_json::from_slice(&text).map_err(WhyError::BadAnswer)?;
+    match answer.error {
+        Some(error) => Err(WhyError::Refused(clean_str(&error, 200))),
+        None => Ok(answer.decisions),
+    }
+}
+
+/// The decisions as `why` prints them: a header, a row each and the line its user saw
+/// below it; `with_user` adds the uid's name (root's view of everyone).
+pub fn render(decisions: &[Decision], with_user: Option<&dyn Fn(u32) -> String>) -> String {
+    let mut out = String::new();
+    let user_head = if with_user.is_some() { "USER" } else { "" };
+    let head = format!(
+        "{:<19}  {:>7}  {:<16}  {:<4}  {:<20}  {:<20}  {user_head}",
+        "TIME", "PID", "COMMAND", "GPU", "RULE", "ACTION"
+    );
+    out.push_str(head.trim_end());
+    out.push('\n');
+    for d in decisions {
+        let user = with_user.map(|name| clean_str(&name(d.uid), NAME_CHARS));
+        let row = format!(
+            "{:<19}  {:>7}  {:<16}  {:<4}  {:<20}  {:<20}  {}",
+            local_time(d.time),
+            d.pid,
+            clean_str(&d.comm, 16),
+            join_indices(d.gpus.iter().copied()),
+            d.rule.name(),
+            d.action.word(),
+            user.unwrap_or_default()
+        );
+        out.push_str(row.trim_end());
+        out.push('\n');
+        out.push_str(&format!("    {}\n", clean_str(&d.line, 1000)));
+    }
+    out
+}
+
+/// `2026-11-25 14:52:35` in the local time zone.
+fn local_time(secs: u64) -> String {
+    let t = libc::time_t::try_from(secs).unwrap_or(0);
+    // SAFETY: all zeroes is a valid `tm` (integers, and a null zone name).
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    // SAFETY: localtime_r reads `t` and writes into `tm` only.
+    if unsafe { libc::localtime_r(&t, &mut tm) }.is_null() {
+        return secs.to_string();
+    }
+    format!(
+        "{:04}-{:02}-{:02} {:02}:{:02}:{:02}",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::notify::{Action, Facts, Rule};
+
+    #[test]
+    fn no_daemon_is_said_naming_the_socket() {
+        let dir = std::env::temp_dir().join(format!("genv-why-none-{}", std::process::id()));
+        let err = ask(&dir, &Query::default()).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, WhyError::NotRunning(..)), "{text}");
+        assert!(
+            text.contains(&dir.join(SOCKET).display().to_string()),
+            "{text}"
+        );
+        assert!(text.contains("not running"), "{text}");
+    }
+
+    #[test]
+    fn a_row_shows_what_the_user_saw() {
+        let mut d = Decision::new(
+            Facts {
+                pid: 1234,
+                uid: 1000,
+                comm: b"python",
+                env: None,
+                gpus: vec![1],
+                rule: Rule::NonEnvProcesses,
+                action: Action::Terminated,
+            },
+            1_700_000_000,
+        );
+        // A forged answer cannot put controls on the caller's terminal either.
+        d.comm = "py\x1b[2Jthon".into();
+        let text = render(&[d], Some(&|uid| format!("user{uid}")));
+        assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text}");
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(lines[0].starts_with("TIME") && lines[0].ends_with("USER"));
+        assert!(lines[1].contains("   1234  python"), "{}", lines[1]);
+        assert!(lines[1].contains("non-env-processes") && lines[1].ends_with("user1000"));
+        assert!(
+            lines[2]
+                .trim_start()
+                .starts_with("genv-enforcer: stopped python (pid 1234)")
+        );
+    }
+}

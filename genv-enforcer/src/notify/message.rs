@@ -1,0 +1,201 @@
+//! The line a user sees on the terminal, in genv's words where genv has them:
+//!
+//! `genv-enforcer: stopped python (pid 1234) on GPU 1: not in a genv environment; run
+//! 'genv activate --gpus 1' first`
+//!
+//! What happened, to which process, on which GPU; then why (the rule), then the genv
+//! command that fixes it. Every name in it was sanitised when its
+//! [`Decision`](super::Decision) was made.
+
+use super::rule::{Action, Rule};
+use crate::snapshot::join_indices;
+
+/// What a line says, its names already sanitised.
+pub struct Said<'a> {
+    pub comm: &'a str,
+    pub pid: u32,
+    pub gpus: &'a [u32],
+    /// The environment as its user knows it (its name, else its id).
+    pub env: Option<&'a str>,
+    pub rule: &'a Rule,
+    pub action: Action,
+}
+
+/// The whole line, without a line break.
+pub fn line(d: &Said<'_>) -> String {
+    format!("genv-enforcer: {}: {}", what(d), why(d))
+}
+
+fn gpus(d: &Said<'_>) -> String {
+    match d.gpus.len() {
+        0 => "a GPU".to_owned(),
+        1 => format!("GPU {}", d.gpus[0]),
+        _ => format!("GPUs {}", join_indices(d.gpus.iter().copied())),
+    }
+}
+
+/// `stopped python (pid 1234) on GPU 1`.
+fn what(d: &Said<'_>) -> String {
+    let who = format!("{} (pid {})", d.comm, d.pid);
+    let on = gpus(d);
+    match d.action {
+        Action::Terminated => format!("stopped {who} on {on}"),
+        Action::Killed => format!("killed {who} on {on}"),
+        Action::Refused => format!("refused {on} to {who}"),
+        Action::KilledAtAllocation => format!("killed {who} in a memory allocation on {on}"),
+        Action::Detached => format!("detached {on} from {} and stopped {who}", env_phrase(d)),
+    }
+}
+
+/// `environment 'train'`, or `its environment` where it has none to show.
+fn env_phrase(d: &Said<'_>) -> String {
+    match d.env {
+        Some(env) => format!("environment '{env}'"),
+        None => "its environment".to_owned(),
+    }
+}
+
+/// The rule, then the fix.
+fn why(d: &Said<'_>) -> String {
+    let env = env_phrase(d);
+    let first_gpu = d.gpus.first().copied().unwrap_or(0);
+    match d.rule {
+        Rule::NonEnvProcesses => format!(
+            "not in a genv environment; run 'genv activate --gpus {}' first",
+            d.gpus.len().max(1)
+        ),
+        Rule::EnvDevices => format!(
+            "{env} is not attached to {}; run 'genv attach --index {first_gpu}' first, or use only its own GPUs",
+            gpus(d)
+        ),
+        Rule::EnvMemory { used_mb, capacity } => format!(
+            "{env} used {used_mb}m on {}, over its gpu_memory of {capacity}; use less GPU memory, or set a larger cap with 'genv config gpu-memory SIZE'",
+            gpus(d)
+        ),
+        Rule::MaxDevicesPerUser {
+            user,
+            devices,
+            maximum,
+        } => format!(
+            "user {user} had {devices} GPUs attached, {maximum} allowed; run 'genv detach' in the environments you do not need"
+        ),
+        Rule::MemoryAtAlloc {
+            would_use_mb,
+            capacity,
+        } => format!(
+            "the allocation would take {env} to {would_use_mb}m, over its gpu_memory of {capacity}; allocate less, or set a larger cap with 'genv config gpu-memory SIZE'"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::notify::decision::{Decision, Facts};
+
+    fn decision(rule: Rule, action: Action, gpus: Vec<u32>) -> Decision {
+        Decision::new(
+            Facts {
+                pid: 1234,
+                uid: 1000,
+                comm: b"python",
+                env: Some(("21364", Some("train"))),
+                gpus,
+                rule,
+                action,
+            },
+            0,
+        )
+    }
+
+    #[test]
+    fn the_issues_example_reads_as_written() {
+        let d = decision(Rule::NonEnvProcesses, Action::Terminated, vec![1]);
+        let said = Said {
+            env: None,
+            comm: &d.comm,
+            pid: d.pid,
+            gpus: &d.gpus,
+            rule: &d.rule,
+            action: d.action,
+        };
+        assert_eq!(
+            line(&said),
+            "genv-enforcer: stopped python (pid 1234) on GPU 1: not in a genv environment; run 'genv activate --gpus 1' first"
+        );
+    }
+
+    #[test]
+    fn each_rule_names_its_fix() {
+        let cases = [
+            (
+                decision(Rule::EnvDevices, Action::Terminated, vec![2, 3]),
+                "stopped python (pid 1234) on GPUs 2,3: environment 'train' is not attached to GPUs 2,3; run 'genv attach --index 2' first",
+            ),
+            (
+                decision(
+                    Rule::EnvMemory {
+                        used_mb: 2097,
+                        capacity: "1g".into(),
+                    },
+                    Action::Terminated,
+                    vec![0],
+                ),
+                "environment 'train' used 2097m on GPU 0, over its gpu_memory of 1g; use less GPU memory, or set a larger cap with 'genv config gpu-memory SIZE'",
+            ),
+            (
+                decision(
+                    Rule::MaxDevicesPerUser {
+                        user: "alice".into(),
+                        devices: 3,
+                        maximum: 2,
+                    },
+                    Action::Detached,
+                    vec![1],
+                ),
+                "detached GPU 1 from environment 'train' and stopped python (pid 1234): user alice had 3 GPUs attached, 2 allowed; run 'genv detach'",
+            ),
+            (
+                decision(
+                    Rule::MemoryAtAlloc {
+                        would_use_mb: 3000,
+                        capacity: "2g".into(),
+                    },
+                    Action::KilledAtAllocation,
+                    vec![0],
+                ),
+                "killed python (pid 1234) in a memory allocation on GPU 0: the allocation would take environment 'train' to 3000m, over its gpu_memory of 2g",
+            ),
+            (
+                decision(Rule::NonEnvProcesses, Action::Refused, vec![0]),
+                "refused GPU 0 to python (pid 1234): not in a genv environment; run 'genv activate --gpus 1' first",
+            ),
+        ];
+        for (d, expected) in cases {
+            assert!(d.line.contains(expected), "{}\nlacks\n{expected}", d.line);
+        }
+    }
+
+    #[test]
+    fn hostile_names_reach_the_line_cleaned() {
+        let d = Decision::new(
+            Facts {
+                pid: 7,
+                uid: 1000,
+                comm: b"\x1b]0;pwned\x07py\nthon",
+                env: Some(("e", Some("\x1b[2J\x1b[1;1Hroot's env\r\n$ "))),
+                gpus: vec![0],
+                rule: Rule::EnvDevices,
+                action: Action::Terminated,
+            },
+            0,
+        );
+        assert!(!d.line.chars().any(char::is_control), "{:?}", d.line);
+        assert!(d.line.contains("stopped py thon (pid 7)"), "{}", d.line);
+        assert!(
+            d.line.contains("environment 'root's env  $ '"),
+            "{}",
+            d.line
+        );
+    }
+}

@@ -1,0 +1,263 @@
+//! Telling users what the enforcer did to their processes, and why.
+//!
+//! Each decision (a termination, a kill, a refusal at the open, a kill inside an
+//! allocation) becomes one [`Decision`]: sanitised, with the line its user sees
+//! ([`message`]). The [`Notifier`] then
+//! - writes that line to the process's controlling terminal, if it has one that is
+//!   its user's (`--notify tty`, the default; [`tty`], from a thread of its own,
+//!   [`writer`], rate-limited per user and per terminal, [`ratelimit`]);
+//! - keeps it in a bounded [`journal`] that `genv-enforcer why` reads over a Unix
+//!   socket which answers each user about their own processes only ([`server`],
+//!   [`client`]);
+//! - logs it as a structured record (target `decision`: rule, action, pid, uid, user,
+//!   environment, GPUs as fields), so that the system journal can answer "what happened
+//!   to alice today" ([`logger`], from a thread of its own: the user's name may take a
+//!   directory's time to look up).
+//!
+//! Nothing here decides anything: the rules say why, the executor and the kernel's side
+//! report what they did. So it sits low, right above the snapshot.
+
+pub mod client;
+pub mod decision;
+pub mod journal;
+pub mod logger;
+pub mod message;
+mod progress;
+pub mod ratelimit;
+pub mod rule;
+pub mod sanitize;
+pub mod server;
+pub mod subject;
+pub mod tty;
+pub mod writer;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+pub use decision::{Decision, Facts};
+use journal::Journal;
+use logger::Logger;
+pub use rule::{Action, Rule};
+pub use subject::Subject;
+pub use tty::Rdev;
+use writer::{Line, TtyWriter};
+
+/// `--notify`: where users are told.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum NotifyMode {
+    /// Nowhere but the journal `why` reads and the log.
+    None,
+    /// On the process's controlling terminal as well.
+    #[default]
+    Tty,
+}
+
+/// Where a process's line may go: its controlling terminal and the uid that must own
+/// it, as found before the process was signalled (a killed process has no `/proc`
+/// left to look in), by [`Subject::of_process`] or by the kernel at its decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Terminal {
+    pub rdev: Rdev,
+    pub uid: u32,
+}
+
+/// The log records one user's decisions may make: a loop of refused programs must not
+/// flood the log (20 at once, then 10 a second; `why` keeps them all, within its bounds).
+const LOG_RATE: ratelimit::Rate = ratelimit::Rate {
+    burst: 20,
+    every: Duration::from_millis(100),
+};
+
+/// What the notifier did, for `status`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Counts {
+    /// Decisions recorded (in the journal `why` reads).
+    pub decisions: u64,
+    /// Log records held back by [`LOG_RATE`], or dropped with the logger behind.
+    pub logs_held_back: u64,
+    /// The terminal lines.
+    #[serde(flatten)]
+    pub terminals: writer::Counts,
+}
+
+/// The decisions' one way out.
+pub struct Notifier {
+    writer: Option<TtyWriter>,
+    logger: Option<Logger>,
+    /// `--notify tty`; SIGHUP may change it.
+    to_terminals: AtomicBool,
+    journal: Arc<Mutex<Journal>>,
+    logs: Mutex<ratelimit::Buckets<u32>>,
+    decisions: AtomicU64,
+    logs_held_back: AtomicU64,
+}
+
+impl Notifier {
+    /// Starts the terminal writer's thread (where that fails, the lines go to the
+    /// journal and the log only, as said); `mode` says whether it is used.
+    pub fn new(mode: NotifyMode) -> Self {
+        let writer = TtyWriter::spawn()
+            .inspect_err(|e| tracing::warn!("Cannot start the terminal writer: {e}"))
+            .ok();
+        let logger = Logger::spawn()
+            .inspect_err(|e| tracing::warn!("Cannot start the decisions' logger: {e}"))
+            .ok();
+        Self {
+            writer,
+            logger,
+            to_terminals: AtomicBool::new(mode == NotifyMode::Tty),
+            journal: Arc::default(),
+            logs: Mutex::new(ratelimit::Buckets::new(LOG_RATE)),
+            decisions: AtomicU64::new(0),
+            logs_held_back: AtomicU64::new(0),
+        }
+    }
+
+    /// `--notify` read again (SIGHUP).
+    pub fn set_mode(&self, mode: NotifyMode) {
+        self.to_terminals
+            .store(mode == NotifyMode::Tty, Ordering::Relaxed);
+    }
+
+    /// Serves `genv-enforcer why` at `<run_dir>/why.sock` from a thread of its own.
+    pub fn serve_why(&self, run_dir: &Path) -> anyhow::Result<()> {
+        let listener = server::listen(run_dir)?;
+        server::start(listener, Arc::clone(&self.journal))?;
+        Ok(())
+    }
+
+    /// Logs, keeps and tells one decision; `terminal` is where the process's line
+    /// goes, if anywhere. Never waits on a terminal.
+    pub fn decided(&self, facts: Facts<'_>, terminal: Option<Terminal>) -> Decision {
+        let decision = Decision::new(facts, unix_now());
+        self.decisions.fetch_add(1, Ordering::Relaxed);
+        // Kept first: once its log record or its line is out, `why` has it too.
+        self.journal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(decision.clone());
+        let to_terminals = self.to_terminals.load(Ordering::Relaxed);
+        if let (Some(writer), Some(terminal), true) = (&self.writer, terminal, to_terminals) {
+            // The terminal must be the process's user's, whoever's it was found as.
+            if terminal.uid == decision.uid {
+                writer.send(Line {
+                    pid: decision.pid,
+                    text: decision.line.clone(),
+                    uid: decision.uid,
+                    rdev: terminal.rdev,
+                });
+            }
+        }
+        if !self.may_log(decision.uid) {
+            self.logs_held_back.fetch_add(1, Ordering::Relaxed);
+        } else if let Some(logger) = &self.logger {
+            logger.send(decision.clone());
+        } else {
+            // No thread to look the name up from: the uid alone, now.
+            logger::log(&decision, "");
+        }
+        decision
+    }
+
+    /// What `caller` may see of the journal ([`journal::Journal::answer`]).
+    pub fn answer(&self, caller: u32, query: &journal::Query) -> Vec<Decision> {
+        self.journal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .answer(caller, query)
+    }
+
+    fn may_log(&self, uid: u32) -> bool {
+        let mut logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        let allowed = logs.has(uid, now);
+        if allowed {
+            logs.take(uid, now);
+        }
+        allowed
+    }
+
+    /// What was recorded, logged and written so far.
+    pub fn counts(&self) -> Counts {
+        Counts {
+            decisions: self.decisions.load(Ordering::Relaxed),
+            logs_held_back: self.logs_held_back.load(Ordering::Relaxed)
+                + self.logger.as_ref().map_or(0, Logger::dropped),
+            terminals: self
+                .writer
+                .as_ref()
+                .map(TtyWriter::counts)
+                .unwrap_or_default(),
+        }
+    }
+
+    /// For a one-shot run: lets the lines queued reach their terminals and the log, for
+    /// at most a second each.
+    pub fn flush(&self) {
+        if let Some(writer) = &self.writer {
+            writer.flush(Duration::from_secs(1));
+        }
+        if let Some(logger) = &self.logger {
+            logger.flush(Duration::from_secs(1));
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+    use crate::notify::tty::tests::{pty, shown};
+
+    /// `--notify none` (here, as SIGHUP sets it) writes nothing and still keeps the
+    /// decision; `tty` again writes.
+    #[test]
+    fn the_mode_decides_whether_terminals_are_written() {
+        let notifier = Notifier::new(NotifyMode::None);
+        let pty = pty();
+        let me = rustix::process::getuid().as_raw();
+        let terminal = Terminal {
+            rdev: pty.rdev,
+            uid: me,
+        };
+        let facts = |pid| Facts {
+            pid,
+            uid: me,
+            comm: b"python",
+            env: None,
+            gpus: vec![0],
+            rule: Rule::NonEnvProcesses,
+            action: Action::Refused,
+        };
+        notifier.decided(facts(1), Some(terminal));
+        notifier.set_mode(NotifyMode::Tty);
+        notifier.decided(facts(2), Some(terminal));
+        notifier.flush();
+        let text = shown(&pty);
+        assert!(
+            !text.contains("(pid 1)") && text.contains("(pid 2)"),
+            "{text}"
+        );
+        let all = journal::Query {
+            me: true,
+            limit: 10,
+            ..Default::default()
+        };
+        assert_eq!(notifier.answer(me, &all).len(), 2);
+    }
+
+    /// A number unique in this test process, for scratch names.
+    pub(crate) fn unique() -> u32 {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    }
+}

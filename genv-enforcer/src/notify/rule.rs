@@ -1,0 +1,70 @@
+//! What was done to a process, and under which rule: the words `why`, the log and the
+//! line share.
+
+use serde::{Deserialize, Serialize};
+
+/// What was done to the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Action {
+    /// SIGTERM, from a rule.
+    Terminated,
+    /// SIGKILL: the kill after `--kill-after`, or the kernel's at the open (`--deny` on
+    /// the fentry and tracepoint tiers).
+    Killed,
+    /// The kernel failed its GPU open with EPERM (`--deny` on the lsm and fmod_ret
+    /// tiers); the process lives on.
+    Refused,
+    /// SIGKILL inside the allocation that would have crossed the cap
+    /// (`--memory-at-alloc kill`).
+    KilledAtAllocation,
+    /// Its environment's GPU was detached (`--max-devices-per-user`), and the process
+    /// stopped with it.
+    Detached,
+}
+
+impl Action {
+    pub fn word(self) -> &'static str {
+        match self {
+            Action::Terminated => "terminated",
+            Action::Killed => "killed",
+            Action::Refused => "refused",
+            Action::KilledAtAllocation => "killed-at-allocation",
+            Action::Detached => "detached",
+        }
+    }
+}
+
+/// Why: the rule, with what the user needs to see of its figures.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "rule", rename_all = "kebab-case")]
+pub enum Rule {
+    /// Outside any environment (`--non-env-processes`, and `--deny` at the open).
+    NonEnvProcesses,
+    /// On GPUs its environment was not given (`--env-devices`).
+    EnvDevices,
+    /// The environment used more than its `gpu_memory` on a GPU (`--env-memory`).
+    EnvMemory { used_mb: u64, capacity: String },
+    /// The user held more GPUs than allowed (`--max-devices-per-user`).
+    MaxDevicesPerUser {
+        user: String,
+        devices: usize,
+        maximum: usize,
+    },
+    /// An allocation would have taken the environment past its cap
+    /// (`--memory-at-alloc kill`).
+    MemoryAtAlloc { would_use_mb: u64, capacity: String },
+}
+
+impl Rule {
+    /// The rule as its flag names it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Rule::NonEnvProcesses => "non-env-processes",
+            Rule::EnvDevices => "env-devices",
+            Rule::EnvMemory { .. } => "env-memory",
+            Rule::MaxDevicesPerUser { .. } => "max-devices-per-user",
+            Rule::MemoryAtAlloc { .. } => "memory-at-alloc",
+        }
+    }
+}

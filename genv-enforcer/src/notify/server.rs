@@ -1,0 +1,226 @@
+//! The `why` socket: `<run-dir>/why.sock`, a Unix stream socket any local user may
+//! connect to. Whom it answers is the kernel's word, not the client's: the peer's uid
+//! from `SO_PEERCRED` (its uid when it connected, as this daemon's user namespace sees
+//! it). A user gets the decisions about their own processes; root gets everyone's.
+//!
+//! It runs on a thread and runtime of its own, so that no client, however slow or
+//! many, costs the event loop anything but the journal's lock, held to copy at most
+//! [`MAX_ANSWER`](super::journal::MAX_ANSWER) records. Each connection sends one
+//! request line (at most [`REQUEST_BYTES`]) within [`READ_WITHIN`] and takes its answer
+//! within [`WRITE_WITHIN`], else it is closed; at most [`PER_UID`] connections of one
+//! uid and [`CONNECTIONS`] in all are open (past either, the oldest it counts against
+//! is closed); and a uid's requests are rate-limited ([`REQUESTS`]).
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+use tokio::task::AbortHandle;
+use tokio::time::{Instant, timeout, timeout_at};
+
+use super::decision::Decision;
+use super::journal::{CAPACITY, Journal, Query};
+use super::ratelimit::{Buckets, Rate};
+
+/// The socket's name in the run directory.
+pub const SOCKET: &str = "why.sock";
+/// Connections open at once, in all.
+const CONNECTIONS: usize = 64;
+/// Connections open at once from one uid.
+const PER_UID: usize = 4;
+/// From the accept to the end of the request line.
+const READ_WITHIN: Duration = Duration::from_secs(1);
+/// To write the answer.
+const WRITE_WITHIN: Duration = Duration::from_secs(5);
+/// A request is a line of JSON of a few dozen bytes.
+pub const REQUEST_BYTES: u64 = 512;
+/// Requests one uid may make: 20 at once, then 10 a second.
+const REQUESTS: Rate = Rate {
+    burst: 20,
+    every: Duration::from_millis(100),
+};
+
+/// The daemon's answer, one line of JSON.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Answer {
+    #[serde(default)]
+    pub decisions: Vec<Decision>,
+    /// How many decisions the journal keeps in all.
+    #[serde(default)]
+    pub kept: usize,
+    /// Why the request was not answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error(
+        "{0} is not root's alone (owner uid {1}, mode {2:o}): another user could replace the socket"
+    )]
+    UnsafeDir(PathBuf, u32, u32),
+    #[error("{0}: {1}")]
+    Io(PathBuf, io::Error),
+}
+
+/// Binds `<run_dir>/why.sock` for every user to connect to. The run directory must be
+/// this daemon's user's and writable by no one else: the stale socket is removed and
+/// the new one made there by name.
+pub fn listen(run_dir: &Path) -> Result<std::os::unix::net::UnixListener, ListenError> {
+    let io_error = |e| ListenError::Io(run_dir.to_owned(), e);
+    let meta = std::fs::symlink_metadata(run_dir).map_err(io_error)?;
+    let me = rustix::process::geteuid().as_raw();
+    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
+        return Err(ListenError::UnsafeDir(
+            run_dir.to_owned(),
+            meta.uid(),
+            meta.mode() & 0o7777,
+        ));
+    }
+    let path = run_dir.join(SOCKET);
+    let io_error = |e| ListenError::Io(path.clone(), e);
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_error(e)),
+        _ => {}
+    }
+    let listener = std::os::unix::net::UnixListener::bind(&path).map_err(io_error)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).map_err(io_error)?;
+    listener.set_nonblocking(true).map_err(io_error)?;
+    Ok(listener)
+}
+
+/// Serves `listener` on a thread of its own.
+pub fn start(
+    listener: std::os::unix::net::UnixListener,
+    journal: Arc<Mutex<Journal>>,
+) -> io::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()?;
+    std::thread::Builder::new()
+        .name("notify-why".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                match tokio::net::UnixListener::from_std(listener) {
+                    Ok(listener) => accept_loop(listener, journal).await,
+                    Err(e) => tracing::warn!("genv-enforcer why: cannot serve: {e}"),
+                }
+            })
+        })
+        .map(drop)
+}
+
+async fn accept_loop(listener: tokio::net::UnixListener, journal: Arc<Mutex<Journal>>) {
+    let mut open = Connections::default();
+    let mut requests = Buckets::new(REQUESTS);
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            // Out of descriptors, mostly: wait rather than spin.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let Ok(uid) = stream.peer_cred().map(|c| c.uid()) else {
+            continue;
+        };
+        let accepted = Instant::now();
+        let allowed = requests.has(uid, accepted.into_std());
+        if allowed {
+            requests.take(uid, accepted.into_std());
+        }
+        if let Some(oldest) = open.make_room(uid) {
+            oldest.abort();
+        }
+        let task = tokio::spawn(serve(stream, accepted, uid, allowed, Arc::clone(&journal)));
+        open.add(uid, task.abort_handle());
+    }
+}
+
+/// The connections being served, oldest first, by uid.
+#[derive(Default)]
+struct Connections(VecDeque<(u32, AbortHandle)>);
+
+impl Connections {
+    /// Before a connection of `uid` is added: forgets those that ended, and takes out
+    /// the one to close, if any: `uid`'s oldest when it has [`PER_UID`], else the
+    /// oldest of all when there are [`CONNECTIONS`].
+    fn make_room(&mut self, uid: u32) -> Option<AbortHandle> {
+        self.0.retain(|(_, task)| !task.is_finished());
+        let own = self.0.iter().filter(|(u, _)| *u == uid).count();
+        let index = if own >= PER_UID {
+            self.0.iter().position(|(u, _)| *u == uid)
+        } else if self.0.len() >= CONNECTIONS {
+            Some(0)
+        } else {
+            None
+        };
+        index.and_then(|i| self.0.remove(i)).map(|(_, task)| task)
+    }
+
+    fn add(&mut self, uid: u32, task: AbortHandle) {
+        self.0.push_back((uid, task));
+    }
+}
+
+async fn serve(
+    mut stream: UnixStream,
+    accepted: Instant,
+    uid: u32,
+    allowed: bool,
+    journal: Arc<Mutex<Journal>>,
+) {
+    let request = timeout_at(accepted + READ_WITHIN, read_request(&mut stream)).await;
+    let query = match request {
+        Ok(Ok(query)) => query,
+        // Too slow, or gone: nothing to answer.
+        _ => return,
+    };
+    let answer = match query {
+        _ if !allowed => refusal("too many requests; try again in a second"),
+        Ok(query) => Answer {
+            decisions: journal
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .answer(uid, &query),
+            kept: CAPACITY,
+            error: None,
+        },
+        Err(e) => refusal(&e),
+    };
+    let mut text = serde_json::to_vec(&answer).unwrap_or_default();
+    text.push(b'\n');
+    let _ = timeout(WRITE_WITHIN, async {
+        stream.write_all(&text).await?;
+        stream.shutdown().await
+    })
+    .await;
+}
+
+fn refusal(why: &str) -> Answer {
+    Answer {
+        error: Some(why.to_owned()),
+        ..Answer::default()
+    }
+}
+
+/// One line, at most [`REQUEST_BYTES`], as a [`Query`].
+async fn read_request(stream: &mut UnixStream) -> io::Result<Result<Query, String>> {
+    let mut line = Vec::new();
+    let mut reader = BufReader::new(stream.take(REQUEST_BYTES));
+    reader.read_until(b'\n', &mut line).await?;
+    if !line.ends_with(b"\n") && line.len() as u64 >= REQUEST_BYTES {
+        return Ok(Err(format!(
+            "a request is one line of at most {REQUEST_BYTES} bytes"
+        )));
+    }
+    Ok(serde_json::from_slice(&line).map_err(|e| format!("not a request: {e}")))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,147 @@
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream as StdStream;
+
+use super::*;
+use crate::notify::{Action, Facts, Rule};
+
+fn decision(pid: u32, uid: u32) -> Decision {
+    Decision::new(
+        Facts {
+            pid,
+            uid,
+            comm: b"python",
+            env: None,
+            gpus: vec![0],
+            rule: Rule::NonEnvProcesses,
+            action: Action::Refused,
+        },
+        1_700_000_000,
+    )
+}
+
+fn run_dir(mode: u32) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "genv-why-{}-{}",
+        std::process::id(),
+        crate::notify::tests::unique()
+    ));
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
+    dir
+}
+
+fn me() -> u32 {
+    rustix::process::geteuid().as_raw()
+}
+
+/// A server over a journal of decisions about this user's processes (pids 1 and 3)
+/// and another user's (pid 2).
+fn server() -> PathBuf {
+    let dir = run_dir(0o755);
+    let mut journal = Journal::default();
+    journal.push(decision(1, me()));
+    journal.push(decision(2, me() + 1));
+    journal.push(decision(3, me()));
+    start(listen(&dir).unwrap(), Arc::new(Mutex::new(journal))).unwrap();
+    dir
+}
+
+fn ask(dir: &Path, request: &[u8]) -> Answer {
+    let mut stream = StdStream::connect(dir.join(SOCKET)).unwrap();
+    stream.write_all(request).unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn pids(answer: &Answer) -> Vec<u32> {
+    answer.decisions.iter().map(|d| d.pid).collect()
+}
+
+#[test]
+fn the_caller_gets_its_own_processes_decisions() {
+    let dir = server();
+    let mine = ask(&dir, b"{\"me\": true, \"limit\": 100}\n");
+    assert_eq!(pids(&mine), [1, 3]);
+    let by_pid = ask(&dir, b"{\"pid\": 2, \"me\": true, \"limit\": 100}\n");
+    assert_eq!(pids(&by_pid), [] as [u32; 0]);
+    // Without `me`, root sees every user's; anyone else still only their own.
+    let all = ask(&dir, b"{\"limit\": 100}\n");
+    match me() {
+        0 => assert_eq!(pids(&all), [1, 2, 3]),
+        _ => assert_eq!(pids(&all), [1, 3]),
+    }
+    let mode = std::fs::metadata(dir.join(SOCKET)).unwrap().mode() & 0o777;
+    assert_eq!(mode, 0o666, "every user may connect");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_malformed_or_oversized_request_is_answered_with_an_error() {
+    let dir = server();
+    let bad = ask(&dir, b"give me everything\n");
+    assert!(bad.error.unwrap().starts_with("not a request"));
+    assert!(bad.decisions.is_empty());
+    let mut huge = vec![b' '; REQUEST_BYTES as usize * 4];
+    huge.push(b'\n');
+    let mut stream = StdStream::connect(dir.join(SOCKET)).unwrap();
+    // The server stops reading at its bound and answers, then closes with the rest
+    // unread: the answer, or a reset where the kernel drops it for that.
+    let _ = stream.write_all(&huge);
+    let mut text = String::new();
+    match stream.read_to_string(&mut text) {
+        Ok(_) => {
+            let answer: Answer = serde_json::from_str(&text).unwrap();
+            assert!(answer.error.unwrap().contains("at most"), "{text}");
+        }
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset),
+    }
+    // And it goes on answering.
+    assert_eq!(pids(&ask(&dir, b"{\"me\": true, \"limit\": 9}\n")), [1, 3]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Clients that connect and say nothing cannot keep an answer from another: past its
+/// bound, a uid's oldest connection is closed.
+#[test]
+fn silent_clients_cannot_hold_the_socket() {
+    let dir = server();
+    let silent: Vec<StdStream> = (0..PER_UID * 3)
+        .map(|_| StdStream::connect(dir.join(SOCKET)).unwrap())
+        .collect();
+    let answer = ask(&dir, b"{\"me\": true, \"limit\": 100}\n");
+    assert_eq!(pids(&answer), [1, 3]);
+    drop(silent);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_run_directory_others_can_write_is_refused() {
+    let dir = run_dir(0o777);
+    let err = listen(&dir).unwrap_err();
+    assert!(matches!(err, ListenError::UnsafeDir(..)), "{err}");
+    assert!(!dir.join(SOCKET).exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn connections_past_a_uids_bound_close_its_oldest() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let pending = || tokio::spawn(std::future::pending::<()>()).abort_handle();
+        let mut open = Connections::default();
+        let other = pending();
+        open.add(7, other.clone());
+        let first = pending();
+        open.add(8, first.clone());
+        for _ in 1..PER_UID {
+            assert!(open.make_room(8).is_none());
+            open.add(8, pending());
+        }
+        assert_eq!(open.make_room(8).unwrap().id(), first.id());
+        assert!(open.make_room(7).is_none(), "uid 7 is under its bound");
+    });
+}
