@@ -778,7 +778,10 @@ fn any_tier_a_job_whose_environment_genv_dropped_is_left_running_unless_orphans_
         // SAFETY: kill(2) takes no pointer; the process is one this test started.
         unsafe { libc::kill(shell as i32, libc::SIGKILL) };
         node.wait_exit(shell, DEATH);
-        let cycles = daemon.count("full_cycles");
+        // Counted from a status published after the shell's death (the file read as it
+        // is may be a second old, and a cycle that read the state before the death could
+        // then pass for the one awaited, leaving the environment mirrored as active).
+        let cycles = daemon.barrier()["counts"]["full_cycles"].as_u64().unwrap();
         node.write_state(envs.clone(), devices.clone());
         daemon.wait_count_above("full_cycles", cycles);
         let lines = node.attempt(job);
