@@ -154,6 +154,37 @@ pub(super) fn read_stats(
         })
     };
     files.extend(work.into_iter().map(|(pid, handle, _)| (pid, handle)));
+    retry_out_of_descriptors(pids, inspector, files, stats)
+}
+
+/// Whether a read failed for want of a descriptor (this process's or the system's), not
+/// because the process is gone.
+pub(super) fn out_of_descriptors(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
+/// The kept handles are only a cache: where a read found no descriptor to open, they are
+/// all closed and those processes read again by path. Without this, a process whose
+/// `stat` could not be opened would leave the cycle as if it were gone: out of every
+/// rule for as long as the descriptors stay short.
+fn retry_out_of_descriptors(
+    pids: &[u32],
+    inspector: &dyn ProcessInspector,
+    files: &mut HashMap<u32, Option<StatFile>>,
+    mut stats: Vec<io::Result<ProcStat>>,
+) -> Vec<io::Result<ProcStat>> {
+    if !stats
+        .iter()
+        .any(|s| s.as_ref().is_err_and(out_of_descriptors))
+    {
+        return stats;
+    }
+    files.clear();
+    for (pid, stat) in pids.iter().zip(stats.iter_mut()) {
+        if stat.as_ref().is_err_and(out_of_descriptors) {
+            *stat = inspector.stat(*pid);
+        }
+    }
     stats
 }
 
@@ -183,6 +214,41 @@ mod tests {
         fn gpu_node_holders(&self, _: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>> {
             Ok(Vec::new())
         }
+    }
+
+    /// Opening a handle finds no descriptor (EMFILE); reading by path, with the kept
+    /// handles closed, works.
+    struct ShortOfDescriptors;
+
+    impl ProcessInspector for ShortOfDescriptors {
+        fn stat(&self, _: u32) -> io::Result<ProcStat> {
+            procfs::stat(std::process::id())
+        }
+        fn stat_cached(&self, _: u32, _: &mut Option<StatFile>) -> io::Result<ProcStat> {
+            Err(io::Error::from_raw_os_error(libc::EMFILE))
+        }
+        fn environment_id(&self, _: u32) -> Result<Option<String>, EnvironError> {
+            Ok(None)
+        }
+        fn real_uid(&self, _: u32) -> io::Result<u32> {
+            Ok(0)
+        }
+        fn gpu_node_holders(&self, _: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[test]
+    fn a_stat_handle_that_finds_no_descriptor_gives_way_to_a_read_by_path() {
+        let mut files = HashMap::new();
+        files.insert(7, Some(StatFile::open(std::process::id()).unwrap()));
+        let pids: Vec<u32> = (100..103).collect();
+        let stats = read_stats(&pids, &ShortOfDescriptors, &mut files, 8);
+        assert!(stats.iter().all(Result::is_ok), "{stats:?}");
+        assert!(
+            files.values().all(Option::is_none),
+            "the kept handles are closed to free descriptors"
+        );
     }
 
     #[test]

@@ -128,12 +128,14 @@ pub(crate) fn assemble_processes(
     let stats = read_stats(&to_read, inspector, &mut table.stat_files, handle_budget());
     let mut read = to_read.into_iter().zip(stats).peekable();
     let mut processes = Vec::with_capacity(order.len());
+    let mut unread = Unread::default();
     for pid in order {
         let start_time = match read.next_if(|(p, _)| *p == pid) {
             None => table.known[&pid].start_time, // no event since it was read
-            Some((_, Err(_))) => {
-                table.forget(pid);
-                continue; // gone since NVML listed it
+            Some((_, Err(e))) => {
+                unread.note(pid, &e);
+                table.forget(pid); // read afresh next cycle
+                continue;
             }
             Some((_, Ok(stat))) if stat.is_kernel_thread() => continue,
             Some((_, Ok(stat))) => {
@@ -152,7 +154,36 @@ pub(crate) fn assemble_processes(
         };
         processes.extend(place.judge(table, gpus, inspector, warnings));
     }
+    warnings.extend(unread.warning());
     processes
+}
+
+/// The processes whose `stat` could not be read for a reason other than their end: left
+/// out of this cycle like the gone ones (no rule may act on a process it cannot tell),
+/// but said, once per cycle, so that a node short of descriptors is not quietly
+/// unenforced.
+#[derive(Default)]
+struct Unread {
+    count: usize,
+    first: Option<(u32, String)>,
+}
+
+impl Unread {
+    fn note(&mut self, pid: u32, e: &io::Error) {
+        let gone = e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH);
+        if !gone {
+            self.count += 1;
+            self.first.get_or_insert_with(|| (pid, e.to_string()));
+        }
+    }
+
+    fn warning(self) -> Option<Warning> {
+        let (pid, error) = self.first?;
+        Some(warning!(
+            "cannot read /proc/{pid}/stat ({error}): {} GPU process(es) left out of this cycle, read again next cycle",
+            self.count
+        ))
+    }
 }
 
 /// One GPU process of this assembly, its image known.
@@ -385,10 +416,15 @@ mod tests {
         environ_reads: AtomicU32,
         /// Changes when a process "execs".
         image: AtomicU64,
+        /// A process whose `stat` finds no descriptor to open (EMFILE).
+        short_of_descriptors: Option<u32>,
     }
 
     impl ProcessInspector for FakeProcs {
         fn stat(&self, pid: u32) -> io::Result<ProcStat> {
+            if self.short_of_descriptors == Some(pid) {
+                return Err(io::Error::from_raw_os_error(libc::EMFILE));
+            }
             let (_, _, kthread) = self.procs.get(&pid).ok_or(io::ErrorKind::NotFound)?;
             Ok(ProcStat {
                 state: 'S',
@@ -565,6 +601,30 @@ mod tests {
             claim_of_identity(env_id_hash(b"E"), None),
             KernelClaim::AskProc
         );
+    }
+
+    #[test]
+    fn a_process_whose_stat_cannot_be_opened_is_said_not_passed_over_as_gone() {
+        let (mut procs, contexts, envs) = fixture();
+        procs.short_of_descriptors = Some(16);
+        let mut warnings = Vec::new();
+        let processes = assemble_processes(
+            &contexts,
+            Some(&envs),
+            &procs,
+            EnvPolicy::default(),
+            &mut ProcessTable::default(),
+            &mut warnings,
+        );
+        assert!(!eids(&processes).contains(&(16, None)), "not judged unread");
+        let said: Vec<String> = warnings.iter().map(ToString::to_string).collect();
+        assert!(
+            said.iter()
+                .any(|w| w.contains("/proc/16/stat") && w.contains("left out of this cycle")),
+            "{said:?}"
+        );
+        // The gone process (17) is not a warning: 3 as before, plus this one.
+        assert_eq!(warnings.len(), 4, "{said:?}");
     }
 
     #[test]
