@@ -26,6 +26,7 @@ pub mod systemd;
 use std::time::Duration;
 
 pub use args::{Args, Options, kernels_named};
+pub use command::run_as;
 pub use guest::Guest;
 pub use kernel::{KERNELS, Kernel, Series};
 pub use outcome::{Outcome, Run};

@@ -173,14 +173,7 @@ pub fn cargo(args: &[&str]) -> Command {
 }
 
 pub fn run(command: &mut Command) -> Result<()> {
-    eprintln!("xtask: {command:?}");
-    let status = command
-        .status()
-        .with_context(|| format!("running {command:?}"))?;
-    if !status.success() {
-        bail!("{command:?} failed: {status}");
-    }
-    Ok(())
+    xtask_vm::run_as("xtask", command)
 }
 
 /// What a simulated node runs: the enforcer, the fake NVML, the gpu-process helper.
