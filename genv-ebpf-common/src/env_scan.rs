@@ -3,11 +3,15 @@
 //!
 //! An assignment shows in the block as [`PATTERN`]: the NUL ending the entry before it
 //! (the block's start counts as one), then the name and `=`. Those 21 bytes contain,
-//! whatever their alignment, exactly one aligned 8-byte word that is
-//! `PATTERN[s..s + 8]` for an `s` in 0..8 (its anchor, `s` bytes into the pattern). So
-//! the hook reads each aligned word once, looks it up in [`FILTER`] (one multiply, one
-//! byte load: almost every word of a real block stops there), and only an anchor's
-//! neighbours are compared with the rest of the pattern ([`is_assignment`]).
+//! whatever their alignment, one aligned 8-byte word that is `PATTERN[s..s + 8]` for an
+//! `s` in 0..8 (its anchor, `s` bytes into the pattern), and the aligned word after it
+//! starts with six more pattern bytes (`PATTERN[s + 8..s + 14]`, as `s + 14 <= 21`). So
+//! of two consecutive words one is odd, and the hook reads only the odd words of the
+//! block: half of them. It looks each one's low six bytes up in [`FILTER`] (one mask,
+//! one multiply, one byte load: almost every word of a real block stops there) for the
+//! sixteen [`KEYS`] (`PATTERN[t..t + 6]`, `t` in 0..16: an anchor, or the start of the
+//! word after one); only the rare word that is one is compared with the whole pattern
+//! around its anchor ([`is_anchored_assignment`]).
 //!
 //! The block is copied into a window a chunk at a time: word 0 holds the 8 bytes before
 //! the chunk (zero for the first, as if a NUL preceded the block), then the chunk, then
@@ -20,11 +24,12 @@ pub const PATTERN: &[u8; 21] = b"\0GENV_ENVIRONMENT_ID=";
 /// Bytes of the block each window holds from its chunk.
 pub const CHUNK_BYTES: usize = 8 * 1024;
 pub const CHUNK_WORDS: usize = CHUNK_BYTES / 8;
-/// Words one `bpf_loop` step scans.
+/// Window words one `bpf_loop` step covers (it reads the odd ones).
 pub const GROUP_WORDS: usize = 64;
 /// Anchor words of a chunk's assignments lie in window words `1..=CHUNK_WORDS + 1`.
 pub const SCAN_WORDS: usize = CHUNK_WORDS + 1;
-pub const MAX_GROUPS: usize = SCAN_WORDS.div_ceil(GROUP_WORDS);
+/// Groups covering every anchor and the word after it.
+pub const MAX_GROUPS: usize = (SCAN_WORDS + 1).div_ceil(GROUP_WORDS);
 /// The window: the word before the chunk, the chunk, and past it room for the last
 /// group's words and their neighbours, and for an assignment starting in the chunk's
 /// last byte with the longest id and its NUL.
@@ -35,12 +40,19 @@ pub const WINDOW_BYTES: usize = WINDOW_WORDS * 8;
 /// is not read.
 pub const MAX_CHUNKS: usize = (6 << 20) / CHUNK_BYTES;
 
-/// Window words scanned for a window holding `valid` bytes (the word before the chunk
-/// included): anchors of assignments that fit in it.
+/// The last window word an anchor may be in, for a window holding `valid` bytes (the
+/// word before the chunk included): anchors of assignments that fit in it.
 #[inline(always)]
 pub const fn scan_words(valid: usize) -> usize {
     let last = valid.saturating_sub(1) / 8;
     if last < SCAN_WORDS { last } else { SCAN_WORDS }
+}
+
+/// Groups to scan for a window holding `valid` bytes: up to the word after the last
+/// anchor's, which is odd where the anchor's is not.
+#[inline(always)]
+pub const fn scan_groups(valid: usize) -> usize {
+    (scan_words(valid) + 1).div_ceil(GROUP_WORDS)
 }
 
 /// The little-endian word of `PATTERN` bytes at pattern positions `from..from + 8`
@@ -85,65 +97,85 @@ pub const BEFORE: [(u64, u64); 8] = table(-8);
 pub const AFTER: [(u64, u64); 8] = table(8);
 pub const AFTER2: [(u64, u64); 8] = table(16);
 
-/// An odd multiplier whose top ten bits send the eight anchors to eight different
-/// slots. On environment blocks, paths and random text, 0.5 to 0.8 % of words land in
-/// one of them (ten bits; eight bits let 2 to 3 % through, which cost a third of the
-/// scan in mispredicted branches).
+/// The bytes of a word the filter looks at: its first six (little-endian: the low ones).
+pub const KEY_MASK: u64 = 0x0000_ffff_ffff_ffff;
+/// Keys a word read may be: `PATTERN[t..t + 6]` for `t` in 0..16; `t < 8` is anchor `t`
+/// itself, `t >= 8` the word after anchor `t - 8`.
+pub const KEYS: [u64; 16] = {
+    let mut k = [0; 16];
+    let mut t = 0;
+    while t < 16 {
+        k[t] = pattern_word(t as isize).0 & KEY_MASK;
+        t += 1;
+    }
+    k
+};
+
+/// An odd multiplier whose top eleven bits send the sixteen keys to sixteen different
+/// slots. On environment blocks, paths and random text, under 1 % of words land in one
+/// of them (a false hit costs a call and four loads, a mispredicted branch most).
 const FILTER_MUL: u64 = 0xa076_1d64_78bd_642f;
-const FILTER_BITS: u32 = 10;
+const FILTER_BITS: u32 = 11;
 
 #[inline(always)]
 pub const fn filter_slot(word: u64) -> usize {
-    (word.wrapping_mul(FILTER_MUL) >> (64 - FILTER_BITS)) as usize
+    ((word & KEY_MASK).wrapping_mul(FILTER_MUL) >> (64 - FILTER_BITS)) as usize
 }
 
-/// Slot → `s + 1` for the anchor `s` that lands there, 0 for none.
+/// Slot → `t + 1` for the key `t` that lands there, 0 for none.
 pub static FILTER: [u8; 1 << FILTER_BITS] = {
     let mut f = [0u8; 1 << FILTER_BITS];
-    let mut s = 0;
-    while s < 8 {
-        let slot = filter_slot(ANCHORS[s]);
+    let mut t = 0;
+    while t < 16 {
+        let slot = filter_slot(KEYS[t]);
         assert!(
             f[slot] == 0,
-            "two anchors share a filter slot: change FILTER_MUL"
+            "two keys share a filter slot: change FILTER_MUL"
         );
-        f[slot] = s as u8 + 1;
-        s += 1;
+        f[slot] = t as u8 + 1;
+        t += 1;
     }
     f
 };
 
-/// What the filter says of `word`: 0 for no anchor (almost every word), else `s + 1`
-/// for the anchor `s` it may be ([`anchor_of`] tells).
+/// What the filter says of `word`: 0 for no key (almost every word), else `t + 1` for
+/// the key `t` it may be ([`key_of`] tells).
 #[inline(always)]
 pub fn filter(word: u64) -> u8 {
     FILTER[filter_slot(word)]
 }
 
-/// The anchor `word`, which the filter said may be one (`filtered`), is: `s`.
+/// The key `word`, which the filter said may be one (`filtered`), is: `t`.
 #[inline(always)]
-pub fn anchor_of(word: u64, filtered: u8) -> Option<usize> {
-    let s = filtered.wrapping_sub(1) as usize & 7;
-    if filtered != 0 && word == ANCHORS[s] {
-        Some(s)
+pub fn key_of(word: u64, filtered: u8) -> Option<usize> {
+    let t = filtered.wrapping_sub(1) as usize & 15;
+    if filtered != 0 && word & KEY_MASK == KEYS[t] {
+        Some(t)
     } else {
         None
     }
 }
 
-/// The anchor `word` is, if it is one: `s`.
+/// The key `word` is, if it is one: `t`.
 #[inline(always)]
-pub fn anchor(word: u64) -> Option<usize> {
-    anchor_of(word, filter(word))
+pub fn key(word: u64) -> Option<usize> {
+    key_of(word, filter(word))
 }
 
-/// Whether the words around anchor `s` (the word before it, and the two after) complete
-/// the pattern.
+/// Where the anchor of a key `t` read in window word `k` is: `(word, s)`, its word as
+/// `k` less 0 or 1 (wrapping below 0), and its shift into the pattern.
 #[inline(always)]
-pub fn is_assignment(before: u64, after: u64, after2: u64, s: usize) -> bool {
+pub const fn anchor_of_key(k: usize, t: usize) -> (usize, usize) {
+    (k.wrapping_sub(t >> 3 & 1), t & 7)
+}
+
+/// Whether the four words from the one before an anchor `s` (the anchor's own word
+/// second) complete the pattern.
+#[inline(always)]
+pub fn is_anchored_assignment(before: u64, anchor: u64, after: u64, after2: u64, s: usize) -> bool {
     let s = s & 7;
     let ((b, bm), (a, am), (a2, a2m)) = (BEFORE[s], AFTER[s], AFTER2[s]);
-    before & bm == b && after & am == a && after2 & a2m == a2
+    anchor == ANCHORS[s] && before & bm == b && after & am == a && after2 & a2m == a2
 }
 
 /// Where the pattern an anchor `s` in window word `k` belongs to starts (its NUL), if
@@ -198,12 +230,19 @@ mod tests {
             let valid = to + n;
             let word = |k: usize| u64::from_le_bytes(window[8 * k..8 * k + 8].try_into().unwrap());
             let mut last = None;
-            for k in 1..=scan_words(valid).div_ceil(GROUP_WORDS) * GROUP_WORDS {
-                let Some(s) = anchor(word(k)) else { continue };
-                if !is_assignment(word(k - 1), word(k + 1), word(k + 2), s) {
+            for k in (1..scan_groups(valid) * GROUP_WORDS).step_by(2) {
+                let Some(t) = key(word(k)) else { continue };
+                let (a, s) = anchor_of_key(k, t);
+                // As the hook: the word before the anchor, bounded (word 0's key has none).
+                let before = a.wrapping_sub(1);
+                if before >= WINDOW_WORDS - 3 {
                     continue;
                 }
-                if let Some(q) = pattern_start(k, s, valid) {
+                let around = [word(before), word(a), word(a + 1), word(a + 2)];
+                if !is_anchored_assignment(around[0], around[1], around[2], around[3], s) {
+                    continue;
+                }
+                if let Some(q) = pattern_start(a, s, valid) {
                     last = Some(q + PATTERN.len());
                 }
             }
@@ -276,10 +315,34 @@ mod tests {
     }
 
     #[test]
-    fn the_filter_knows_every_anchor() {
-        for (s, &a) in ANCHORS.iter().enumerate() {
-            assert_eq!(anchor(a), Some(s));
+    fn the_filter_knows_every_key() {
+        for (t, &k) in KEYS.iter().enumerate() {
+            assert_eq!(
+                key(k | 0xabcd << 48),
+                Some(t),
+                "whatever the last two bytes"
+            );
         }
-        assert_eq!(anchor(u64::from_le_bytes(*b"PATH=/us")), None);
+        for (s, &a) in ANCHORS.iter().enumerate() {
+            assert_eq!(key(a), Some(s));
+        }
+        assert_eq!(key(u64::from_le_bytes(*b"PATH=/us")), None);
+    }
+
+    /// The claim the odd-word scan rests on: at every alignment, the anchor and the word
+    /// after it both show their key, so the odd one of the two is found.
+    #[test]
+    fn an_anchor_and_the_word_after_it_both_show_a_key() {
+        for lead in 0..8usize {
+            let mut block = std::vec![b'a'; lead + 8];
+            block.extend_from_slice(PATTERN);
+            block.extend_from_slice(b"xyzzy\0");
+            let s = (8 - (lead + 8) % 8) % 8;
+            let k = (lead + 8 + s) / 8;
+            let word = |k: usize| u64::from_le_bytes(block[8 * k..8 * k + 8].try_into().unwrap());
+            assert_eq!(key(word(k)), Some(s), "lead {lead}");
+            assert_eq!(key(word(k + 1)), Some(s + 8), "lead {lead}");
+            assert_eq!(anchor_of_key(k + 1, s + 8), (k, s));
+        }
     }
 }

@@ -4,17 +4,18 @@
 //! and later); without `bpf_loop` only blocks up to 4 KiB are read and larger ones are
 //! left to the daemon.
 //!
-//! Each window is copied in one read and its aligned words are looked up in a filter
-//! (`genv_ebpf_common::env_scan`); only the rare word that is part of the variable's
-//! name is compared further. The words are scanned in `bpf_loop` steps of
-//! `GROUP_WORDS`, which the verifier checks once, not once per word.
+//! Each window is copied in one read and its odd aligned words are looked up in a filter
+//! (`genv_ebpf_common::env_scan`: every assignment shows a key in an odd word); only the
+//! rare word that is part of the variable's name is compared further. The words are
+//! scanned in `bpf_loop` steps of `GROUP_WORDS`, which the verifier checks once, not
+//! once per word.
 
 use aya_ebpf::cty::c_void;
 use aya_ebpf::helpers::bpf_get_current_task;
 use aya_ebpf::helpers::generated as raw;
 use genv_ebpf_common::env_scan::{
     CHUNK_BYTES, GROUP_WORDS, MAX_CHUNKS, MAX_GROUPS, PATTERN, WINDOW_BYTES, WINDOW_WORDS,
-    anchor_of, filter, is_assignment, pattern_start, scan_words,
+    anchor_of_key, filter, is_anchored_assignment, key_of, pattern_start, scan_groups,
 };
 use genv_ebpf_common::{FNV_OFFSET, MAX_ENV_ID, Offsets, avoid_sentinels, fnv_step, identity};
 
@@ -32,7 +33,7 @@ pub(crate) enum Scan {
 
 const FIRST_4K: u64 = 4096;
 /// Groups of a window holding a 4 KiB block, for the scan without `bpf_loop`.
-const FIRST_4K_GROUPS: usize = scan_words(FIRST_4K as usize + 8).div_ceil(GROUP_WORDS);
+const FIRST_4K_GROUPS: usize = scan_groups(FIRST_4K as usize + 8);
 
 /// The identity in the current task's environment block: the last
 /// `GENV_ENVIRONMENT_ID=` entry wins, as in genv (a Python dict built from it).
@@ -104,7 +105,7 @@ extern "C" fn step(index: u64, _ctx: *mut c_void) -> i64 {
     }
     // SAFETY: as above; volatile: `open_window` wrote it.
     let valid = unsafe { core::ptr::read_volatile(&(*s).valid) } as usize;
-    let groups = scan_words(valid).div_ceil(GROUP_WORDS);
+    let groups = scan_groups(valid);
     // SAFETY: `group_step` is a BPF subprogram; it takes no context.
     unsafe {
         raw::bpf_loop(
@@ -174,7 +175,7 @@ fn open_window(index: u64) -> bool {
     true
 }
 
-/// Scans window words `1 + g * GROUP_WORDS ..` for anchors of the pattern.
+/// Scans the odd window words `g * GROUP_WORDS + 1, + 3, …` for keys of the pattern.
 #[inline(always)]
 fn scan_group(g: usize) {
     if g >= MAX_GROUPS {
@@ -196,25 +197,26 @@ fn scan_group(g: usize) {
             let word = unsafe { *group.add($j) };
             let filtered = filter(word);
             if filtered != 0 {
-                if let Some(a) = anchor_of(word, filtered) {
-                    matched(g * GROUP_WORDS + $j, a);
+                if let Some(t) = key_of(word, filtered) {
+                    matched(g * GROUP_WORDS + $j, t);
                 }
             }
         )*};
     }
-    words!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32
-           33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 64);
+    words!(1 3 5 7 9 11 13 15 17 19 21 23 25 27 29 31 33 35 37 39 41 43 45 47 49 51 53 55 57 59 61 63);
     const _: () = assert!(GROUP_WORDS == 64);
 }
 
-/// Word `k` is anchor `a`: records the assignment it is part of, if it is one and it
-/// starts in this window's chunk. Assignments are met in block order: the last wins.
+/// Word `k` shows key `t`: records the assignment its anchor is part of, if it is one
+/// and it starts in this window's chunk. Assignments are met in block order: the last
+/// wins.
 #[inline(never)]
-fn matched(k: usize, a: usize) {
-    // Words `k - 1 ..= k + 2`, through one bounded register: verifiers before 6.10 do
-    // not carry a bound checked on `k + 2` over to `k`, and the compiler would check one
-    // and index with the other (`black_box` keeps them one).
-    let before = core::hint::black_box(k.wrapping_sub(1));
+fn matched(k: usize, t: usize) {
+    let (anchor, shift) = anchor_of_key(k, t);
+    // Words `anchor - 1 ..= anchor + 2`, through one bounded register: verifiers before
+    // 6.10 do not carry a bound checked on `k + 2` over to `k`, and the compiler would
+    // check one and index with the other (`black_box` keeps them one).
+    let before = core::hint::black_box(anchor.wrapping_sub(1));
     if before >= WINDOW_WORDS - 3 {
         return;
     }
@@ -224,10 +226,11 @@ fn matched(k: usize, a: usize) {
     // SAFETY: this CPU's scratch slot; `before + 3` is within `words`.
     unsafe {
         let around = (*s).words.as_ptr().add(before);
-        if !is_assignment(*around, *around.add(2), *around.add(3), a) {
+        let words = (*around, *around.add(1), *around.add(2), *around.add(3));
+        if !is_anchored_assignment(words.0, words.1, words.2, words.3, shift) {
             return;
         }
-        if let Some(q) = pattern_start(before + 1, a, (*s).valid as usize) {
+        if let Some(q) = pattern_start(before + 1, shift, (*s).valid as usize) {
             core::ptr::write_volatile(&mut (*s).value, (q + PATTERN.len()) as u64);
         }
     }
