@@ -25,17 +25,22 @@ pub const PATTERN: &[u8; 21] = b"\0GENV_ENVIRONMENT_ID=";
 pub const CHUNK_BYTES: usize = 8 * 1024;
 pub const CHUNK_WORDS: usize = CHUNK_BYTES / 8;
 /// Window words one `bpf_loop` step covers (it reads the odd ones).
-pub const GROUP_WORDS: usize = 64;
+pub const GROUP_WORDS: usize = 128;
 /// Anchor words of a chunk's assignments lie in window words `1..=CHUNK_WORDS + 1`.
 pub const SCAN_WORDS: usize = CHUNK_WORDS + 1;
-/// Groups covering every anchor and the word after it.
-pub const MAX_GROUPS: usize = (SCAN_WORDS + 1).div_ceil(GROUP_WORDS);
-/// The window: the word before the chunk, the chunk, and past it room for the last
-/// group's words and their neighbours, and for an assignment starting in the chunk's
-/// last byte with the longest id and its NUL.
-pub const WINDOW_WORDS: usize =
-    1 + MAX_GROUPS * GROUP_WORDS + 2 + (20 + crate::MAX_ENV_ID + 1).div_ceil(8);
+/// Groups covering words `1..=CHUNK_WORDS`; the one odd word past them that may hold a
+/// key, [`TAIL_WORD`], is read on its own rather than in a group of its own.
+pub const MAX_GROUPS: usize = CHUNK_WORDS / GROUP_WORDS;
+const _: () = assert!(CHUNK_WORDS.is_multiple_of(GROUP_WORDS) && GROUP_WORDS.is_multiple_of(2));
+/// The last anchor word: odd, so it shows its key itself.
+pub const TAIL_WORD: usize = SCAN_WORDS;
+const _: () = assert!(!TAIL_WORD.is_multiple_of(2));
+/// The window: the word before the chunk, the chunk, and past it the tail word, the two
+/// words after it, and room for an assignment starting in the chunk's last byte with
+/// the longest id and its NUL.
+pub const WINDOW_WORDS: usize = 1 + CHUNK_WORDS + 2 + (20 + crate::MAX_ENV_ID + 1).div_ceil(8);
 pub const WINDOW_BYTES: usize = WINDOW_WORDS * 8;
+const _: () = assert!(TAIL_WORD + 2 < WINDOW_WORDS);
 /// A block longer than the kernel lets argv and the environment have together (6 MiB)
 /// is not read.
 pub const MAX_CHUNKS: usize = (6 << 20) / CHUNK_BYTES;
@@ -49,10 +54,21 @@ pub const fn scan_words(valid: usize) -> usize {
 }
 
 /// Groups to scan for a window holding `valid` bytes: up to the word after the last
-/// anchor's, which is odd where the anchor's is not.
+/// anchor's, which is odd where the anchor's is not (the tail word aside).
 #[inline(always)]
 pub const fn scan_groups(valid: usize) -> usize {
-    (scan_words(valid) + 1).div_ceil(GROUP_WORDS)
+    let groups = (scan_words(valid) + 1).div_ceil(GROUP_WORDS);
+    if groups < MAX_GROUPS {
+        groups
+    } else {
+        MAX_GROUPS
+    }
+}
+
+/// Whether [`TAIL_WORD`] is to be read too: an anchor may be at or just before it.
+#[inline(always)]
+pub const fn scans_tail(valid: usize) -> bool {
+    scan_words(valid) >= CHUNK_WORDS
 }
 
 /// The little-endian word of `PATTERN` bytes at pattern positions `from..from + 8`
@@ -230,7 +246,8 @@ mod tests {
             let valid = to + n;
             let word = |k: usize| u64::from_le_bytes(window[8 * k..8 * k + 8].try_into().unwrap());
             let mut last = None;
-            for k in (1..scan_groups(valid) * GROUP_WORDS).step_by(2) {
+            let tail = scans_tail(valid).then_some(TAIL_WORD);
+            for k in (1..scan_groups(valid) * GROUP_WORDS).step_by(2).chain(tail) {
                 let Some(t) = key(word(k)) else { continue };
                 let (a, s) = anchor_of_key(k, t);
                 // As the hook: the word before the anchor, bounded (word 0's key has none).

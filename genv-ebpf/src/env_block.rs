@@ -14,8 +14,9 @@ use aya_ebpf::cty::c_void;
 use aya_ebpf::helpers::bpf_get_current_task;
 use aya_ebpf::helpers::generated as raw;
 use genv_ebpf_common::env_scan::{
-    CHUNK_BYTES, GROUP_WORDS, MAX_CHUNKS, MAX_GROUPS, PATTERN, WINDOW_BYTES, WINDOW_WORDS,
-    anchor_of_key, filter, is_anchored_assignment, key_of, pattern_start, scan_groups,
+    CHUNK_BYTES, GROUP_WORDS, MAX_CHUNKS, MAX_GROUPS, PATTERN, TAIL_WORD, WINDOW_BYTES,
+    WINDOW_WORDS, anchor_of_key, filter, is_anchored_assignment, key_of, pattern_start,
+    scan_groups, scans_tail,
 };
 use genv_ebpf_common::{FNV_OFFSET, MAX_ENV_ID, Offsets, avoid_sentinels, fnv_step, identity};
 
@@ -115,6 +116,9 @@ extern "C" fn step(index: u64, _ctx: *mut c_void) -> i64 {
             0,
         )
     };
+    if scans_tail(valid) {
+        scan_word(TAIL_WORD);
+    }
     if close_window() { 1 } else { 0 }
 }
 
@@ -203,8 +207,29 @@ fn scan_group(g: usize) {
             }
         )*};
     }
-    words!(1 3 5 7 9 11 13 15 17 19 21 23 25 27 29 31 33 35 37 39 41 43 45 47 49 51 53 55 57 59 61 63);
-    const _: () = assert!(GROUP_WORDS == 64);
+    words!(1 3 5 7 9 11 13 15 17 19 21 23 25 27 29 31 33 35 37 39 41 43 45 47 49 51 53 55 57 59 61 63
+           65 67 69 71 73 75 77 79 81 83 85 87 89 91 93 95 97 99 101 103 105 107 109 111 113 115 117
+           119 121 123 125 127);
+    const _: () = assert!(GROUP_WORDS == 128);
+}
+
+/// Scans window word `k` alone (the tail word, past every group).
+#[inline(always)]
+fn scan_word(k: usize) {
+    if k >= WINDOW_WORDS {
+        return;
+    }
+    let Some(s) = SCRATCH.get_ptr(0) else {
+        return;
+    };
+    // SAFETY: `k` is within `words`, checked just above.
+    let word = unsafe { *(*s).words.as_ptr().add(k) };
+    let filtered = filter(word);
+    if filtered != 0 {
+        if let Some(t) = key_of(word, filtered) {
+            matched(k, t);
+        }
+    }
 }
 
 /// Word `k` shows key `t`: records the assignment its anchor is part of, if it is one
