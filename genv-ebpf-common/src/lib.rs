@@ -290,6 +290,11 @@ pub struct Offsets {
     pub tty_driver: u32,
     pub driver_major: u32,
     pub driver_minor_start: u32,
+    /// `files_struct.fdtab` and `.fd_array`: the table embedded in every task's
+    /// `files_struct` and the file pointers it holds inline, which the open hook reads
+    /// by direct loads (`ABSENT`: it walks the table with probe reads).
+    pub files_fdtab: u32,
+    pub files_fd_array: u32,
 }
 
 impl Offsets {
@@ -325,6 +330,8 @@ impl Offsets {
         tty_driver: Self::ABSENT,
         driver_major: Self::ABSENT,
         driver_minor_start: Self::ABSENT,
+        files_fdtab: Self::ABSENT,
+        files_fd_array: Self::ABSENT,
     };
 }
 

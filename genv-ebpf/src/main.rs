@@ -24,6 +24,8 @@ mod cuda;
 #[cfg(target_arch = "bpf")]
 mod env_block;
 #[cfg(target_arch = "bpf")]
+mod fd_file;
+#[cfg(target_arch = "bpf")]
 mod kernel;
 #[cfg(target_arch = "bpf")]
 mod lifecycle;
@@ -31,6 +33,8 @@ mod lifecycle;
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod open;
+#[cfg(target_arch = "bpf")]
+mod open_exit;
 #[cfg(target_arch = "bpf")]
 mod told;
 

@@ -98,6 +98,12 @@ pub fn ways_in(dir: &Path, gpu: &Path, owner: Option<u32>) -> Vec<(&'static str,
         ("open(2)", args(&["--open-syscall", &s(gpu)])),
         ("openat2(2)", args(&["--open2", &s(gpu)])),
         ("a second thread", args(&["--open-in-thread", &s(gpu)])),
+        // The tracepoint tier reads the two kinds of descriptor table differently.
+        (
+            "a table never grown",
+            args(&["--fresh-table", "--open", &s(gpu)]),
+        ),
+        ("a grown table", args(&["--grown-table", "--open", &s(gpu)])),
         ("a 32-bit open (int 0x80)", args(&["--open-int80", &s(gpu)])),
     ]
 }

@@ -25,6 +25,11 @@ pub struct BackgroundLoad {
     env_bytes: usize,
     /// `open_exit_at`'s runs and ns over the regular-file opens alone.
     file_opens: (u64, u64),
+    /// This process's descriptor slots (`FDSize`): past 64, a grown table.
+    slots: u32,
+    /// The same over opens of a regular file and of `/dev/null` from a thread with the
+    /// kernel's embedded table.
+    embedded: [(u64, u64); 2],
 }
 
 impl BackgroundLoad {
@@ -40,6 +45,10 @@ impl BackgroundLoad {
             drop(std::fs::File::open("/etc/hostname")?);
         }
         let after = stats(&fresh_status(run_dir)?, &["open_exit_at"]);
+        let embedded = [
+            embedded_table_opens(run_dir, "/etc/hostname")?,
+            embedded_table_opens(run_dir, "/dev/null")?,
+        ];
         let environment = with_id(std::env::vars().collect(), true);
         exec_true(&environment, EXECS)?;
         Ok(Self {
@@ -47,6 +56,8 @@ impl BackgroundLoad {
             env_vars: environment.len(),
             env_bytes: block_bytes(&environment),
             file_opens: (after.0 - before.0, after.1 - before.1),
+            slots: slots("self")?,
+            embedded,
         })
     }
 }
@@ -58,6 +69,8 @@ pub fn programs_table(load: &BackgroundLoad, status: &Value) -> Result<String> {
         env_vars,
         env_bytes,
         file_opens,
+        slots,
+        embedded,
     } = load;
     let mut table = format!(
         "\n## Kernel programs\n\nThe kernel's own statistics (`kernel.bpf_stats_enabled=1`) after the runs above, \
@@ -80,10 +93,65 @@ pub fn programs_table(load: &BackgroundLoad, status: &Value) -> Result<String> {
         );
     }
     table += &format!(
-        "\n`open_exit_at` over the regular-file opens alone: {} ns/run.\n",
-        per_run(file_opens.0, file_opens.1)
+        "\n`open_exit_at` over the regular-file opens alone: {} ns/run (this process's descriptor table has \
+         {slots} slots{}). From a thread with the kernel's embedded table (64 slots, read by direct loads: a \
+         process that never had a descriptor past 63, nor had its parent at the fork), {BACKGROUND_OPENS} opens \
+         each: a regular file {} ns/run, `/dev/null` {} ns/run.\n",
+        per_run(file_opens.0, file_opens.1),
+        if *slots > 64 {
+            ", grown: read through probe reads"
+        } else {
+            ""
+        },
+        per_run(embedded[0].0, embedded[0].1),
+        per_run(embedded[1].0, embedded[1].1),
     );
     Ok(table)
+}
+
+/// `open_exit_at`'s runs and ns over {BACKGROUND_OPENS} opens of `path` from a thread
+/// whose descriptor table is the kernel's embedded one, whatever this process inherited:
+/// `close_range(3, ~0, CLOSE_RANGE_UNSHARE)` gives a thread sharing its process's table
+/// a copy of descriptors 0–2 alone, which fits in it.
+fn embedded_table_opens(run_dir: &Path, path: &str) -> Result<(u64, u64)> {
+    const CLOSE_RANGE_UNSHARE: u32 = 1 << 1;
+    let before = stats(&fresh_status(run_dir)?, &["open_exit_at"]);
+    let path = std::ffi::CString::new(path)?;
+    std::thread::spawn(move || -> Result<()> {
+        // SAFETY: close_range(2) on this thread's own copy of the table (UNSHARE), whose
+        // descriptors past 2 it never uses; no pointers.
+        if unsafe { libc::syscall(libc::SYS_close_range, 3, u32::MAX, CLOSE_RANGE_UNSHARE) } != 0 {
+            bail!("close_range: {}", std::io::Error::last_os_error());
+        }
+        if slots("thread-self")? != 64 {
+            bail!("a thread's fresh descriptor table is not the embedded one");
+        }
+        for _ in 0..BACKGROUND_OPENS {
+            // SAFETY: a NUL-terminated path alive across the call; the descriptor is
+            // closed at once.
+            let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+            if fd < 0 {
+                bail!("open: {}", std::io::Error::last_os_error());
+            }
+            // SAFETY: the descriptor just opened, ours alone.
+            unsafe { libc::close(fd) };
+        }
+        Ok(())
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the embedded-table thread panicked"))??;
+    let after = stats(&fresh_status(run_dir)?, &["open_exit_at"]);
+    Ok((after.0 - before.0, after.1 - before.1))
+}
+
+/// `FDSize` of `/proc/<which>/status` (`self` or `thread-self`): its table's slots.
+fn slots(which: &str) -> Result<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{which}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("FDSize:"))
+        .and_then(|n| n.trim().parse().ok())
+        .context("FDSize in /proc/<pid>/status")
 }
 
 /// `proc_exec`'s cost per exec by block size: this process's environment repeated

@@ -63,5 +63,8 @@ pub fn for_running_kernel(btf: &Btf, tracefs_root: &Path) -> Result<Offsets, Off
         tty_driver: optional("tty_struct", "driver"),
         driver_major: optional("tty_driver", "major"),
         driver_minor_start: optional("tty_driver", "minor_start"),
+        // The open hook's direct loads; without them it walks the table with probe reads.
+        files_fdtab: optional("files_struct", "fdtab"),
+        files_fd_array: optional("files_struct", "fd_array"),
     })
 }

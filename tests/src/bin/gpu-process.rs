@@ -13,7 +13,8 @@
 //!   `--open-uring PATH` (an io_uring `IORING_OP_OPENAT`), `--open-clone-files PATH` (in
 //!   a `clone(CLONE_FILES)` child, which exits: the descriptor stays in the shared table;
 //!   `returned none` if it is not there), `--open-int80 PATH` (a 32-bit `open` through
-//!   `int 0x80`, x86-64 only).
+//!   `int 0x80`, x86-64 only). `--fresh-table` and `--grown-table`, before them: the
+//!   opens come from the kernel's embedded descriptor table, or from a grown one.
 //! - `--fork`: the opens happen in a child forked without exec; the parent waits for
 //!   it and prints `child exited N` or `child killed by signal N`;
 //! - `--attempts N PATH`: fork N children one after the other, each opening PATH once
@@ -36,6 +37,9 @@
 //!
 //! It prints `ready` once set up (and `opened` after opens that waited for stdin), so
 //! tests never race it.
+
+#[path = "gpu-process/tables.rs"]
+mod tables;
 
 use std::ffi::CString;
 use std::io::{BufRead, Write};
@@ -572,6 +576,8 @@ fn run(all: Vec<String>) -> ! {
             }
             "--fork" => in_child = true,
             "--fork-early" => fork_early(),
+            "--fresh-table" => tables::fresh(),
+            "--grown-table" => tables::grown(),
             "--clobber-environ" => clobber_environ(),
             "--attempts" => {
                 let count = value(&mut args, "--attempts").parse().expect("a count");
