@@ -129,7 +129,9 @@ impl KernelPrograms {
         let ebpf = loader
             .load(bytes)
             .map_err(|e| LoadError::Object(chain(&e)))?;
-        Self::attach(ebpf, (bytes, &targets), options, processes)
+        let loaded = Self::attach(ebpf, (bytes, &targets), options, processes);
+        object::release_pages();
+        loaded
     }
 
     /// Attaches the loaded programs (`object`: the bytes they were loaded from, and the
