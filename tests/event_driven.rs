@@ -475,8 +475,9 @@ fn the_kernel_btf_is_parsed_once_at_start_up() {
         let kib = line.and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok());
         kib.unwrap_or_else(|| panic!("no {key} in {status}")) / 1024.0
     };
-    // File pages mapped now were mapped at the peak too, or later: what is left is at
-    // most the peak of everything else.
+    // File pages mapped now were mapped at the peak too, or later, but for the embedded
+    // object's (2.5 MiB), given back after loading: what is left is at most the peak of
+    // everything else, plus those.
     let (peak, files) = (mib("VmHWM:"), mib("RssFile:"));
     eprintln!(
         "[peak memory] tier={} VmHWM {peak:.1} MiB, file pages {files:.1} MiB",
