@@ -456,6 +456,39 @@ fn tier_one_instance_and_nothing_left_behind() {
     assert!(!daemon.run_dir.join("status.json").exists());
 }
 
+/// The daemon's peak memory once its programs are loaded, beyond the pages of its files
+/// (the binary's code and data, libraries): what it allocated at its busiest. The
+/// kernel's BTF (5 to 10 MiB) is read once, by the daemon's own reader, and freed before
+/// aya loads the object; when aya parsed it too (in `EbpfLoader::new`, and again for
+/// each trampoline tier tried) that peak was over 30 MiB. A fact of memory, not a
+/// timing: the bound is generous, under what one aya parse of vmlinux alone adds (about
+/// 20 MiB), and far above the 5 MiB it comes to now.
+#[test]
+fn the_kernel_btf_is_parsed_once_at_start_up() {
+    let (node, _gpu) = node();
+    let Some(daemon) = EventDaemon::start(&node, &[]) else {
+        return;
+    };
+    let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.daemon.pid())).unwrap();
+    let mib = |key: &str| -> f64 {
+        let line = status.lines().find_map(|l| l.strip_prefix(key));
+        let kib = line.and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok());
+        kib.unwrap_or_else(|| panic!("no {key} in {status}")) / 1024.0
+    };
+    // File pages mapped now were mapped at the peak too, or later, but for the embedded
+    // object's (2.5 MiB), given back after loading: what is left is at most the peak of
+    // everything else, plus those.
+    let (peak, files) = (mib("VmHWM:"), mib("RssFile:"));
+    eprintln!(
+        "[peak memory] tier={} VmHWM {peak:.1} MiB, file pages {files:.1} MiB",
+        daemon.tier
+    );
+    assert!(
+        peak - files < 16.0,
+        "peak {peak:.1} MiB, of which {files:.1} MiB file pages: the rest is over 16 MiB"
+    );
+}
+
 /// The most instructions the verifier may process to accept the exec hook that reads
 /// whole environment blocks: a quarter of its budget (1,000,000), so that a later
 /// kernel's verifier, or a change to the hook, does not push it over (it would not

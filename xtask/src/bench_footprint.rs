@@ -52,7 +52,10 @@ fn measure(release: &Path, venv: &Path, dir: &Path) -> Result<String> {
     for processes in [0, PROCESSES] {
         write_node(dir, &nvml, &sleepers)?;
         rows.push(ours(release, dir, &nvml, processes)?);
-        rows.push(genvs(venv, dir, &nvml, processes)?);
+        // `GENV_BENCH_NO_GENV`: genv's rows left out (when comparing two builds of ours).
+        if std::env::var_os("GENV_BENCH_NO_GENV").is_none() {
+            rows.push(genvs(venv, dir, &nvml, processes)?);
+        }
         // The 1,000 for the second round.
         while sleepers.len() < PROCESSES {
             sleepers.push(

@@ -208,8 +208,14 @@ fn bench_section(section: fn(&Path) -> Result<String>) -> Result<()> {
 }
 
 /// `cargo xtask bench footprint`: that table alone, printed (docs/bench.md is left as
-/// the whole bench wrote it).
+/// the whole bench wrote it). `GENV_BENCH_RELEASE_DIR` measures another build, as for
+/// the other sections.
 fn bench_footprint_only() -> Result<()> {
+    if let Some(other) = std::env::var_os("GENV_BENCH_RELEASE_DIR") {
+        let venv = genv_venv(&target_dir()?)?;
+        print!("{}", bench_footprint::run(Path::new(&other), &venv)?);
+        return Ok(());
+    }
     toolchain::ensure_ebpf_toolchain()?;
     build_node_artefacts(&["--release"])?;
     let venv = genv_venv(&target_dir()?)?;

@@ -2,13 +2,11 @@
 //! the pins all hold it: what each of them needs of the others, and nothing more.
 
 use aya::Ebpf;
-use aya::programs::fentry::FEntryLinkId;
-use aya::programs::lsm::LsmLinkId;
 use aya::programs::raw_trace_point::RawTracePointLinkId;
 use aya::programs::trace_point::TracePointLinkId;
 
 use super::error::LoadError;
-use super::fmod_ret;
+use super::trampoline;
 
 /// An attached program: its name in the object, kernel id, and link (taken from the
 /// program when pinned).
@@ -21,10 +19,8 @@ pub(super) struct Attached {
 pub(super) enum LinkId {
     TracePoint(TracePointLinkId),
     RawTracePoint(RawTracePointLinkId),
-    Lsm(LsmLinkId),
-    FEntry(FEntryLinkId),
-    /// The fmod_ret program's, which aya does not hold.
-    FmodRet(fmod_ret::Link),
+    /// A trampoline tier's program's (lsm, fmod_ret, fentry), which aya does not hold.
+    Trampoline(trampoline::Link),
 }
 
 /// The program `program` of the object, for loading or attaching.

@@ -1,14 +1,20 @@
-//! Struct member offsets from the kernel's BTF (`/sys/kernel/btf/vmlinux`).
+//! Struct member offsets and function ids from the kernel's BTF (`/sys/kernel/btf/vmlinux`).
 //!
 //! The kernel programs follow pointers (an fd to its file, inode and device number) whose
 //! layout differs between kernels. Instead of hard-coding one kernel's offsets, the loader
-//! reads them from the running kernel's BTF and hands them to the programs at load time.
-//! aya-obj parses BTF too, but keeps members and strings private, hence this small reader.
+//! reads them from the running kernel's BTF and hands them to the programs at load time;
+//! the trampoline tiers' programs are loaded against a function's id in it.
+//!
+//! This is the daemon's only reading of that BTF, and it is kept small: the blob (about
+//! 5 MiB) and one offset per type (4 bytes each), looked up in place without a string
+//! or a map per type. aya-obj's parser builds every type and member as objects, about
+//! 20 MiB for vmlinux, which was most of the daemon's peak memory; the loader keeps aya
+//! from parsing it (see `ebpf_loader`).
 //!
 //! Format: `Documentation/bpf/btf.rst`: a header, a type section (ids from 1, each type a
 //! 12-byte record plus kind-specific data) and a string section.
 
-use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
 
 pub const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
@@ -16,6 +22,9 @@ pub const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 const MAGIC: u16 = 0xeb9f;
 const KIND_STRUCT: u32 = 4;
 const KIND_UNION: u32 = 5;
+const KIND_FUNC: u32 = 12;
+/// Bigger than any kernel's BTF (vmlinux is 5 to 10 MiB): a bound on what is read.
+const MAX_BYTES: u64 = 256 << 20;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BtfError {
@@ -29,26 +38,20 @@ pub enum BtfError {
     NoMember { strukt: String, member: String },
     #[error("{strukt}.{member} is a bitfield, not an addressable member")]
     Bitfield { strukt: String, member: String },
+    #[error("the kernel's BTF has no function {0}")]
+    NoFunc(String),
 }
 
-/// A struct or union member: name (empty for anonymous), type id, offset in bits.
-#[derive(Clone, Debug)]
-struct Member {
-    name: String,
-    type_id: u32,
-    bit_offset: u32,
-    bitfield: bool,
-}
-
-/// The parsed struct and union types, by id, with names for lookup.
-#[derive(Debug, Default)]
+/// A BTF blob with the start of each type's record, by id.
+#[derive(Debug)]
 pub struct Btf {
-    composites: HashMap<u32, Vec<Member>>,
-    /// Named structs (first definition wins, as in vmlinux each name is unique).
-    structs: HashMap<String, u32>,
-    /// Type ids that only qualify another type (typedef, const, volatile...), to see
-    /// through them when a member's type is an anonymous struct behind one.
-    aliases: HashMap<u32, u32>,
+    bytes: Vec<u8>,
+    strings: Range<usize>,
+    /// Where type `id`'s record starts in `bytes`, at `id - 1`.
+    starts: Vec<u32>,
+    /// The ids of the named structs, in id order (where vmlinux names one twice, the
+    /// first wins).
+    structs: Vec<u32>,
 }
 
 impl Btf {
@@ -57,53 +60,56 @@ impl Btf {
     }
 
     pub fn from_file(path: &Path) -> Result<Self, BtfError> {
-        let bytes = std::fs::read(path).map_err(|e| BtfError::Read {
+        use std::io::Read;
+        let error = |e: std::io::Error| BtfError::Read {
             path: path.display().to_string(),
             message: e.to_string(),
-        })?;
-        Self::parse(&bytes)
+        };
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .map_err(error)?
+            .take(MAX_BYTES)
+            .read_to_end(&mut bytes)
+            .map_err(error)?;
+        Self::parse(bytes)
     }
 
-    pub fn parse(bytes: &[u8]) -> Result<Self, BtfError> {
-        let raw = Raw::new(bytes)?;
-        let mut btf = Btf::default();
-        let mut at = raw.types.start;
-        let mut id = 1u32;
-        while at < raw.types.end {
-            let (name_off, info, size_or_type) =
-                match (raw.u32_at(at), raw.u32_at(at + 4), raw.u32_at(at + 8)) {
-                    (Some(a), Some(b), Some(c)) => (a, b, c),
-                    _ => return Err(BtfError::Format("truncated type")),
-                };
-            at += 12;
-            let vlen = (info & 0xffff) as usize;
-            let kind = (info >> 24) & 0x1f;
-            match kind {
-                KIND_STRUCT | KIND_UNION => {
-                    let kind_flag = info >> 31 == 1;
-                    btf.composites.insert(id, raw.members(at, vlen, kind_flag)?);
-                    if kind == KIND_STRUCT && name_off != 0 {
-                        btf.structs.entry(raw.string(name_off)).or_insert(id);
-                    }
-                    at += vlen * 12;
-                }
-                // typedef, volatile, const, restrict, type_tag: see through them.
-                8..=11 | 18 => {
-                    btf.aliases.insert(id, size_or_type);
-                }
-                _ => at += extra_len(kind, vlen).ok_or(BtfError::Format("unknown type kind"))?,
+    /// Indexes the type section of `bytes`, checking every record's bounds.
+    pub fn parse(bytes: Vec<u8>) -> Result<Self, BtfError> {
+        let (types, strings) = sections(&bytes)?;
+        let (mut starts, mut structs) = (Vec::new(), Vec::new());
+        let mut at = types.start;
+        while at < types.end {
+            let record = Record::at(&bytes, at).ok_or(BtfError::Format("truncated type"))?;
+            let id = starts.len() as u32 + 1;
+            starts.push(at as u32);
+            if record.kind() == KIND_STRUCT && record.name_off != 0 {
+                structs.push(id);
             }
-            id += 1;
+            at += 12 + record.extra_len()?;
         }
-        Ok(btf)
+        if at > types.end || bytes.len() > u32::MAX as usize {
+            return Err(BtfError::Format("types run past their section"));
+        }
+        Ok(Self {
+            bytes,
+            strings,
+            starts,
+            structs,
+        })
     }
 
     /// Byte offset of `member` in `struct strukt`, looking into anonymous structs and
     /// unions as C does.
     pub fn member_offset(&self, strukt: &str, member: &str) -> Result<u32, BtfError> {
-        let id = *self
+        let id = self
             .structs
-            .get(strukt)
+            .iter()
+            .copied()
+            .find(|&id| {
+                self.record(id)
+                    .is_some_and(|r| self.name_is(r.name_off, strukt))
+            })
             .ok_or_else(|| BtfError::NoStruct(strukt.to_owned()))?;
         let no_member = || BtfError::NoMember {
             strukt: strukt.to_owned(),
@@ -119,130 +125,152 @@ impl Btf {
         Ok(bits / 8)
     }
 
+    /// The id of function `name` (a `BTF_KIND_FUNC`): what a tracing or LSM program is
+    /// loaded against (`attach_btf_id`).
+    pub fn func_id(&self, name: &str) -> Result<u32, BtfError> {
+        (1..=self.starts.len() as u32)
+            .find(|&id| {
+                self.record(id)
+                    .is_some_and(|r| r.kind() == KIND_FUNC && self.name_is(r.name_off, name))
+            })
+            .ok_or_else(|| BtfError::NoFunc(name.to_owned()))
+    }
+
+    fn record(&self, id: u32) -> Option<Record> {
+        let at = *self.starts.get(id.checked_sub(1)? as usize)?;
+        Record::at(&self.bytes, at as usize)
+    }
+
+    /// Whether the string at `offset` is `name`.
+    fn name_is(&self, offset: u32, name: &str) -> bool {
+        let start = self.strings.start.saturating_add(offset as usize);
+        let end = start.saturating_add(name.len());
+        end < self.strings.end && &self.bytes[start..end] == name.as_bytes() && self.bytes[end] == 0
+    }
+
+    /// Bit offset of `member` in composite `id` (and whether it is a bitfield).
     fn find(&self, id: u32, member: &str, depth: u32) -> Option<(u32, bool)> {
         if depth > 8 {
             return None; // no sane kernel nests anonymous members this deep
         }
-        for m in self.composites.get(&id)? {
-            if m.name == member {
-                return Some((m.bit_offset, m.bitfield));
+        let record = self.record(id)?;
+        if !matches!(record.kind(), KIND_STRUCT | KIND_UNION) {
+            return None;
+        }
+        let first = self.starts[id as usize - 1] as usize + 12;
+        for i in 0..record.vlen() {
+            let m = Record::at(&self.bytes, first + i * 12)?;
+            // (name, type, offset); with kind_flag, the offset's low 24 bits are the
+            // offset and its high 8 the bitfield's size.
+            let (bit_offset, bitfield) = match record.kind_flag() {
+                true => (m.size_or_type & 0x00ff_ffff, m.size_or_type >> 24 != 0),
+                false => (m.size_or_type, false),
+            };
+            if m.name_off != 0 && self.name_is(m.name_off, member) {
+                return Some((bit_offset, bitfield));
             }
-            if m.name.is_empty() {
-                if let Some((inner, bitfield)) =
-                    self.find(self.resolve(m.type_id), member, depth + 1)
+            if m.name_off == 0 {
+                if let Some((inner, bitfield)) = self.find(self.resolve(m.info), member, depth + 1)
                 {
-                    return Some((m.bit_offset + inner, bitfield));
+                    return Some((bit_offset + inner, bitfield));
                 }
             }
         }
         None
     }
 
+    /// Sees through typedef, volatile, const, restrict and type_tag to the type behind.
     fn resolve(&self, mut id: u32) -> u32 {
         for _ in 0..16 {
-            match self.aliases.get(&id) {
-                Some(next) => id = *next,
-                None => break,
+            match self.record(id) {
+                Some(r) if matches!(r.kind(), 8..=11 | 18) => id = r.size_or_type,
+                _ => break,
             }
         }
         id
     }
 }
 
-/// The raw BTF blob: its type and string sections, bounds-checked.
-struct Raw<'a> {
-    bytes: &'a [u8],
-    types: std::ops::Range<usize>,
-    strings: std::ops::Range<usize>,
+/// The type and string sections of a BTF blob, bounds-checked.
+fn sections(bytes: &[u8]) -> Result<(Range<usize>, Range<usize>), BtfError> {
+    if bytes.get(0..2).map(|b| u16::from_le_bytes([b[0], b[1]])) != Some(MAGIC) {
+        return Err(BtfError::Format(
+            "bad magic (only little-endian BTF is read)",
+        ));
+    }
+    let header = |offset| {
+        u32_at(bytes, offset)
+            .map(|v| v as usize)
+            .ok_or(BtfError::Format("truncated header"))
+    };
+    let (hdr_len, type_off, type_len, str_off, str_len) = (
+        header(4)?,
+        header(8)?,
+        header(12)?,
+        header(16)?,
+        header(20)?,
+    );
+    let types = hdr_len + type_off..hdr_len + type_off + type_len;
+    let strings = hdr_len + str_off..hdr_len + str_off + str_len;
+    if bytes.len() < types.end || bytes.len() < strings.end {
+        return Err(BtfError::Format("sections run past the end"));
+    }
+    Ok((types, strings))
 }
 
-impl<'a> Raw<'a> {
-    fn new(bytes: &'a [u8]) -> Result<Self, BtfError> {
-        let at = |at: usize| bytes.get(at..at + 4);
-        if bytes.get(0..2).map(|b| u16::from_le_bytes([b[0], b[1]])) != Some(MAGIC) {
-            return Err(BtfError::Format(
-                "bad magic (only little-endian BTF is read)",
-            ));
-        }
-        let header = |offset| {
-            at(offset)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-                .ok_or(BtfError::Format("truncated header"))
-        };
-        let (hdr_len, type_off, type_len, str_off, str_len) = (
-            header(4)?,
-            header(8)?,
-            header(12)?,
-            header(16)?,
-            header(20)?,
-        );
-        let types = hdr_len + type_off..hdr_len + type_off + type_len;
-        let strings = hdr_len + str_off..hdr_len + str_off + str_len;
-        if bytes.len() < types.end || bytes.len() < strings.end {
-            return Err(BtfError::Format("sections run past the end"));
-        }
-        Ok(Self {
-            bytes,
-            types,
-            strings,
+fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
+    bytes
+        .get(at..at.checked_add(4)?)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+/// Three words of a type record (name, info, size or type), or of a member (name,
+/// type, offset).
+#[derive(Clone, Copy)]
+struct Record {
+    name_off: u32,
+    info: u32,
+    size_or_type: u32,
+}
+
+impl Record {
+    fn at(bytes: &[u8], at: usize) -> Option<Self> {
+        Some(Self {
+            name_off: u32_at(bytes, at)?,
+            info: u32_at(bytes, at + 4)?,
+            size_or_type: u32_at(bytes, at + 8)?,
         })
     }
 
-    fn u32_at(&self, at: usize) -> Option<u32> {
-        self.bytes
-            .get(at..at + 4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    fn kind(self) -> u32 {
+        (self.info >> 24) & 0x1f
     }
 
-    fn string(&self, offset: u32) -> String {
-        let start = self.strings.start + offset as usize;
-        let tail = &self.bytes[start.min(self.strings.end)..self.strings.end];
-        let end = tail.iter().position(|b| *b == 0).unwrap_or(tail.len());
-        String::from_utf8_lossy(&tail[..end]).into_owned()
+    fn vlen(self) -> usize {
+        (self.info & 0xffff) as usize
     }
 
-    /// The `vlen` members of a struct or union, starting at `at`.
-    fn members(&self, at: usize, vlen: usize, kind_flag: bool) -> Result<Vec<Member>, BtfError> {
-        (0..vlen)
-            .map(|i| {
-                let m = at + i * 12;
-                let (Some(name), Some(type_id), Some(offset)) =
-                    (self.u32_at(m), self.u32_at(m + 4), self.u32_at(m + 8))
-                else {
-                    return Err(BtfError::Format("truncated member"));
-                };
-                // With kind_flag, the low 24 bits are the offset and the high 8 the
-                // bitfield size.
-                let (bit_offset, bitfield) = if kind_flag {
-                    (offset & 0x00ff_ffff, offset >> 24 != 0)
-                } else {
-                    (offset, false)
-                };
-                Ok(Member {
-                    name: self.string(name),
-                    type_id,
-                    bit_offset,
-                    bitfield,
-                })
-            })
-            .collect()
+    fn kind_flag(self) -> bool {
+        self.info >> 31 == 1
     }
-}
 
-/// Bytes that follow a type record of `kind` (other than struct, union and aliases).
-fn extra_len(kind: u32, vlen: usize) -> Option<usize> {
-    Some(match kind {
-        1 => 4,               // int
-        2 | 7 | 12 | 16 => 0, // ptr, fwd, func, float
-        3 => 12,              // array
-        6 => vlen * 8,        // enum
-        13 => vlen * 8,       // func_proto
-        14 => 4,              // var
-        15 => vlen * 12,      // datasec
-        17 => 4,              // decl_tag
-        19 => vlen * 12,      // enum64
-        _ => return None,
-    })
+    /// Bytes that follow the record.
+    fn extra_len(self) -> Result<usize, BtfError> {
+        let vlen = self.vlen();
+        Ok(match self.kind() {
+            1 => 4,                        // int
+            2 | 7 | 8..=12 | 16 | 18 => 0, // ptr, fwd, aliases, func, float
+            3 => 12,                       // array
+            4 | 5 => vlen * 12,            // struct, union
+            6 => vlen * 8,                 // enum
+            13 => vlen * 8,                // func_proto
+            14 => 4,                       // var
+            15 => vlen * 12,               // datasec
+            17 => 4,                       // decl_tag
+            19 => vlen * 12,               // enum64
+            _ => return Err(BtfError::Format("unknown type kind")),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -252,7 +280,7 @@ mod tests {
     /// A hand-built BTF: `struct outer { int a; union { int b; struct { int c; int d; }; };
     /// unsigned e:3; }` behind a typedef for the inner struct.
     fn sample() -> Vec<u8> {
-        let strings = b"\0outer\0a\0b\0c\0d\0e\0int\0";
+        let strings = b"\0outer\0a\0b\0c\0d\0e\0int\0open\0";
         let name = |s: &str| {
             let needle = format!("\0{s}\0");
             strings
@@ -282,6 +310,8 @@ mod tests {
             1,
             (3 << 24) | 96,
         ]); // 5: outer
+        record(&[name("open"), 12 << 24, 0]); // 6: func open
+        record(&[name("outer"), 12 << 24, 0]); // 7: func outer (named as the struct)
         let mut blob = Vec::new();
         let header: [u32; 5] = [
             24,
@@ -302,7 +332,7 @@ mod tests {
 
     #[test]
     fn finds_members_through_anonymous_unions_structs_and_typedefs() {
-        let btf = Btf::parse(&sample()).unwrap();
+        let btf = Btf::parse(sample()).unwrap();
         assert_eq!(btf.member_offset("outer", "a"), Ok(0));
         assert_eq!(btf.member_offset("outer", "b"), Ok(4));
         assert_eq!(btf.member_offset("outer", "c"), Ok(4));
@@ -322,14 +352,23 @@ mod tests {
     }
 
     #[test]
+    fn finds_functions_by_name_and_kind() {
+        let btf = Btf::parse(sample()).unwrap();
+        assert_eq!(btf.func_id("open"), Ok(6));
+        assert_eq!(btf.func_id("outer"), Ok(7), "the func, not the struct");
+        assert_eq!(btf.func_id("int"), Err(BtfError::NoFunc("int".into())));
+        assert_eq!(btf.func_id("ope"), Err(BtfError::NoFunc("ope".into())));
+    }
+
+    #[test]
     fn refuses_what_is_not_btf() {
         assert!(matches!(
-            Btf::parse(b"\x7fELF...."),
+            Btf::parse(b"\x7fELF....".to_vec()),
             Err(BtfError::Format(_))
         ));
         let mut truncated = sample();
         truncated.truncate(40);
-        assert!(matches!(Btf::parse(&truncated), Err(BtfError::Format(_))));
+        assert!(matches!(Btf::parse(truncated), Err(BtfError::Format(_))));
     }
 
     /// The chain the open hook follows, on the running kernel. Its BTF is a documented
@@ -362,5 +401,15 @@ mod tests {
         // fdtable starts with max_fds, then the fd array pointer: a layout stable since 2.6.
         assert_eq!(btf.member_offset("fdtable", "max_fds"), Ok(0));
         assert_eq!(btf.member_offset("fdtable", "fd"), Ok(8));
+        // The trampoline tiers' targets, at the ids aya's own parser finds.
+        let aya = aya::Btf::from_sys_fs().unwrap();
+        for name in ["security_file_open", "bpf_lsm_file_open"] {
+            let kind = aya_obj::btf::BtfKind::Func;
+            match (btf.func_id(name), aya.id_by_type_name_kind(name, kind)) {
+                (Ok(ours), Ok(theirs)) => assert_eq!(ours, theirs, "{name}"),
+                (Err(BtfError::NoFunc(_)), Err(_)) => {} // no BPF LSM in this kernel
+                (ours, theirs) => panic!("{name}: ours {ours:?}, aya's {theirs:?}"),
+            }
+        }
     }
 }

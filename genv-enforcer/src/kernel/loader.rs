@@ -3,8 +3,8 @@
 //! [`KernelPrograms`] detaches and unloads everything: nothing outlives the daemon
 //! (unless pinned). The event maps are handed out raw: reading them is the intake's job.
 
+use aya::Ebpf;
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
-use aya::{Ebpf, EbpfLoader};
 use genv_ebpf_common::{
     EVENTS_MAP, GPU_NODES_MAP, LOST_MAP, MAX_GPU_NODES, OFFSETS_GLOBAL, PROC_ENV_MAP,
 };
@@ -13,8 +13,8 @@ use super::alloc_maps::AllocMaps;
 use super::attached::Attached;
 use super::btf::Btf;
 use super::cuda::{self, Attachment};
+use super::ebpf_loader;
 use super::error::{LoadError, chain, map_error, take_map};
-use super::fmod_ret;
 use super::lifecycle::{self, EnvScan};
 use super::object::{self, OBJECT};
 use super::offsets::{self, OffsetsError};
@@ -23,6 +23,7 @@ use super::pins;
 use super::policy_maps::PolicyMaps;
 use super::tier::{Tier, TierChoice};
 use super::tracefs;
+use super::trampoline::{self, Targets};
 use crate::backends::devmap::DeviceMap;
 
 pub struct LoadOptions {
@@ -95,10 +96,15 @@ impl KernelPrograms {
     /// Loads everything; `options.choice` must not be `None`.
     pub fn load(options: &LoadOptions) -> Result<(Self, EventMaps), LoadError> {
         let tracefs_root = tracefs::ensure_mounted()?;
-        let btf = Btf::from_sys_fs().map_err(OffsetsError::from)?;
-        let offsets = offsets::for_running_kernel(&btf, &tracefs_root)?;
+        // All the programs need of the kernel's BTF, read once and freed before aya
+        // loads the object (aya itself is kept from reading it: `ebpf_loader`).
+        let (offsets, targets) = {
+            let btf = Btf::from_sys_fs().map_err(OffsetsError::from)?;
+            let offsets = offsets::for_running_kernel(&btf, &tracefs_root)?;
+            (offsets, Targets::find(&btf))
+        };
 
-        let mut loader = EbpfLoader::new();
+        let mut loader = ebpf_loader::without_kernel_btf();
         loader.override_global(OFFSETS_GLOBAL, &offsets, true);
         let log_level: u8 = if options.log_decisions {
             LOG_LEVEL_INFO
@@ -123,14 +129,17 @@ impl KernelPrograms {
         let ebpf = loader
             .load(bytes)
             .map_err(|e| LoadError::Object(chain(&e)))?;
-        Self::attach(ebpf, bytes, options, processes)
+        let loaded = Self::attach(ebpf, (bytes, &targets), options, processes);
+        object::release_pages();
+        loaded
     }
 
-    /// Attaches the loaded programs: the lifecycle ones, the best open tier the kernel
+    /// Attaches the loaded programs (`object`: the bytes they were loaded from, and the
+    /// trampoline tiers' targets): the lifecycle ones, the best open tier the kernel
     /// accepts, the libcuda probes' loading; pins them if asked; takes the maps.
     fn attach(
         mut ebpf: Ebpf,
-        bytes: &[u8],
+        object: (&[u8], &Targets),
         options: &LoadOptions,
         processes: u32,
     ) -> Result<(Self, EventMaps), LoadError> {
@@ -138,7 +147,7 @@ impl KernelPrograms {
         let env_scan = lifecycle::attach(&mut ebpf, &mut programs)?;
         let (tier, refused) = open_tiers::attach_best(
             &mut ebpf,
-            bytes,
+            object,
             (options.choice, options.compat_opens),
             &mut programs,
         )?;
@@ -205,8 +214,8 @@ impl KernelPrograms {
                         info.verified_instruction_count().unwrap_or(0),
                         info.size_translated().unwrap_or(0),
                     ),
-                    // Loaded outside aya (fmod_ret): asked of the kernel by id.
-                    None => fmod_ret::counters(id).unwrap_or_default(),
+                    // Loaded outside aya (the trampoline tiers): asked of the kernel by id.
+                    None => trampoline::counters(id).unwrap_or_default(),
                 };
                 ProgramStats {
                     name: name.to_owned(),

@@ -2,8 +2,8 @@
 //! programs (`object`), the struct and tracepoint offsets they need from the running
 //! kernel ([`btf`], [`tracefs`], [`offsets`]), the tiers ([`tier`]), the loader
 //! ([`loader`]) with the lifecycle programs ([`lifecycle`]) and the open tiers'
-//! (`open_tiers`; the fmod_ret tier's program, which aya cannot load, is loaded by
-//! `fmod_ret`), what each attached program is (`attached`), the handles of the maps the
+//! (`open_tiers`; the trampoline tiers' programs, which aya cannot load without its
+//! own parse of the kernel's BTF, or at all for fmod_ret, are loaded by `trampoline`), what each attached program is (`attached`), the handles of the maps the
 //! programs decide from ([`policy_maps`]) and the pins that keep them ([`pins`]);
 //! `--memory-at-alloc`'s libcuda uprobes ([`cuda`]) and accounting maps
 //! ([`alloc_maps`]); the snapshot's view of processes through the identities the
@@ -16,9 +16,9 @@ pub mod alloc_maps;
 mod attached;
 pub mod btf;
 pub mod cuda;
+mod ebpf_loader;
 mod elf_symbols;
 pub mod error;
-mod fmod_ret;
 pub mod inspector;
 pub mod lifecycle;
 pub mod loader;
@@ -29,6 +29,8 @@ pub mod pins;
 pub mod policy_maps;
 pub mod tier;
 pub mod tracefs;
+mod trampoline;
+mod verifier_log;
 
 pub use error::LoadError;
 pub use loader::{EventMaps, KernelPrograms, LoadOptions, ProgramStats};

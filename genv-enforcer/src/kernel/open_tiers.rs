@@ -4,25 +4,25 @@
 //! is, is the tier in use.
 
 use aya::Ebpf;
-use aya::programs::{FEntry, Lsm, ProgramError, RawTracePoint, TracePoint};
+use aya::programs::{ProgramError, RawTracePoint, TracePoint};
 
 use super::attached::{Attached, LinkId, program_mut};
 use super::error::{LoadError, chain, program_error};
-use super::fmod_ret;
 use super::tier::{Tier, TierChoice};
+use super::trampoline::{self, Hook, Targets};
 
-/// Attaches the first of `choice`'s candidate tiers the kernel accepts (`bytes`: the
-/// object `ebpf` was loaded from; `compat_opens`: see `LoadOptions`); that tier, and why
-/// each better one was refused.
+/// Attaches the first of `choice`'s candidate tiers the kernel accepts (`object`: the
+/// bytes `ebpf` was loaded from, and the trampoline tiers' targets; `compat_opens`: see
+/// `LoadOptions`); that tier, and why each better one was refused.
 pub(super) fn attach_best(
     ebpf: &mut Ebpf,
-    bytes: &[u8],
+    object: (&[u8], &Targets),
     (choice, compat_opens): (TierChoice, bool),
     programs: &mut Vec<Attached>,
 ) -> Result<(Tier, Vec<(Tier, String)>), LoadError> {
     let mut refused = Vec::new();
     for &tier in choice.candidates() {
-        match attach_open_tier(ebpf, bytes, tier, programs, compat_opens) {
+        match attach_open_tier(ebpf, object, tier, programs, compat_opens) {
             Ok(()) => return Ok((tier, refused)),
             Err(reason) => refused.push((tier, reason)),
         }
@@ -86,17 +86,16 @@ fn active_lsms() -> Option<String> {
     std::fs::read_to_string(list).ok()
 }
 
-/// Loads and attaches one open tier (`object`: the bytes `ebpf` was loaded from); the
-/// reason it was refused otherwise.
+/// Loads and attaches one open tier (`object`: as for [`attach_best`]); the reason it
+/// was refused otherwise.
 fn attach_open_tier(
     ebpf: &mut Ebpf,
-    object: &[u8],
+    object: (&[u8], &Targets),
     tier: Tier,
     ids: &mut Vec<Attached>,
     compat_opens: bool,
 ) -> Result<(), String> {
-    let describe = |e: ProgramError| chain(&e);
-    match tier {
+    let hook = match tier {
         Tier::Lsm => {
             let active = active_lsms().ok_or(
                 "cannot read /sys/kernel/security/lsm, so whether the BPF LSM runs is unknown",
@@ -107,43 +106,29 @@ fn attach_open_tier(
                     active.trim()
                 ));
             }
-            let btf = aya::Btf::from_sys_fs().map_err(|e| chain(&e))?;
-            let lsm: &mut Lsm = program_mut(ebpf, "open_lsm")
-                .map_err(|e| e.to_string())?
-                .try_into()
-                .map_err(describe)?;
-            lsm.load("file_open", &btf).map_err(describe)?;
-            let link = LinkId::Lsm(lsm.attach().map_err(describe)?);
-            ids.push(Attached {
-                name: "open_lsm",
-                id: lsm.info().map_err(describe)?.id(),
-                link: Some(link),
-            });
+            trampoline::LSM
         }
-        Tier::FmodRet => {
-            let (id, link) = fmod_ret::load_and_attach(ebpf, object).map_err(|e| e.to_string())?;
-            ids.push(Attached {
-                name: fmod_ret::PROGRAM,
-                id,
-                link: Some(LinkId::FmodRet(link)),
-            });
-        }
-        Tier::Fentry => {
-            let btf = aya::Btf::from_sys_fs().map_err(|e| chain(&e))?;
-            let fentry: &mut FEntry = program_mut(ebpf, "open_fentry")
-                .map_err(|e| e.to_string())?
-                .try_into()
-                .map_err(describe)?;
-            fentry.load("security_file_open", &btf).map_err(describe)?;
-            let link = LinkId::FEntry(fentry.attach().map_err(describe)?);
-            ids.push(Attached {
-                name: "open_fentry",
-                id: fentry.info().map_err(describe)?.id(),
-                link: Some(link),
-            });
-        }
-        Tier::Tracepoint => attach_exit_tracepoints(ebpf, ids, compat_opens)?,
-    }
+        Tier::FmodRet => trampoline::FMOD_RET,
+        Tier::Fentry => trampoline::FENTRY,
+        Tier::Tracepoint => return attach_exit_tracepoints(ebpf, ids, compat_opens),
+    };
+    attach_trampoline(ebpf, object, hook, ids)
+}
+
+/// A trampoline tier: its program loaded and attached outside aya (`trampoline`).
+fn attach_trampoline(
+    ebpf: &mut Ebpf,
+    (bytes, targets): (&[u8], &Targets),
+    hook: Hook,
+    ids: &mut Vec<Attached>,
+) -> Result<(), String> {
+    let (id, link) =
+        trampoline::load_and_attach(ebpf, bytes, hook, targets).map_err(|e| e.to_string())?;
+    ids.push(Attached {
+        name: hook.program,
+        id,
+        link: Some(LinkId::Trampoline(link)),
+    });
     Ok(())
 }
 

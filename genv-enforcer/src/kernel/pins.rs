@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use aya::Ebpf;
 use aya::programs::links::FdLink;
-use aya::programs::{FEntry, Lsm, RawTracePoint, TracePoint};
+use aya::programs::{RawTracePoint, TracePoint};
 
 use super::attached::{Attached, LinkId, program_mut};
 use super::error::{LoadError, chain};
@@ -167,7 +167,7 @@ pub(super) fn pin_all(
 }
 
 /// Pins one program's link at `path`, through aya's descriptor of it (or, for the
-/// fmod_ret program, which aya does not hold, through its own).
+/// trampoline tiers' programs, which aya does not hold, through their own).
 fn pin_link(
     ebpf: &mut Ebpf,
     name: &'static str,
@@ -179,7 +179,7 @@ fn pin_link(
         message,
     };
     let fd_link: FdLink = match link {
-        LinkId::FmodRet(link) => return link.pin(path).map_err(|e| error(e.to_string())),
+        LinkId::Trampoline(link) => return link.pin(path).map_err(|e| error(e.to_string())),
         LinkId::TracePoint(id) => {
             let p: &mut TracePoint = program_mut(ebpf, name)?
                 .try_into()
@@ -189,18 +189,6 @@ fn pin_link(
         }
         LinkId::RawTracePoint(id) => {
             let p: &mut RawTracePoint = program_mut(ebpf, name)?
-                .try_into()
-                .map_err(|e| error(chain(&e)))?;
-            p.take_link(id).map_err(|e| error(chain(&e)))?.into()
-        }
-        LinkId::Lsm(id) => {
-            let p: &mut Lsm = program_mut(ebpf, name)?
-                .try_into()
-                .map_err(|e| error(chain(&e)))?;
-            p.take_link(id).map_err(|e| error(chain(&e)))?.into()
-        }
-        LinkId::FEntry(id) => {
-            let p: &mut FEntry = program_mut(ebpf, name)?
                 .try_into()
                 .map_err(|e| error(chain(&e)))?;
             p.take_link(id).map_err(|e| error(chain(&e)))?.into()

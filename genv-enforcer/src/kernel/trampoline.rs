@@ -1,14 +1,18 @@
-//! The fmod_ret tier's program: `open_fmod_ret`, a `BPF_MODIFY_RETURN` tracing program
-//! on `security_file_open`, whose return value replaces the function's, so that it can
-//! refuse an open (EPERM) where the BPF LSM is not active.
+//! The trampoline tiers' programs, loaded outside aya: `open_lsm` (the BPF LSM's
+//! `file_open` hook), `open_fmod_ret` (a `BPF_MODIFY_RETURN` tracing program on
+//! `security_file_open`, whose return value replaces the function's, so that it can refuse
+//! an open where the BPF LSM is not active) and `open_fentry` (watching the same call).
 //!
-//! aya 0.14 has no such program type, and aya-obj refuses an object with an `fmod_ret/`
-//! section, so the program sits in a section aya-obj reads as fexit (which aya never
-//! loads) and is loaded here: the embedded object is parsed again with aya-obj and
-//! relocated as aya does it, against the maps aya already created for the other
-//! programs (so every program shares them, `.rodata`'s offsets included), then loaded
-//! and attached with `bpf()` directly. The program calls no subprogram (its decision is
-//! inlined), so it needs no BTF of its own: only the target's id in the kernel's BTF.
+//! aya 0.14 has no fmod_ret program type, and aya-obj refuses an object with an
+//! `fmod_ret/` section, so that program sits in a section aya-obj reads as fexit (which
+//! aya never loads). aya would load the other two, but only against its own parse of the
+//! kernel's BTF (`Lsm::load`, `FEntry::load` take an `aya::Btf`), about 20 MiB of memory
+//! for the one id each needs; the daemon's own reader finds the ids ([`Targets`]). So all
+//! three are loaded here alike: the embedded object is parsed again with aya-obj and
+//! relocated as aya does it, against the maps aya already created for the other programs
+//! (so every program shares them, `.rodata`'s offsets included), then loaded and attached
+//! with `bpf()` directly. The programs call no subprogram (their decision is inlined), so
+//! they need no BTF of their own: only the target's id in the kernel's BTF.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, CString};
@@ -18,37 +22,102 @@ use std::path::Path;
 
 use aya::Ebpf;
 use aya::maps::{Map, MapData};
-use aya_obj::btf::BtfKind;
 use aya_obj::generated::{
     bpf_attach_type, bpf_attr, bpf_cmd, bpf_insn, bpf_prog_info, bpf_prog_type,
 };
 
+use super::btf::Btf;
 use super::error::chain;
+use super::verifier_log::LogBuffer;
 
-/// The program's name in the object (and in the kernel: under 16 bytes).
-pub(super) const PROGRAM: &str = "open_fmod_ret";
-/// The kernel function whose return value it sets.
-const TARGET: &str = "security_file_open";
+/// One trampoline tier's program: its name in the object (and in the kernel: under 16
+/// bytes), how it is loaded, and the function in vmlinux's BTF it is loaded against.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Hook {
+    pub(super) program: &'static str,
+    prog_type: bpf_prog_type,
+    attach_type: bpf_attach_type,
+    target: &'static str,
+}
 
-/// Why the fmod_ret program could not be loaded or attached, by step.
+/// The BPF LSM's `file_open` hook: its BTF function is `bpf_lsm_file_open`.
+pub(super) const LSM: Hook = Hook {
+    program: "open_lsm",
+    prog_type: bpf_prog_type::BPF_PROG_TYPE_LSM,
+    attach_type: bpf_attach_type::BPF_LSM_MAC,
+    target: "bpf_lsm_file_open",
+};
+
+pub(super) const FMOD_RET: Hook = Hook {
+    program: "open_fmod_ret",
+    prog_type: bpf_prog_type::BPF_PROG_TYPE_TRACING,
+    attach_type: bpf_attach_type::BPF_MODIFY_RETURN,
+    target: "security_file_open",
+};
+
+pub(super) const FENTRY: Hook = Hook {
+    program: "open_fentry",
+    prog_type: bpf_prog_type::BPF_PROG_TYPE_TRACING,
+    attach_type: bpf_attach_type::BPF_TRACE_FENTRY,
+    target: "security_file_open",
+};
+
+/// Each hook's target id, found in the kernel's BTF before aya loads the object (so that
+/// the blob is freed by then), or why there is none.
+#[derive(Debug)]
+pub(super) struct Targets(Vec<(&'static str, Result<u32, String>)>);
+
+impl Targets {
+    pub(super) fn find(btf: &Btf) -> Self {
+        let names = [LSM.target, FMOD_RET.target, FENTRY.target];
+        let mut found: Vec<(&str, Result<u32, String>)> = Vec::new();
+        for name in names {
+            if !found.iter().any(|(n, _)| *n == name) {
+                found.push((name, btf.func_id(name).map_err(|e| e.to_string())));
+            }
+        }
+        Self(found)
+    }
+
+    fn id(&self, hook: &Hook) -> Result<u32, TrampolineError> {
+        match self.0.iter().find(|(name, _)| *name == hook.target) {
+            Some((_, Ok(id))) => Ok(*id),
+            Some((_, Err(why))) => Err(TrampolineError::Target(why.clone())),
+            None => Err(TrampolineError::Target(format!(
+                "{} not looked up",
+                hook.target
+            ))),
+        }
+    }
+}
+
+/// Why a trampoline program could not be loaded or attached, by step.
 #[derive(Debug, thiserror::Error)]
-pub enum FmodRetError {
-    #[error("parsing the object for {PROGRAM}: {0}")]
-    Parse(String),
-    #[error("{PROGRAM} is not in the object")]
-    Missing,
-    #[error("the object has CO-RE relocations, which the {PROGRAM} loader does not apply")]
+pub enum TrampolineError {
+    #[error("parsing the object for {0}: {1}")]
+    Parse(&'static str, String),
+    #[error("{0} is not in the object")]
+    Missing(&'static str),
+    #[error("the object has CO-RE relocations, which the trampoline loader does not apply")]
     CoRe,
-    #[error("relocating {PROGRAM}'s {what}: {message}")]
-    Relocate { what: &'static str, message: String },
-    #[error("finding {TARGET} in the kernel's BTF: {0}")]
+    #[error("relocating {program}'s {what}: {message}")]
+    Relocate {
+        program: &'static str,
+        what: &'static str,
+        message: String,
+    },
+    #[error("finding the target in the kernel's BTF: {0}")]
     Target(String),
-    #[error("BPF_PROG_LOAD (BPF_MODIFY_RETURN on {TARGET}): {error}{log}")]
-    Load { error: io::Error, log: String },
-    #[error("BPF_RAW_TRACEPOINT_OPEN (attaching {PROGRAM} to {TARGET}): {0}")]
-    Attach(io::Error),
-    #[error("BPF_OBJ_GET_INFO_BY_FD ({PROGRAM}): {0}")]
-    Info(io::Error),
+    #[error("BPF_PROG_LOAD ({:?} on {}): {error}{log}", hook.attach_type, hook.target)]
+    Load {
+        hook: Hook,
+        error: io::Error,
+        log: String,
+    },
+    #[error("BPF_RAW_TRACEPOINT_OPEN (attaching {0} to {1}): {2}")]
+    Attach(&'static str, &'static str, io::Error),
+    #[error("BPF_OBJ_GET_INFO_BY_FD ({0}): {1}")]
+    Info(&'static str, io::Error),
 }
 
 /// The attached program's link. Dropping it detaches the program, which the link holds
@@ -72,35 +141,46 @@ impl Link {
     }
 }
 
-/// Loads `open_fmod_ret` from `object` (the bytes aya loaded `ebpf` from), against
-/// `ebpf`'s maps, and attaches it; its kernel id and link.
-pub(super) fn load_and_attach(ebpf: &Ebpf, object: &[u8]) -> Result<(u32, Link), FmodRetError> {
-    let (instructions, license) = relocated(ebpf, object)?;
-    let btf = aya::Btf::from_sys_fs().map_err(|e| FmodRetError::Target(chain(&e)))?;
-    let target = btf
-        .id_by_type_name_kind(TARGET, BtfKind::Func)
-        .map_err(|e| FmodRetError::Target(chain(&e)))?;
-    let program = load(&instructions, &license, target)?;
+/// Loads `hook`'s program from `object` (the bytes aya loaded `ebpf` from), against
+/// `ebpf`'s maps and the target id in `targets`, and attaches it; its kernel id and link.
+pub(super) fn load_and_attach(
+    ebpf: &Ebpf,
+    object: &[u8],
+    hook: Hook,
+    targets: &Targets,
+) -> Result<(u32, Link), TrampolineError> {
+    let target = targets.id(&hook)?;
+    let (instructions, license) = relocated(ebpf, object, hook.program)?;
+    let program = load(&instructions, &license, hook, target)?;
     let id = info(program.as_fd().as_raw_fd())
-        .map_err(FmodRetError::Info)?
+        .map_err(|e| TrampolineError::Info(hook.program, e))?
         .id;
     // SAFETY: all-zero is a valid `bpf_attr` (plain integers).
     let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
-    // No name: a tracing program is attached to the target it was loaded for.
+    // No name: a tracing or LSM program is attached to the target it was loaded for.
     attr.raw_tracepoint.prog_fd = program.as_raw_fd() as u32;
-    let link = bpf_fd(bpf_cmd::BPF_RAW_TRACEPOINT_OPEN, &mut attr).map_err(FmodRetError::Attach)?;
+    let link = bpf_fd(bpf_cmd::BPF_RAW_TRACEPOINT_OPEN, &mut attr)
+        .map_err(|e| TrampolineError::Attach(hook.program, hook.target, e))?;
     Ok((id, Link(link)))
 }
 
 /// The program's instructions, relocated against `ebpf`'s maps as aya relocates its
 /// own programs, with the functions it calls linked in after it (`memcpy`, for
 /// `--bpf-log`'s records), and its license.
-fn relocated(ebpf: &Ebpf, object: &[u8]) -> Result<(Vec<bpf_insn>, CString), FmodRetError> {
-    let mut obj = aya_obj::Object::parse(object).map_err(|e| FmodRetError::Parse(chain(&e)))?;
-    let program = obj.programs.get(PROGRAM).ok_or(FmodRetError::Missing)?;
+fn relocated(
+    ebpf: &Ebpf,
+    object: &[u8],
+    name: &'static str,
+) -> Result<(Vec<bpf_insn>, CString), TrampolineError> {
+    let mut obj =
+        aya_obj::Object::parse(object).map_err(|e| TrampolineError::Parse(name, chain(&e)))?;
+    let program = obj
+        .programs
+        .get(name)
+        .ok_or(TrampolineError::Missing(name))?;
     let (key, license) = (program.function_key(), program.license.clone());
     if obj.has_btf_relocations() {
-        return Err(FmodRetError::CoRe);
+        return Err(TrampolineError::CoRe);
     }
     let fds: HashMap<&str, RawFd> = ebpf
         .maps()
@@ -113,36 +193,46 @@ fn relocated(ebpf: &Ebpf, object: &[u8]) -> Result<(Vec<bpf_insn>, CString), Fmo
         .iter()
         .filter_map(|(name, map)| Some((name.as_str(), *fds.get(name.as_str())?, map)));
     obj.relocate_maps(maps, &text)
-        .map_err(|e| FmodRetError::Relocate {
+        .map_err(|e| TrampolineError::Relocate {
+            program: name,
             what: "map references",
             message: chain(&e),
         })?;
     obj.relocate_calls(&text)
-        .map_err(|e| FmodRetError::Relocate {
+        .map_err(|e| TrampolineError::Relocate {
+            program: name,
             what: "calls",
             message: chain(&e),
         })?;
     obj.sanitize_functions(aya::features());
-    let function = obj.functions.remove(&key).ok_or(FmodRetError::Missing)?;
+    let function = obj
+        .functions
+        .remove(&key)
+        .ok_or(TrampolineError::Missing(name))?;
     Ok((function.instructions, license))
 }
 
-/// `BPF_PROG_LOAD` as a `BPF_MODIFY_RETURN` tracing program on BTF function `target`
-/// of vmlinux. Tried without a verifier log first (the common case, and cheaper); a
-/// refusal is tried again with one, whose end goes into the error.
-fn load(instructions: &[bpf_insn], license: &CStr, target: u32) -> Result<OwnedFd, FmodRetError> {
+/// `BPF_PROG_LOAD` as `hook` says, on BTF function `target` of vmlinux. Tried without a
+/// verifier log first (the common case, and cheaper); a refusal is tried again with one,
+/// whose end goes into the error.
+fn load(
+    instructions: &[bpf_insn],
+    license: &CStr,
+    hook: Hook,
+    target: u32,
+) -> Result<OwnedFd, TrampolineError> {
     let attempt = |log: &mut [u8], log_level: u32| {
         // SAFETY: all-zero is a valid `bpf_attr` (plain integers).
         let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the `BPF_PROG_LOAD` member of the union.
         let load = unsafe { &mut attr.__bindgen_anon_3 };
-        load.prog_type = bpf_prog_type::BPF_PROG_TYPE_TRACING as u32;
-        load.expected_attach_type = bpf_attach_type::BPF_MODIFY_RETURN as u32;
+        load.prog_type = hook.prog_type as u32;
+        load.expected_attach_type = hook.attach_type as u32;
         load.attach_btf_id = target; // in vmlinux: attach_btf_obj_fd stays 0
         load.insn_cnt = instructions.len() as u32;
         load.insns = instructions.as_ptr() as u64;
         load.license = license.as_ptr() as u64;
-        for (slot, byte) in load.prog_name.iter_mut().zip(PROGRAM.bytes()) {
+        for (slot, byte) in load.prog_name.iter_mut().zip(hook.program.bytes()) {
             *slot = byte as libc::c_char;
         }
         load.log_level = log_level;
@@ -151,25 +241,15 @@ fn load(instructions: &[bpf_insn], license: &CStr, target: u32) -> Result<OwnedF
         bpf_fd(bpf_cmd::BPF_PROG_LOAD, &mut attr)
     };
     attempt(&mut [], 0).or_else(|error| {
-        let mut log = vec![0u8; 16 << 20];
-        attempt(&mut log, 1).map_err(|_| FmodRetError::Load {
-            error,
-            log: log_tail(&log),
-        })
+        let refused = |log| TrampolineError::Load { hook, error, log };
+        let Ok(mut log) = LogBuffer::new() else {
+            return Err(refused(String::new()));
+        };
+        match attempt(log.as_mut_slice(), 1) {
+            Ok(program) => Ok(program),
+            Err(_) => Err(refused(log.tail())),
+        }
     })
-}
-
-/// The verifier log's last lines (where it says why), as `: verifier: ... | ...`; empty
-/// when the kernel refused before verifying.
-fn log_tail(log: &[u8]) -> String {
-    let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
-    let text = String::from_utf8_lossy(&log[..end]);
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    if lines.is_empty() {
-        return String::new();
-    }
-    let tail = &lines[lines.len().saturating_sub(8)..];
-    format!(": verifier: {}", tail.join(" | "))
 }
 
 /// The kernel's record of the program `fd`.
