@@ -192,40 +192,28 @@ fn retry_out_of_descriptors(
 mod tests {
     use super::*;
 
-    /// Real handles (on this test's own `stat`), to see how many the table keeps.
-    struct Handles;
+    /// Real handles (on this test's own `stat`), to see how many the table keeps; or,
+    /// `short_of_descriptors`, none to be had (EMFILE) while a read by path works.
+    struct Handles {
+        short_of_descriptors: bool,
+    }
+
+    const HANDLES: Handles = Handles {
+        short_of_descriptors: false,
+    };
 
     impl ProcessInspector for Handles {
         fn stat(&self, _: u32) -> io::Result<ProcStat> {
             procfs::stat(std::process::id())
         }
         fn stat_cached(&self, _: u32, handle: &mut Option<StatFile>) -> io::Result<ProcStat> {
+            if self.short_of_descriptors {
+                return Err(io::Error::from_raw_os_error(libc::EMFILE));
+            }
             let file = StatFile::open(std::process::id())?;
             let stat = file.read();
             *handle = Some(file);
             stat
-        }
-        fn environment_id(&self, _: u32) -> Result<Option<String>, EnvironError> {
-            Ok(None)
-        }
-        fn real_uid(&self, _: u32) -> io::Result<u32> {
-            Ok(0)
-        }
-        fn gpu_node_holders(&self, _: &DeviceMap) -> io::Result<Vec<(u32, Vec<u32>)>> {
-            Ok(Vec::new())
-        }
-    }
-
-    /// Opening a handle finds no descriptor (EMFILE); reading by path, with the kept
-    /// handles closed, works.
-    struct ShortOfDescriptors;
-
-    impl ProcessInspector for ShortOfDescriptors {
-        fn stat(&self, _: u32) -> io::Result<ProcStat> {
-            procfs::stat(std::process::id())
-        }
-        fn stat_cached(&self, _: u32, _: &mut Option<StatFile>) -> io::Result<ProcStat> {
-            Err(io::Error::from_raw_os_error(libc::EMFILE))
         }
         fn environment_id(&self, _: u32) -> Result<Option<String>, EnvironError> {
             Ok(None)
@@ -243,7 +231,10 @@ mod tests {
         let mut files = HashMap::new();
         files.insert(7, Some(StatFile::open(std::process::id()).unwrap()));
         let pids: Vec<u32> = (100..103).collect();
-        let stats = read_stats(&pids, &ShortOfDescriptors, &mut files, 8);
+        let short = Handles {
+            short_of_descriptors: true,
+        };
+        let stats = read_stats(&pids, &short, &mut files, 8);
         assert!(stats.iter().all(Result::is_ok), "{stats:?}");
         assert!(
             files.values().all(Option::is_none),
@@ -255,11 +246,11 @@ mod tests {
     fn keeps_stat_handles_within_the_budget_and_reads_the_rest_by_path() {
         let mut files = HashMap::new();
         let pids: Vec<u32> = (100..110).collect();
-        let stats = read_stats(&pids, &Handles, &mut files, 4);
+        let stats = read_stats(&pids, &HANDLES, &mut files, 4);
         assert!(stats.iter().all(Result::is_ok), "every process is read");
         assert_eq!(files.values().filter(|f| f.is_some()).count(), 4);
         // Next cycle: the four handles stay, no new ones are opened.
-        let stats = read_stats(&pids, &Handles, &mut files, 4);
+        let stats = read_stats(&pids, &HANDLES, &mut files, 4);
         assert!(stats.iter().all(Result::is_ok));
         assert_eq!(files.values().filter(|f| f.is_some()).count(), 4);
     }

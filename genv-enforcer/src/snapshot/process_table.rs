@@ -493,18 +493,24 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn checks_identity_by_default() {
-        let (procs, contexts, envs) = fixture();
+    /// One assembly of the fixture's processes with the default policy.
+    fn assemble_by_default(procs: &FakeProcs) -> (Vec<GpuProcess>, Vec<Warning>) {
+        let (_, contexts, envs) = fixture();
         let mut warnings = Vec::new();
         let processes = assemble_processes(
             &contexts,
             Some(&envs),
-            &procs,
+            procs,
             EnvPolicy::default(),
             &mut ProcessTable::default(),
             &mut warnings,
         );
+        (processes, warnings)
+    }
+
+    #[test]
+    fn checks_identity_by_default() {
+        let (processes, warnings) = assemble_by_default(&fixture().0);
         assert_eq!(
             eids(&processes),
             [
@@ -605,17 +611,9 @@ mod tests {
 
     #[test]
     fn a_process_whose_stat_cannot_be_opened_is_said_not_passed_over_as_gone() {
-        let (mut procs, contexts, envs) = fixture();
+        let mut procs = fixture().0;
         procs.short_of_descriptors = Some(16);
-        let mut warnings = Vec::new();
-        let processes = assemble_processes(
-            &contexts,
-            Some(&envs),
-            &procs,
-            EnvPolicy::default(),
-            &mut ProcessTable::default(),
-            &mut warnings,
-        );
+        let (processes, warnings) = assemble_by_default(&procs);
         assert!(!eids(&processes).contains(&(16, None)), "not judged unread");
         let said: Vec<String> = warnings.iter().map(ToString::to_string).collect();
         assert!(
