@@ -401,7 +401,7 @@ mod tests {
         assert_eq!(size_of::<alloc::Ordinals>(), alloc::MAX_ORDINALS);
         assert_eq!(size_of::<alloc::CtxStack>(), 40);
         assert_eq!(size_of::<alloc::ProcGpu>(), 8);
-        assert_eq!(size_of::<Offsets>(), 29 * 4);
+        assert_eq!(size_of::<Offsets>(), 31 * 4);
         assert_eq!(size_of::<EnvEntry>(), 16);
         assert_eq!(size_of::<ExeKey>(), 16);
     }
