@@ -464,7 +464,7 @@ fn tier_one_instance_and_nothing_left_behind() {
 /// timing: the bound is generous, under what one aya parse of vmlinux alone adds (about
 /// 20 MiB), and far above the 5 MiB it comes to now.
 #[test]
-fn the_kernel_btf_is_parsed_once_at_start_up() {
+fn any_tier_the_kernel_btf_is_parsed_once_at_start_up() {
     let (node, _gpu) = node();
     let Some(daemon) = EventDaemon::start(&node, &[]) else {
         return;
