@@ -360,6 +360,24 @@ mod tests {
         assert_eq!(btf.func_id("ope"), Err(BtfError::NoFunc("ope".into())));
     }
 
+    /// The open hook's direct-load offsets are given only where the kernel has the
+    /// helper they start from (`bpf_get_current_task_btf`, 5.11): before it, a program
+    /// calling it does not load, and the tracepoint tier with it.
+    #[test]
+    fn an_offset_that_needs_a_function_is_absent_without_it() {
+        use super::super::offsets::with_func;
+        let btf = Btf::parse(sample()).unwrap();
+        assert_eq!(with_func(&btf, "open", "outer", "d"), 8);
+        assert_eq!(
+            with_func(&btf, "bpf_get_current_task_btf", "outer", "d"),
+            genv_ebpf_common::Offsets::ABSENT
+        );
+        assert_eq!(
+            with_func(&btf, "open", "outer", "nothing"),
+            genv_ebpf_common::Offsets::ABSENT
+        );
+    }
+
     #[test]
     fn refuses_what_is_not_btf() {
         assert!(matches!(
@@ -400,6 +418,18 @@ mod tests {
         }
         // fdtable starts with max_fds, then the fd array pointer: a layout stable since 2.6.
         assert_eq!(btf.member_offset("fdtable", "max_fds"), Ok(0));
+        // From 5.11 the open hook's direct loads are on: the helper they start from is
+        // found by its function, as `offsets` looks for it.
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+        let mut version = release.split(|c: char| !c.is_ascii_digit());
+        let (major, minor) = (version.next(), version.next());
+        let at_least_5_11 = match (major.and_then(|v| v.parse::<u32>().ok()), minor) {
+            (Some(major), Some(minor)) => (major, minor.parse().unwrap_or(0)) >= (5, 11),
+            _ => false,
+        };
+        if at_least_5_11 {
+            assert!(btf.func_id("bpf_get_current_task_btf").is_ok(), "{release}");
+        }
         assert_eq!(btf.member_offset("fdtable", "fd"), Ok(8));
         // The trampoline tiers' targets, at the ids aya's own parser finds.
         let aya = aya::Btf::from_sys_fs().unwrap();

@@ -63,8 +63,23 @@ pub fn for_running_kernel(btf: &Btf, tracefs_root: &Path) -> Result<Offsets, Off
         tty_driver: optional("tty_struct", "driver"),
         driver_major: optional("tty_driver", "major"),
         driver_minor_start: optional("tty_driver", "minor_start"),
-        // The open hook's direct loads; without them it walks the table with probe reads.
-        files_fdtab: optional("files_struct", "fdtab"),
-        files_fd_array: optional("files_struct", "fd_array"),
+        // The open hook's direct loads, which start from `bpf_get_current_task_btf`;
+        // without them it walks the table with probe reads.
+        files_fdtab: with_func(btf, DIRECT_LOADS_FROM, "files_struct", "fdtab"),
+        files_fd_array: with_func(btf, DIRECT_LOADS_FROM, "files_struct", "fd_array"),
     })
+}
+
+/// The helper the open hook's direct loads start from (5.11): a kernel without it
+/// refuses a program that calls it, even on a path that is never taken unless the
+/// offsets it needs are absent (the verifier then drops that path unchecked). The
+/// helper's own function is in the kernel's BTF where the helper is.
+const DIRECT_LOADS_FROM: &str = "bpf_get_current_task_btf";
+
+/// `strukt.member`'s offset where the kernel has function `func`, else absent.
+pub(super) fn with_func(btf: &Btf, func: &str, strukt: &str, member: &str) -> u32 {
+    match btf.func_id(func) {
+        Ok(_) => btf.member_offset(strukt, member).unwrap_or(Offsets::ABSENT),
+        Err(_) => Offsets::ABSENT,
+    }
 }

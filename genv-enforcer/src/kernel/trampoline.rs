@@ -214,42 +214,58 @@ fn relocated(
 
 /// `BPF_PROG_LOAD` as `hook` says, on BTF function `target` of vmlinux. Tried without a
 /// verifier log first (the common case, and cheaper); a refusal is tried again with one,
-/// whose end goes into the error.
+/// whose end, and that attempt's error, go into the error.
 fn load(
     instructions: &[bpf_insn],
     license: &CStr,
     hook: Hook,
     target: u32,
 ) -> Result<OwnedFd, TrampolineError> {
-    let attempt = |log: &mut [u8], log_level: u32| {
-        // SAFETY: all-zero is a valid `bpf_attr` (plain integers).
-        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: the `BPF_PROG_LOAD` member of the union.
-        let load = unsafe { &mut attr.__bindgen_anon_3 };
-        load.prog_type = hook.prog_type as u32;
-        load.expected_attach_type = hook.attach_type as u32;
-        load.attach_btf_id = target; // in vmlinux: attach_btf_obj_fd stays 0
-        load.insn_cnt = instructions.len() as u32;
-        load.insns = instructions.as_ptr() as u64;
-        load.license = license.as_ptr() as u64;
-        for (slot, byte) in load.prog_name.iter_mut().zip(hook.program.bytes()) {
-            *slot = byte as libc::c_char;
-        }
+    let attempt =
+        |log: &mut [u8], log_level| prog_load(instructions, license, hook, target, log, log_level);
+    attempt(&mut [], 0).or_else(|error| {
+        let Ok(mut log) = LogBuffer::new() else {
+            let log = String::new();
+            return Err(TrampolineError::Load { hook, error, log });
+        };
+        attempt(log.as_mut_slice(), 1).map_err(|error| TrampolineError::Load {
+            hook,
+            error,
+            log: log.tail(),
+        })
+    })
+}
+
+/// One `BPF_PROG_LOAD`. An empty `log` is no log at all: a null buffer, as the kernel
+/// wants with size 0 (an empty slice's pointer is not null, and the kernel refuses a
+/// buffer of size 0 with `EINVAL`).
+fn prog_load(
+    instructions: &[bpf_insn],
+    license: &CStr,
+    hook: Hook,
+    target: u32,
+    log: &mut [u8],
+    log_level: u32,
+) -> io::Result<OwnedFd> {
+    // SAFETY: all-zero is a valid `bpf_attr` (plain integers).
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: the `BPF_PROG_LOAD` member of the union.
+    let load = unsafe { &mut attr.__bindgen_anon_3 };
+    load.prog_type = hook.prog_type as u32;
+    load.expected_attach_type = hook.attach_type as u32;
+    load.attach_btf_id = target; // in vmlinux: attach_btf_obj_fd stays 0
+    load.insn_cnt = instructions.len() as u32;
+    load.insns = instructions.as_ptr() as u64;
+    load.license = license.as_ptr() as u64;
+    for (slot, byte) in load.prog_name.iter_mut().zip(hook.program.bytes()) {
+        *slot = byte as libc::c_char;
+    }
+    if !log.is_empty() {
         load.log_level = log_level;
         load.log_buf = log.as_mut_ptr() as u64;
         load.log_size = log.len() as u32;
-        bpf_fd(bpf_cmd::BPF_PROG_LOAD, &mut attr)
-    };
-    attempt(&mut [], 0).or_else(|error| {
-        let refused = |log| TrampolineError::Load { hook, error, log };
-        let Ok(mut log) = LogBuffer::new() else {
-            return Err(refused(String::new()));
-        };
-        match attempt(log.as_mut_slice(), 1) {
-            Ok(program) => Ok(program),
-            Err(_) => Err(refused(log.tail())),
-        }
-    })
+    }
+    bpf_fd(bpf_cmd::BPF_PROG_LOAD, &mut attr)
 }
 
 /// The kernel's record of the program `fd`.
@@ -343,5 +359,40 @@ fn map_data(map: &Map) -> &MapData {
         | Map::StackTraceMap(data)
         | Map::Unsupported(data)
         | Map::XskMap(data) => data,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A load without a log asks for none: the kernel loads it at once (this kernel loads
+    /// socket filters), where a non-null buffer of size 0 is refused with `EINVAL` and
+    /// every load went to the second attempt, at log level 1, its first error reported.
+    #[test]
+    fn a_load_without_a_log_passes_no_log_buffer() {
+        let exit_0 = [
+            bpf_insn {
+                code: 0xb7, // BPF_ALU64 | BPF_MOV | BPF_K: r0 = 0
+                ..unsafe_zeroed_insn()
+            },
+            bpf_insn {
+                code: 0x95, // BPF_JMP | BPF_EXIT
+                ..unsafe_zeroed_insn()
+            },
+        ];
+        let filter = Hook {
+            program: "genv_log_test",
+            prog_type: bpf_prog_type::BPF_PROG_TYPE_SOCKET_FILTER,
+            attach_type: bpf_attach_type::BPF_CGROUP_INET_INGRESS,
+            target: "",
+        };
+        let loaded = prog_load(&exit_0, c"GPL", filter, 0, &mut [], 0);
+        assert!(loaded.is_ok(), "{loaded:?}");
+    }
+
+    fn unsafe_zeroed_insn() -> bpf_insn {
+        // SAFETY: all-zero is a valid `bpf_insn` (plain integers and bitfields).
+        unsafe { std::mem::zeroed() }
     }
 }
