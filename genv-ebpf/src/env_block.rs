@@ -198,13 +198,7 @@ fn scan_group(g: usize) {
     macro_rules! words {
         ($($j:literal)*) => {$(
             // SAFETY: as above.
-            let word = unsafe { *group.add($j) };
-            let filtered = filter(word);
-            if filtered != 0 {
-                if let Some(t) = key_of(word, filtered) {
-                    matched(g * GROUP_WORDS + $j, t);
-                }
-            }
+            check(unsafe { *group.add($j) }, g * GROUP_WORDS + $j);
         )*};
     }
     words!(1 3 5 7 9 11 13 15 17 19 21 23 25 27 29 31 33 35 37 39 41 43 45 47 49 51 53 55 57 59 61 63
@@ -223,7 +217,13 @@ fn scan_word(k: usize) {
         return;
     };
     // SAFETY: `k` is within `words`, checked just above.
-    let word = unsafe { *(*s).words.as_ptr().add(k) };
+    check(unsafe { *(*s).words.as_ptr().add(k) }, k);
+}
+
+/// Window word `k`, read as `word`: through the filter, and on to [`matched`] in the
+/// rare case it shows a key.
+#[inline(always)]
+fn check(word: u64, k: usize) {
     let filtered = filter(word);
     if filtered != 0 {
         if let Some(t) = key_of(word, filtered) {
