@@ -10,7 +10,6 @@ use crate::notify::journal::Query;
 use crate::notify::tty::tests::{Pty, child_on, pty, shown};
 use crate::notify::{Action, Notifier, NotifyMode, Rule};
 use crate::report::{Report, Why};
-use crate::snapshot::{GpuProcess, Usage};
 use crate::state::StateDir;
 
 fn executor(notifier: &Arc<Notifier>, kill_after: Option<Duration>) -> Executor {
@@ -26,18 +25,7 @@ fn executor(notifier: &Arc<Notifier>, kill_after: Option<Duration>) -> Executor 
 /// reason when `why`.
 fn report(pid: u32, why: bool) -> Report {
     let start_time = procfs::stat(pid).unwrap().start_time;
-    let mut report = Report {
-        terminate: vec![GpuProcess {
-            pid,
-            start_time: Some(start_time),
-            used_gpu_memory: vec![Usage {
-                index: 0,
-                bytes: Some(1 << 20),
-            }],
-            eid: None,
-        }],
-        ..Report::default()
-    };
+    let mut report = super::tests::report(&[(pid, start_time)]);
     if why {
         let why = Why {
             rule: Rule::NonEnvProcesses,

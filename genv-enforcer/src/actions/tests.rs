@@ -394,7 +394,7 @@ fn state_dir() -> StateDir {
 }
 
 /// A report terminating each (pid, start time), as the rules would for GPU processes.
-fn report(targets: &[(u32, u64)]) -> Report {
+pub(super) fn report(targets: &[(u32, u64)]) -> Report {
     let terminate = targets
         .iter()
         .map(|&(pid, start_time)| GpuProcess {

@@ -108,22 +108,7 @@ impl Journal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::notify::{Action, Facts, Rule};
-
-    pub(crate) fn decision(pid: u32, uid: u32) -> Decision {
-        Decision::new(
-            Facts {
-                pid,
-                uid,
-                comm: b"python",
-                env: None,
-                gpus: vec![0],
-                rule: Rule::NonEnvProcesses,
-                action: Action::Refused,
-            },
-            1_700_000_000,
-        )
-    }
+    use crate::notify::tests::decision;
 
     fn all(limit: usize) -> Query {
         Query {

@@ -229,15 +229,7 @@ pub(crate) mod tests {
             rdev: pty.rdev,
             uid: me,
         };
-        let facts = |pid| Facts {
-            pid,
-            uid: me,
-            comm: b"python",
-            env: None,
-            gpus: vec![0],
-            rule: Rule::NonEnvProcesses,
-            action: Action::Refused,
-        };
+        let facts = |pid| facts(pid, me);
         notifier.decided(facts(1), Some(terminal));
         notifier.set_mode(NotifyMode::Tty);
         notifier.decided(facts(2), Some(terminal));
@@ -253,6 +245,24 @@ pub(crate) mod tests {
             ..Default::default()
         };
         assert_eq!(notifier.answer(me, &all).len(), 2);
+    }
+
+    /// Process `pid` of `uid`, a `python` outside any environment, refused GPU 0.
+    pub(crate) fn facts(pid: u32, uid: u32) -> Facts<'static> {
+        Facts {
+            pid,
+            uid,
+            comm: b"python",
+            env: None,
+            gpus: vec![0],
+            rule: Rule::NonEnvProcesses,
+            action: Action::Refused,
+        }
+    }
+
+    /// [`facts`], decided at a fixed time.
+    pub(crate) fn decision(pid: u32, uid: u32) -> Decision {
+        Decision::new(facts(pid, uid), 1_700_000_000)
     }
 
     /// A number unique in this test process, for scratch names.

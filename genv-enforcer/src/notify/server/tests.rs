@@ -2,22 +2,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream as StdStream;
 
 use super::*;
-use crate::notify::{Action, Facts, Rule};
-
-fn decision(pid: u32, uid: u32) -> Decision {
-    Decision::new(
-        Facts {
-            pid,
-            uid,
-            comm: b"python",
-            env: None,
-            gpus: vec![0],
-            rule: Rule::NonEnvProcesses,
-            action: Action::Refused,
-        },
-        1_700_000_000,
-    )
-}
+use crate::notify::tests::decision;
 
 fn run_dir(mode: u32) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(

@@ -60,17 +60,12 @@ pub(crate) fn child_on(pty: &Pty, program: &str, args: &[&str]) -> std::process:
     command.spawn().unwrap()
 }
 
-/// What the terminal emulator would read now.
-pub(crate) fn shown(pty: &Pty) -> String {
-    read_master(pty)
-}
-
 fn me() -> u32 {
     rustix::process::getuid().as_raw()
 }
 
 /// What the terminal emulator would read now (the master is non-blocking for this).
-fn read_master(pty: &Pty) -> String {
+pub(crate) fn shown(pty: &Pty) -> String {
     rustix::fs::fcntl_setfl(&pty.master, OFlags::NONBLOCK).unwrap();
     let mut file = std::fs::File::from(pty.master.try_clone().unwrap());
     let mut text = Vec::new();
@@ -90,7 +85,7 @@ fn a_users_own_terminal_is_opened_and_written() {
     assert_eq!(path_of(pty.rdev).as_deref(), Some(pty.path.as_path()));
     let fd = open(pty.rdev, me()).unwrap();
     assert_eq!(write_once(&fd, b"hello\r\n"), Ok(7));
-    assert!(read_master(&pty).contains("hello"));
+    assert!(shown(&pty).contains("hello"));
 }
 
 #[test]

@@ -1,10 +1,9 @@
-use std::io::Read;
 use std::sync::Barrier;
 use std::sync::atomic::AtomicBool;
 
 use super::*;
 use crate::notify::ratelimit::PER_TERMINAL;
-use crate::notify::tty::tests::{Pty, pty};
+use crate::notify::tty::tests::{Pty, pty, shown};
 
 fn line(text: &str, pty: &Pty) -> Line {
     Line {
@@ -15,27 +14,13 @@ fn line(text: &str, pty: &Pty) -> Line {
     }
 }
 
-fn read_all(pty: &Pty) -> String {
-    rustix::fs::fcntl_setfl(&pty.master, rustix::fs::OFlags::NONBLOCK).unwrap();
-    let mut file = std::fs::File::from(pty.master.try_clone().unwrap());
-    let mut text = Vec::new();
-    let mut chunk = [0u8; 4096];
-    while let Ok(n) = file.read(&mut chunk) {
-        if n == 0 {
-            break;
-        }
-        text.extend_from_slice(&chunk[..n]);
-    }
-    String::from_utf8_lossy(&text).into_owned()
-}
-
 #[test]
 fn a_line_reaches_the_terminal_on_a_line_of_its_own() {
     let pty = pty();
     let writer = TtyWriter::spawn().unwrap();
     assert!(writer.send(line("genv-enforcer: hello", &pty)));
     writer.flush(Duration::from_secs(60));
-    let shown = read_all(&pty);
+    let shown = shown(&pty);
     let lines: Vec<&str> = shown
         .split('\n')
         .map(|l| l.trim_matches('\r'))
@@ -53,7 +38,7 @@ fn a_flood_for_one_terminal_is_held_back_and_counted() {
         assert!(writer.send(line(&format!("genv-enforcer: line {i}"), &pty)));
     }
     writer.flush(Duration::from_secs(60));
-    let shown = read_all(&pty);
+    let shown = shown(&pty);
     let burst = PER_TERMINAL.burst as usize;
     assert_eq!(shown.matches("genv-enforcer:").count(), burst, "{shown}");
     let counts = writer.counts();
