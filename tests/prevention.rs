@@ -15,8 +15,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use genv_enforcer_tests::events::{
-    EventDaemon, holders_of, make_gpu_node, make_gpu_node_for, pinned_map_get, pinned_map_put,
-    tier_refuses, tier_sees_failed_opens, ways_in,
+    EventDaemon, holders_of, make_gpu_node, make_gpu_node_for, pinned_link_program, pinned_map_get,
+    pinned_map_put, program_loaded, tier_refuses, tier_sees_failed_opens, ways_in,
 };
 use genv_enforcer_tests::{Genv, Node, device_record, env_record, path, serial};
 use serde_json::json;
@@ -447,6 +447,14 @@ fn tier_pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() 
     assert_eq!(now.len(), 1, "{now:?}");
     assert_ne!(now[0], left[0]);
     assert!(second.daemon.stop(DEATH).unwrap().success());
+    let programs: Vec<u32> = std::fs::read_dir(now[0].join("links"))
+        .unwrap()
+        .map(|link| pinned_link_program(&link.unwrap().path()))
+        .collect();
+    assert!(
+        programs.iter().all(|&id| program_loaded(id)),
+        "{programs:?}"
+    );
 
     let unpin = node
         .enforcer()
@@ -459,6 +467,13 @@ fn tier_pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() 
         "{said}"
     );
     assert!(!pins.0.exists());
+    // Gone from the kernel by the time unpin says so (bpffs lets go of a removed pin
+    // only after an RCU grace period).
+    let still: Vec<u32> = programs
+        .into_iter()
+        .filter(|&id| program_loaded(id))
+        .collect();
+    assert!(still.is_empty(), "still loaded after unpin: {still:?}");
     // Nothing decides any more: the open returns (ENXIO in the VM, where no driver is).
     let (rogue, lines) = attempt(&mut node, None, Some(OUTSIDER), &open);
     assert_untouched(&mut node, rogue, &lines, 1, "after unpin");

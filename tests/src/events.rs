@@ -431,6 +431,45 @@ fn open_pinned(pin: &Path) -> std::os::fd::OwnedFd {
     unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) }
 }
 
+/// The id of the program the link pinned at `pin` runs (`BPF_OBJ_GET_INFO_BY_FD`).
+pub fn pinned_link_program(pin: &Path) -> u32 {
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    let link = open_pinned(pin);
+    // struct bpf_link_info begins { u32 type; u32 id; u32 prog_id; ... }; the kernel
+    // fills no more than the length given.
+    let mut info = [0u32; 3];
+    // union bpf_attr for this command: { u32 bpf_fd; u32 info_len; u64 info; }
+    #[repr(C)]
+    struct InfoByFd {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let attr = InfoByFd {
+        bpf_fd: std::os::fd::AsRawFd::as_raw_fd(&link) as u32,
+        info_len: size_of_val(&info) as u32,
+        info: info.as_mut_ptr() as u64,
+    };
+    // SAFETY: `attr` is a live, initialised `bpf_attr` prefix of the size passed; the
+    // kernel writes at most `info_len` bytes into `info`, which lives across the call.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            &attr,
+            size_of_val(&attr),
+        )
+    };
+    assert_eq!(
+        ret,
+        0,
+        "BPF_OBJ_GET_INFO_BY_FD {}: {}",
+        pin.display(),
+        std::io::Error::last_os_error()
+    );
+    info[2]
+}
+
 /// `union bpf_attr` for the map element commands.
 #[repr(C)]
 struct MapElem {

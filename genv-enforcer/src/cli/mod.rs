@@ -221,18 +221,30 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn unpin(root: &std::path::Path) -> Result<ExitCode> {
-    let removed = crate::kernel::pins::unpin_all(root)
+    use crate::kernel::pins;
+    let removed = pins::unpin_all(root)
         .with_context(|| format!("removing the pins under {}", root.display()))?;
     if removed.links == 0 && removed.maps == 0 {
         println!("Nothing pinned under {}", root.display());
-    } else {
-        println!(
-            "Removed {} pinned programs and {} maps under {}: the kernel no longer decides about GPU opens until an enforcer runs",
-            removed.links,
-            removed.maps,
-            root.display()
-        );
+        return Ok(ExitCode::SUCCESS);
     }
+    // "Removed" must mean the kernel stopped deciding, not that it will soon.
+    let held = pins::wait_detached(&removed.attached, pins::DETACH_WAIT);
+    if !held.is_empty() {
+        eprintln!(
+            "Removed the pins under {}, but links {:?} are still attached after {} s: another process holds them (see `bpftool link show id N`), and their programs still decide about GPU opens",
+            root.display(),
+            held,
+            pins::DETACH_WAIT.as_secs()
+        );
+        return Ok(ExitCode::FAILURE);
+    }
+    println!(
+        "Removed {} pinned programs and {} maps under {}: the kernel no longer decides about GPU opens until an enforcer runs",
+        removed.links,
+        removed.maps,
+        root.display()
+    );
     Ok(ExitCode::SUCCESS)
 }
 

@@ -8,9 +8,10 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use aya::Ebpf;
-use aya::programs::links::FdLink;
+use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{RawTracePoint, TracePoint};
 
 use super::attached::{Attached, LinkId, program_mut};
@@ -73,18 +74,77 @@ pub fn other_generations(root: &Path, own: Option<&Path>) -> Vec<PathBuf> {
 pub struct Removed {
     pub links: usize,
     pub maps: usize,
+    /// The removed links' ids and their programs', read before removal.
+    pub attached: Vec<LinkIds>,
 }
 
-/// Removes a generation's pins: its links detach as their last reference goes.
+/// One pinned link's id and its program's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkIds {
+    pub link: u32,
+    pub program: u32,
+}
+
+/// Removes a generation's pins: its links detach as their last reference goes. That is
+/// not when this returns: bpffs drops a removed pin's reference only after an RCU grace
+/// period, from a work queue, so the programs may decide for a while longer
+/// ([`wait_detached`] waits it out).
 pub fn remove_generation(generation: &Path) -> io::Result<Removed> {
     let count =
         |sub: &str| std::fs::read_dir(generation.join(sub)).map_or(0, |entries| entries.count());
+    let attached = pinned_links(&generation.join("links"));
     let removed = Removed {
         links: count("links"),
         maps: count("maps"),
+        attached,
     };
     std::fs::remove_dir_all(generation)?;
     Ok(removed)
+}
+
+/// The links pinned in `dir` (one that cannot be read is skipped: it is removed all
+/// the same, only not waited for). No descriptor of them is kept.
+fn pinned_links(dir: &Path) -> Vec<LinkIds> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|entry| PinnedLink::from_pin(entry.path()).ok())
+        .filter_map(|link| {
+            let info = FdLink::from(link).info().ok()?;
+            Some(LinkIds {
+                link: info.id(),
+                program: info.program_id(),
+            })
+        })
+        .collect()
+}
+
+/// How long `unpin` waits for the kernel to let go of the programs.
+pub const DETACH_WAIT: Duration = Duration::from_secs(5);
+
+/// Waits, up to `limit`, until none of `attached` is attached any more (each link
+/// freed, which detaches it) and then until their programs are unloaded (the detach
+/// done: a link's id goes just before it detaches). Returns the links still there at
+/// the limit: something other than the pins holds them (a descriptor another process
+/// keeps), and they still decide. A program that outlives its link is held the same
+/// way but attached nowhere, and is not waited for past the limit.
+pub fn wait_detached(attached: &[LinkIds], limit: Duration) -> Vec<u32> {
+    use super::trampoline::{link_exists, program_loaded};
+    let deadline = Instant::now() + limit;
+    let mut waiting: Vec<LinkIds> = attached.to_vec();
+    loop {
+        waiting.retain(|ids| link_exists(ids.link) || program_loaded(ids.program));
+        if waiting.is_empty() || Instant::now() >= deadline {
+            return waiting
+                .iter()
+                .filter(|ids| link_exists(ids.link))
+                .map(|ids| ids.link)
+                .collect();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// `genv-enforcer unpin`: every generation under `root`, and `root` itself.
@@ -94,6 +154,7 @@ pub fn unpin_all(root: &Path) -> io::Result<Removed> {
         let removed = remove_generation(&generation)?;
         total.links += removed.links;
         total.maps += removed.maps;
+        total.attached.extend(removed.attached);
     }
     match std::fs::remove_dir(root) {
         Ok(()) => Ok(total),

@@ -300,6 +300,31 @@ pub(super) fn counters(id: u32) -> io::Result<(u64, u64, u32, u32)> {
     ))
 }
 
+/// Whether a program with this id is loaded (ids are handed out cyclically, so a freed
+/// one is not soon another's; a lookup that fails other than with ENOENT counts as
+/// loaded).
+pub(super) fn program_loaded(id: u32) -> bool {
+    // SAFETY: all-zero is a valid `bpf_attr` (plain integers).
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    attr.__bindgen_anon_6.__bindgen_anon_1.prog_id = id;
+    exists(bpf_fd(bpf_cmd::BPF_PROG_GET_FD_BY_ID, &mut attr))
+}
+
+/// Whether a link with this id exists, as [`program_loaded`] for programs.
+pub(super) fn link_exists(id: u32) -> bool {
+    // SAFETY: all-zero is a valid `bpf_attr` (plain integers).
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    attr.__bindgen_anon_6.__bindgen_anon_1.link_id = id;
+    exists(bpf_fd(bpf_cmd::BPF_LINK_GET_FD_BY_ID, &mut attr))
+}
+
+fn exists(lookup: io::Result<OwnedFd>) -> bool {
+    match lookup {
+        Ok(_) => true,
+        Err(e) => e.raw_os_error() != Some(libc::ENOENT),
+    }
+}
+
 /// The `bpf()` system call.
 fn bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<i64> {
     // SAFETY: `attr` is a whole `bpf_attr`; the pointers in it point at buffers the
