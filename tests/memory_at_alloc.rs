@@ -159,6 +159,9 @@ fn capped(
     );
     let user = CudaUser::start(node, cuda_env, &setup);
     daemon.expect(&format!("caps held at the allocation: {eid} 1g"));
+    // Followed at its exec (woken at once) or when the cap came, whichever was last: a
+    // real program's CUDA start takes far longer than that.
+    daemon.expect(&format!("Process {} carries the libcuda probes", user.pid));
     user
 }
 
@@ -471,43 +474,74 @@ fn report_mode_says_so_and_lets_the_allocation_through() {
     );
 }
 
-/// A process outside any environment that makes a CUDA context is computing: with
-/// `--non-env-processes` it is terminated then, with genv's line, without waiting for
-/// NVML to list it (here NVML never does: it allocates nothing). `cuInit` alone is only
-/// a probe, and is left alone; so is a process of an environment.
+/// Only a process of an environment with a cap carries the probes: one outside any
+/// environment, or in one without a cap, has no breakpoint in its address space (its
+/// CUDA calls cost nothing and start nothing in the daemon), and is judged at its GPU
+/// open, as `cuInit` makes one. An environment given a cap later has its running
+/// processes carry them from then on, and one whose cap goes, no longer.
 #[test]
-fn a_process_outside_any_environment_is_stopped_when_it_starts_cuda() {
+fn only_processes_in_capped_environments_carry_the_probes_breakpoints() {
     let _serial = serial();
     let mut node = Node::new(2);
-    let (lib, cuda_env) = node.cuda();
+    let (lib, mut cuda_env) = node.cuda();
     let Some(daemon) = daemon(&node, &lib, "kill", &["--non-env-processes"]) else {
         return;
     };
     let mut insider = capped(&mut node, &cuda_env, &daemon, "theta", &[0]);
     insider.init(&daemon, "0");
+    let breakpoint = "0xcc";
+    assert_eq!(insider.ok("peek cuMemAlloc_v2"), breakpoint);
+    assert_eq!(insider.ok("peek cuInit"), breakpoint);
+
+    // An environment without a cap.
+    let mut uncapped = CudaUser::start(
+        &mut node,
+        &cuda_env,
+        "genv activate --id iota; genv attach --index 1",
+    );
+    uncapped.ok("init");
+    assert_ne!(uncapped.ok("peek cuMemAlloc_v2"), breakpoint);
+    assert_ne!(uncapped.ok("peek cuInit"), breakpoint);
+
+    // Outside any environment, on a libcuda whose `cuInit` opens a GPU node.
+    let gpu = node.dir.join("nvidia0");
+    make_gpu_node(&gpu);
+    cuda_env.push(("GENV_FAKE_CUDA_OPENS".into(), gpu.to_str().unwrap().into()));
     let mut command = Command::new(artefact("cuda-user"));
     command.env_remove("GENV_ENVIRONMENT_ID");
     let mut outsider = CudaUser::spawn(&mut node, &cuda_env, command);
-    let pid = outsider.pid;
-    // `cuInit` alone only asks whether there is a GPU (`torch.cuda.is_available()`).
-    outsider.ok("init");
-    // The daemon judges a CUDA start in the call that counts it: once the status counts
-    // the outsider's `cuInit` (each process's is said once: the insider's, then its),
-    // whatever was decided about it is in the same status.
-    let status = daemon.wait_count_at_least("cuda_starts", 2);
-    assert_eq!(status["counts"]["terminated"], 0, "killed for probing CUDA");
-    assert!(node.alive(pid), "killed for probing CUDA");
-    // Answered or not (the signal may land first), the process is gone.
-    let _ = outsider.call("ctx 0");
-    assert_eq!(node.wait_exit(pid, DEATH), Some(libc::SIGTERM));
+    assert_ne!(outsider.ok("peek cuMemAlloc_v2"), breakpoint);
+    assert_ne!(outsider.ok("peek cuInit"), breakpoint);
+    // Its open is watched; once NVML lists it on the GPU, it is terminated (answered or
+    // not: the signal may land first).
+    outsider.send(&["init", "ctx 0", "alloc 100"]);
+    assert_eq!(node.wait_exit(outsider.pid, DEATH), Some(libc::SIGTERM));
     daemon.expect(&format!(
-        "Process {pid} is not running in a GPU environment"
+        "Process {} is not running in a GPU environment",
+        outsider.pid
     ));
-    daemon.expect(&format!("[INFO] Acted on process {pid} "));
-    // The insider, which started CUDA too, is untouched and still answers.
+    // The insider's start alone was seen.
+    assert_eq!(daemon.status()["counts"]["cuda_starts"], 1);
+
+    // The cap comes: the running process carries the probes; it goes: no longer.
+    let capped = Genv::get().bash(&node, "genv activate --id iota; genv config gpu-memory 1g");
+    assert!(capped.success, "{}", capped.stderr);
+    daemon.expect("caps held at the allocation: iota 1g");
+    daemon.expect(&format!(
+        "Process {} carries the libcuda probes",
+        uncapped.pid
+    ));
+    assert_eq!(uncapped.ok("peek cuMemAlloc_v2"), breakpoint);
+    let cleared = Genv::get().bash(
+        &node,
+        "genv activate --id iota; genv config --clear gpu-memory",
+    );
+    assert!(cleared.success, "{}", cleared.stderr);
+    daemon.expect_count("caps held at the allocation: theta 1g", 2);
+    assert_ne!(uncapped.ok("peek cuMemAlloc_v2"), breakpoint);
+    assert_eq!(insider.ok("peek cuMemAlloc_v2"), breakpoint);
     insider.ok("ctx 0");
     insider.ok("alloc 100");
-    assert!(node.alive(insider.pid));
 }
 
 /// A size no driver can give (2^63 + 1 bytes) is charged as the largest allocation
@@ -591,6 +625,7 @@ fn a_gpu_named_by_uuid_in_visible_devices_is_charged() {
          export CUDA_VISIBLE_DEVICES=GPU-fake-1",
     );
     daemon.expect("caps held at the allocation: nu 1g");
+    daemon.expect(&format!("Process {} carries the libcuda probes", user.pid));
     user.init(&daemon, "GPU-fake-1");
     user.ok("ctx 0");
     user.ok("alloc 600");
@@ -627,6 +662,7 @@ fn a_uuid_read_before_nvml_listed_any_gpu_is_resolved_once_it_does() {
          export CUDA_VISIBLE_DEVICES=GPU-fake-1",
     );
     daemon.expect("caps held at the allocation: xi 1g");
+    daemon.expect(&format!("Process {} carries the libcuda probes", user.pid));
     user.init(&daemon, "GPU-fake-1");
     user.ok("ctx 0");
     user.ok("alloc 600");

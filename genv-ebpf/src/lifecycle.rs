@@ -36,7 +36,14 @@ fn exec(identity: u64) -> u32 {
     } else {
         0
     };
-    let wake = if arg == 0 { Wake::Later } else { Wake::Now };
+    // A process of an environment with a cap (`--memory-at-alloc`) carries the libcuda
+    // probes only once the daemon has this event: it is woken now, not at its next
+    // batch, so that the probes are in before the program can reach CUDA.
+    let wake = if arg == 0 && !capped(identity) {
+        Wake::Later
+    } else {
+        Wake::Now
+    };
     lifecycle_event(
         RawEvent {
             kind: kind::EXEC,
@@ -83,10 +90,24 @@ pub fn proc_fork(ctx: RawTracePointContext) -> i32 {
                 index: if unresolved { FORK_UNRESOLVED } else { 0 },
                 ..RawEvent::default()
             },
-            if unresolved { Wake::Now } else { Wake::Later },
+            // Now, too, for a child of an environment with a cap: it carries the libcuda
+            // probes only once the daemon has this event (see `exec`).
+            if unresolved || inherited.is_some_and(capped) {
+                Wake::Now
+            } else {
+                Wake::Later
+            },
         );
     }
     0
+}
+
+/// Whether processes of the environment `identity` are held to a cap at the
+/// allocation (`--memory-at-alloc`; without it the map holds nothing).
+#[inline(always)]
+fn capped(identity: u64) -> bool {
+    // SAFETY: a plain lookup; nothing is kept of it.
+    identity != identity::NO_ENV && unsafe { crate::cuda::ENV_MEMORY.get(&identity) }.is_some()
 }
 
 /// Records the identity of process `pid` found at its exec. The process is almost

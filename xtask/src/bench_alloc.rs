@@ -4,7 +4,8 @@
 //! - Cost: `cuda-user` makes 100,000 pairs of `cuMemAlloc_v2` (1 MiB) and
 //!   `cuMemFree_v2` with no daemon, and under a daemon with `--memory-at-alloc kill`
 //!   from inside an environment (a cap it never reaches: every charge, check and record
-//!   runs) and from outside any (the probes return at once). The probes' own run time
+//!   runs) and from outside any (which carries no probe: no breakpoint, nothing runs;
+//!   the bench checks both before measuring). The probes' own run time
 //!   comes from the kernel's statistics (`kernel.bpf_stats_enabled=1`).
 //! - Overshoot: a process in an environment capped at 1g allocates 100 MiB every 20 ms,
 //!   as a growing training job does, until it is stopped: by the memory rule after the
@@ -26,6 +27,8 @@ use crate::sim;
 const PAIRS: u64 = 100_000;
 const CAP: u64 = 1_000_000_000;
 const CHUNK: u64 = 100 << 20;
+/// A uprobe's breakpoint (`int3`), as `cuda-user peek` reads it at a probed call.
+const BREAKPOINT: u64 = 0xcc;
 
 pub fn run(release: &Path) -> Result<String> {
     sim::with_bpf_stats("alloc", |dir| {
@@ -79,7 +82,7 @@ fn cost(node: &Node) -> Result<String> {
          | caller | daemon | ns per alloc+free pair | added per call (ns) | probe runs | probe ns/run |\n\
          |---|---|---:|---:|---:|---:|\n"
     );
-    let bare = pairs_ns(node, None)?;
+    let bare = pairs_ns(node, None, false)?;
     table += &format!("| in an environment | none | {bare:.0} | - | - | - |\n");
     let run_dir = node.dir.join("run-cost");
     let (mut daemon, _lines) = daemon(node, &run_dir, "kill", &["--memory-interval", "1"])?;
@@ -88,7 +91,7 @@ fn cost(node: &Node) -> Result<String> {
         ("outside any environment", None),
     ] {
         let before = probes(&run_dir)?;
-        let ns = pairs_ns(node, eid)?;
+        let ns = pairs_ns(node, eid, true)?;
         std::thread::sleep(Duration::from_millis(1500)); // the status file's next write
         let after = probes(&run_dir)?;
         let runs = after.0.saturating_sub(before.0);
@@ -104,9 +107,29 @@ fn cost(node: &Node) -> Result<String> {
     Ok(table)
 }
 
-/// Mean nanoseconds per alloc+free pair, after a warm-up.
-fn pairs_ns(node: &Node, eid: Option<&str>) -> Result<f64> {
+/// Mean nanoseconds per alloc+free pair, after a warm-up. Under a daemon
+/// (`daemon`), once the process carries the probes if its environment has a cap, and
+/// making sure it does not otherwise.
+fn pairs_ns(node: &Node, eid: Option<&str>, daemon: bool) -> Result<f64> {
     let mut user = CudaUser::start(node, eid, false)?;
+    if daemon {
+        let carries = eid.is_some(); // both of the bench's environments have caps
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // A `cuda-user` from before `peek` (another build's, measured side by side)
+        // answers `unknown`: that build's daemon probed every process alike.
+        while let Some(answer) = user
+            .call("peek cuMemAlloc_v2")?
+            .filter(|a| a.starts_with("ok "))
+        {
+            if (answer == format!("ok {BREAKPOINT:#x}")) == carries {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the process in {eid:?} carries the probes: {}", !carries);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
     for call in ["init", "ctx 0", "loop 1000"] {
         user.ok(call)?;
     }

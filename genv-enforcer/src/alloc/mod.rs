@@ -9,6 +9,7 @@ mod budget;
 pub mod caps;
 mod copies;
 mod looks;
+mod probed;
 pub mod started_cap;
 
 use std::collections::{HashMap, HashSet};
@@ -50,6 +51,12 @@ pub struct AllocSide {
     /// start times: read again once it does (until then, those GPUs are charged nothing).
     unresolved: HashMap<u32, u64>,
     verbose: bool,
+    /// Whether the processes carrying the probes were chosen once (at the first cycle
+    /// that read genv's state); after that, again whenever the capped environments
+    /// change.
+    followed_once: bool,
+    /// Said once: a process could not be made to carry the probes.
+    unfollowable: crate::warn_once::WarnOnce,
 }
 
 impl AllocSide {
@@ -65,6 +72,8 @@ impl AllocSide {
             exiting: HashMap::new(),
             unresolved: HashMap::new(),
             verbose,
+            followed_once: false,
+            unfollowable: Default::default(),
         };
         // A given library that cannot be opened is said by name (never looked at by
         // path first: on a FUSE mount even a `stat` could wait for ever).
@@ -124,7 +133,14 @@ impl AllocSide {
 
     /// After a full cycle that read genv's state: the caps follow it (`None`:
     /// unreadable, the kernel keeps the last).
-    pub fn follow_state(&mut self, programs: &mut KernelPrograms, envs: Option<&[Env]>, gpus: u32) {
+    /// `gpus`: genv's device count, and NVML's devices (for the processes made to carry
+    /// the probes now, whose numbering is read).
+    pub fn follow_state(
+        &mut self,
+        programs: &mut KernelPrograms,
+        envs: Option<&[Env]>,
+        (count, gpus): (u32, &[GpuInfo]),
+    ) {
         let Some(envs) = envs else {
             return;
         };
@@ -132,17 +148,38 @@ impl AllocSide {
         let Some(maps) = programs.alloc_mut() else {
             return;
         };
-        if let Err(e) = maps.set_gpus(gpus) {
+        if let Err(e) = maps.set_gpus(count) {
             tracing::error!("Cannot tell the kernel the node's GPU count: {e}");
         }
         if let Err(e) = maps.sync_caps(caps.kernel_entries()) {
             tracing::error!("Cannot update the environments' memory caps in the kernel: {e}");
             return;
         }
-        if caps.kernel_entries() != self.caps.kernel_entries() {
-            tracing::info!("--memory-at-alloc: caps held at the allocation: {caps}");
-        }
+        let changed = caps.kernel_entries() != self.caps.kernel_entries();
+        let refollow = !self.followed_once || !caps.same_environments(&self.caps);
         self.caps = caps;
+        // The processes carry the probes before the caps are said to be held.
+        if refollow {
+            self.followed_once = true;
+            for process in probed::refollow(programs, &self.caps, &mut self.unfollowable) {
+                self.read_devices(programs, process, gpus, "carries the libcuda probes");
+            }
+        }
+        if changed {
+            tracing::info!(
+                "--memory-at-alloc: caps held at the allocation: {}",
+                self.caps
+            );
+        }
+    }
+
+    /// A process exec'ed or was forked (its identity in the kernel is final by now: read
+    /// at the exec, or inherited): it carries the probes if its environment has a cap,
+    /// and not otherwise.
+    pub fn place_probes(&mut self, programs: &mut KernelPrograms, pid: u32, gpus: &[GpuInfo]) {
+        if let Some(started) = probed::place(programs, &self.caps, pid, &mut self.unfollowable) {
+            self.read_devices(programs, (pid, started), gpus, "carries the libcuda probes");
+        }
     }
 
     /// The deltas, read before NVML is asked (see `set_baselines`).
@@ -170,15 +207,31 @@ impl AllocSide {
     /// below which it is never killed at the allocation (see
     /// [`crate::alloc::started_cap`]).
     pub fn cuda_started(&mut self, programs: &mut KernelPrograms, pid: u32, gpus: &[GpuInfo]) {
-        let Some(maps) = programs.alloc_mut() else {
+        if programs.alloc_mut().is_none() {
             return;
-        };
+        }
         let Ok(started) = procfs::stat(pid).map(|s| s.start_time) else {
             return; // gone already
         };
         if self.cuda_pids.insert(pid, started) == Some(started) {
             return; // read at its first CUDA call already
         }
+        self.read_devices(programs, (pid, started), gpus, "started CUDA");
+    }
+
+    /// What CUDA will read of `pid`'s environment, into the kernel: its device
+    /// numbering, and the cap it was started with. Read at its CUDA start, and before,
+    /// when it is made to carry the probes (which may be too late for its `cuInit`).
+    fn read_devices(
+        &mut self,
+        programs: &mut KernelPrograms,
+        (pid, started): (u32, u64),
+        gpus: &[GpuInfo],
+        what: &str,
+    ) {
+        let Some(maps) = programs.alloc_mut() else {
+            return;
+        };
         // CUDA reads it with getenv: the first assignment wins.
         let names = ["CUDA_VISIBLE_DEVICES", GPU_MEMORY_VAR, SHELL_VAR];
         let [visible, gpu_memory, shell] = match procfs::first_environment_vars(pid, names) {
@@ -186,7 +239,7 @@ impl AllocSide {
             Err(e) => {
                 if self.verbose {
                     tracing::info!(
-                        target: "event", "Process {pid} started CUDA; its devices are CUDA's own ({e})"
+                        target: "event", "Process {pid} {what}; its devices are CUDA's own ({e})"
                     );
                 }
                 return;
@@ -208,7 +261,7 @@ impl AllocSide {
             tracing::warn!("Cannot record process {pid}'s CUDA devices in the kernel: {e}");
         } else if self.verbose {
             tracing::info!(
-                target: "event", "Process {pid} started CUDA with CUDA_VISIBLE_DEVICES={}",
+                target: "event", "Process {pid} {what} with CUDA_VISIBLE_DEVICES={}",
                 visible.as_deref().unwrap_or("(unset)")
             );
         }
@@ -283,6 +336,7 @@ impl AllocSide {
     /// A process began exiting: its charges come off once it is gone
     /// ([`Self::settle_exits`], which the daemon calls after every batch of events).
     pub fn exiting(&mut self, programs: &mut KernelPrograms, pid: u32) {
+        programs.cuda_probes().unfollow(pid);
         if let Some(started) = self.forget(programs, pid) {
             self.exiting.insert(pid, started);
         }

@@ -5,17 +5,20 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use std::io;
+
 use aya::Ebpf;
-use aya::programs::UProbe;
-use aya::programs::uprobe::{UProbeLinkId, UProbeScope};
+use aya::programs::{ProbeKind, UProbe};
 
 mod library;
+mod uprobe_events;
 
 pub use library::{FileVersion, Handle, LIBRARY_LIMIT, Library};
+use uprobe_events::{Follower, Side, UprobeEvent};
 
 use super::alloc_maps::AllocMaps;
 use super::attached::{Attached, program_mut};
-use super::error::{LoadError, chain, program_error};
+use super::error::{LoadError, program_error};
 
 /// Allocations on the current context's device, with `(dptr, size, …)` arguments; the
 /// `_ptsz` forms are the same calls on the per-thread default stream.
@@ -115,13 +118,13 @@ fn load(ebpf: &mut Ebpf, programs: &mut Vec<Attached>) -> Result<(), LoadError> 
     Ok(())
 }
 
-/// What attaching to one library gave.
-#[derive(Debug, Default)]
+/// What attaching to one library gave: a handle on its probes, for [`detach`].
+#[derive(Debug)]
 pub struct Attachment {
     /// Symbols the library does not have (their calls go unseen there).
     pub missing: Vec<&'static str>,
-    /// Each probe attached, for detaching them again ([`detach`]).
-    links: Vec<(&'static str, UProbeLinkId)>,
+    /// Its events' key in [`Probes`].
+    key: u64,
 }
 
 /// Where a library's probed calls start in its file.
@@ -136,65 +139,163 @@ impl Exports {
     }
 }
 
-/// Attaches every probe to `library` at `exports`. A library without the required
-/// symbols is refused whole, as is one a probe cannot be attached to (those attached
-/// already are taken off again); the others missing are listed.
+/// The probes of every library attached, and the processes that carry them (see
+/// [`uprobe_events`]).
+#[derive(Default)]
+pub struct Probes {
+    /// Each library's events, by key.
+    libraries: HashMap<u64, Vec<UprobeEvent>>,
+    next_key: u64,
+    /// The processes carrying the probes, by pid.
+    followers: HashMap<u32, Follower>,
+    tracefs: Option<PathBuf>,
+}
+
+impl Probes {
+    pub(super) fn new(tracefs: PathBuf) -> Self {
+        uprobe_events::remove_stale(&tracefs);
+        let mut probes = Self::default();
+        probes.tracefs = Some(tracefs);
+        probes
+    }
+
+    /// Has process `pid` (started at `start_time`) carry every probe, of the libraries
+    /// attached now and of those attached later; a pid followed already, with another
+    /// start time, was another process, whose perf events go first. Whether it was not
+    /// followed yet. Fails (and follows nothing) if the kernel refuses one: the process
+    /// is gone, or the daemon is out of descriptors.
+    pub fn follow(&mut self, pid: u32, start_time: u64) -> io::Result<bool> {
+        if let Some(old) = self.followers.get(&pid) {
+            if old.start_time == start_time {
+                return Ok(false);
+            }
+            self.followers.remove(&pid);
+        }
+        let mut follower = Follower::new(start_time);
+        for (&key, events) in &self.libraries {
+            for event in events {
+                follower.events.push((key, event.follow(pid)?));
+            }
+        }
+        self.followers.insert(pid, follower);
+        Ok(true)
+    }
+
+    /// Process `pid` carries the probes no more.
+    pub fn unfollow(&mut self, pid: u32) -> bool {
+        self.followers.remove(&pid).is_some()
+    }
+
+    /// The processes followed, with their start times.
+    pub fn followed(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+        self.followers.iter().map(|(&pid, f)| (pid, f.start_time))
+    }
+
+    /// A library's events, carried from now on by every process followed (one that
+    /// cannot carry them is followed no more, and said).
+    fn add_library(&mut self, key: u64, events: Vec<UprobeEvent>, name: &str) {
+        let mut refused = Vec::new();
+        for (&pid, follower) in self.followers.iter_mut() {
+            for event in &events {
+                match event.follow(pid) {
+                    Ok(fd) => follower.events.push((key, fd)),
+                    Err(e) => {
+                        refused.push((pid, e));
+                        break;
+                    }
+                }
+            }
+        }
+        for (pid, e) in refused {
+            self.followers.remove(&pid);
+            tracing::warn!(
+                "--memory-at-alloc: process {pid} cannot carry the probes of {name}: {e}"
+            );
+        }
+        self.libraries.insert(key, events);
+    }
+
+    fn tracefs(&self) -> Result<&Path, LoadError> {
+        self.tracefs
+            .as_deref()
+            .ok_or_else(|| LoadError::Object("the libcuda probes are not loaded".into()))
+    }
+}
+
+impl Drop for Probes {
+    /// The processes' perf events first: an event still open on a uprobe keeps it.
+    fn drop(&mut self) {
+        self.followers.clear();
+        self.libraries.clear();
+    }
+}
+
+/// Attaches every probe to `library` at `exports`, in the processes `probes` follows. A
+/// library without the required symbols is refused whole, as is one a probe cannot be
+/// attached to (those attached already are taken off again); the others missing are
+/// listed.
 pub(super) fn attach(
     ebpf: &mut Ebpf,
+    probes: &mut Probes,
     library: &Library,
     exports: &Exports,
 ) -> Result<Attachment, LoadError> {
-    use std::os::fd::AsRawFd;
+    use std::os::fd::{AsFd, AsRawFd};
     if let Some(absent) = REQUIRED.iter().find(|s| !exports.0.contains_key(**s)) {
         return Err(LoadError::Library(format!(
             "{}: no {absent} (not a libcuda)",
             library.name
         )));
     }
+    let tracefs = probes.tracefs()?.to_owned();
     // The descriptor we hold: the kernel resolves it to the file we read.
     let target = PathBuf::from(format!("/proc/self/fd/{}", library.file.as_raw_fd()));
-    let mut attachment = Attachment::default();
+    let key = probes.next_key;
+    probes.next_key += 1;
+    let mut missing = Vec::new();
+    let mut events = Vec::new();
     for &(name, wanted) in PROBES {
-        for &symbol in wanted {
+        let side = match probe_mut(ebpf, name)?.kind() {
+            ProbeKind::Entry => Side::Entry,
+            ProbeKind::Return => Side::Return,
+        };
+        for (index, &symbol) in wanted.iter().enumerate() {
             let Some(&offset) = exports.0.get(symbol) else {
-                if !attachment.missing.contains(&symbol) {
-                    attachment.missing.push(symbol);
+                if !missing.contains(&symbol) {
+                    missing.push(symbol);
                 }
                 continue;
             };
-            let attached = probe_mut(ebpf, name).and_then(|probe| {
-                probe
-                    .attach(offset, &target, UProbeScope::AllProcesses)
-                    .map_err(|e| LoadError::Program {
-                        program: name,
-                        message: format!(
-                            "attaching to {symbol} in {}: {}",
-                            library.name,
-                            chain(&e)
-                        ),
-                    })
+            let made = probe_mut(ebpf, name).and_then(|probe| {
+                let program = probe.fd().map_err(program_error(name))?;
+                UprobeEvent::new(
+                    &tracefs,
+                    format!("{name}_{key}_{index}"),
+                    side,
+                    &target,
+                    offset,
+                    program.as_fd(),
+                )
+                .map_err(|e| LoadError::Program {
+                    program: name,
+                    message: format!("attaching to {symbol} in {}: {e}", library.name),
+                })
             });
-            match attached {
-                Ok(link) => attachment.links.push((name, link)),
-                Err(e) => {
-                    detach(ebpf, attachment);
-                    return Err(e);
-                }
-            }
+            // On an error, the events made so far are dropped: removed again.
+            events.push(made?);
         }
     }
-    Ok(attachment)
+    probes.add_library(key, events, &library.name);
+    Ok(Attachment { missing, key })
 }
 
-/// Takes the probes of one [`attach`] off again.
-pub(super) fn detach(ebpf: &mut Ebpf, attachment: Attachment) {
-    for (name, link) in attachment.links {
-        if let Err(e) =
-            probe_mut(ebpf, name).and_then(|probe| probe.detach(link).map_err(program_error(name)))
-        {
-            tracing::warn!("--memory-at-alloc: cannot take a probe off: {e}");
-        }
+/// Takes the probes of one [`attach`] off again: out of every process first, then the
+/// events themselves.
+pub(super) fn detach(probes: &mut Probes, attachment: Attachment) {
+    for follower in probes.followers.values_mut() {
+        follower.leave(attachment.key);
     }
+    probes.libraries.remove(&attachment.key);
 }
 
 fn probe_mut<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, LoadError> {

@@ -73,6 +73,9 @@ pub struct KernelPrograms {
     processes: u32,
     /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.
     alloc: Option<AllocMaps>,
+    /// `--memory-at-alloc`'s probes: the libraries' uprobes and the processes carrying
+    /// them.
+    cuda: cuda::Probes,
 }
 
 /// One program's counters, as the kernel keeps them while `kernel.bpf_stats_enabled`
@@ -152,6 +155,10 @@ impl KernelPrograms {
             &mut programs,
         )?;
         let alloc = cuda::load_if(options.memory_at_alloc, &mut ebpf, &mut programs)?;
+        let cuda = match alloc {
+            Some(_) => cuda::Probes::new(tracefs::ensure_mounted()?),
+            None => cuda::Probes::default(),
+        };
         if let Some(dir) = &options.pin_dir {
             pins::pin_all(&mut ebpf, &mut programs, dir)?;
         }
@@ -171,6 +178,7 @@ impl KernelPrograms {
             env_scan,
             processes,
             alloc,
+            cuda,
         };
         Ok((kernel, events))
     }
@@ -240,12 +248,17 @@ impl KernelPrograms {
                 "the libcuda probes are not loaded".into(),
             ));
         }
-        cuda::attach(&mut self.ebpf, library, exports)
+        cuda::attach(&mut self.ebpf, &mut self.cuda, library, exports)
     }
 
     /// Takes the probes of one [`Self::attach_cuda`] off again.
     pub fn detach_cuda(&mut self, attachment: Attachment) {
-        cuda::detach(&mut self.ebpf, attachment);
+        cuda::detach(&mut self.cuda, attachment);
+    }
+
+    /// The processes carrying the libcuda probes (`--memory-at-alloc`).
+    pub fn cuda_probes(&mut self) -> &mut cuda::Probes {
+        &mut self.cuda
     }
 
     /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.

@@ -34,10 +34,10 @@ impl KernelSide {
         if let Some(alloc) = &mut self.alloc {
             alloc.devices_known(&mut self.programs, gpus);
             let envs = state.as_ref().map(|(envs, _)| envs.as_slice());
-            let gpus = state
+            let count = state
                 .as_ref()
                 .map_or(0, |(_, devices)| devices.len() as u32);
-            alloc.follow_state(&mut self.programs, envs, gpus);
+            alloc.follow_state(&mut self.programs, envs, (count, gpus));
         }
         self.mirror_state(settings, status, state, &summary.dropped_envs);
         self.resync_identities(settings, status);

@@ -121,6 +121,14 @@ impl KernelSide {
         }
     }
 
+    /// A process exec'ed or was forked, its identity final in the kernel: it carries
+    /// the libcuda probes if its environment has a cap (`--memory-at-alloc`).
+    pub fn place_probes(&mut self, pid: u32, gpus: &[nvml::GpuInfo]) {
+        if let Some(alloc) = &mut self.alloc {
+            alloc.place_probes(&mut self.programs, pid, gpus);
+        }
+    }
+
     /// A process began exiting: its GPU memory goes once it is gone
     /// ([`Self::settle_exits`]).
     pub fn exiting(&mut self, pid: u32) {

@@ -18,6 +18,8 @@
 //!   `cuMemRelease` (PTR and HANDLE as answered, in hex);
 //! - `loop N`: N pairs of `cuMemAlloc_v2` (1 MiB) and `cuMemFree_v2`, answering the
 //!   nanoseconds they took in all (the benchmark of the probes' cost);
+//! - `peek SYMBOL`: the first byte of SYMBOL's code as this process maps it (`0xcc`
+//!   where a uprobe placed its breakpoint);
 //! - `open PATH`: opens PATH (a GPU node) and keeps it open, as NVML's init does;
 //! - `load`: loads the libcuda, when `GENV_CUDA_USER_LAZY` is set (else it is loaded
 //!   at start).
@@ -252,6 +254,13 @@ fn main() {
             "free" => call!(cuda, "cuMemFree_v2", fn(u64), number(1)),
             "freeasync" => call!(cuda, "cuMemFreeAsync", fn(u64, u64), number(1), 0),
             "release" => call!(cuda, "cuMemRelease", fn(u64), number(1)),
+            "peek" => {
+                // SAFETY: the symbol's first instruction byte, in the library's mapped
+                // text (where a uprobe writes its breakpoint, 0xcc).
+                value = unsafe { *(cuda.symbol(words.get(1).copied().unwrap_or("")) as *const u8) }
+                    as u64;
+                0
+            }
             other => {
                 writeln!(out, "unknown {other}").unwrap();
                 out.flush().unwrap();

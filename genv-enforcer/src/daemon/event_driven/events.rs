@@ -69,8 +69,11 @@ impl Daemon {
                 child, unresolved, ..
             } => {
                 self.status.counts.fork_events += 1;
-                if let (true, Some(kernel)) = (unresolved, self.kernel.as_mut()) {
-                    kernel.resolve_identity(child, self.settings.kernel.verbose);
+                if let Some(kernel) = self.kernel.as_mut() {
+                    if unresolved {
+                        kernel.resolve_identity(child, self.settings.kernel.verbose);
+                    }
+                    kernel.place_probes(child, self.enforcer.builder.devices());
                 }
             }
             KernelEvent::Exit { pid } => {
@@ -99,6 +102,7 @@ impl Daemon {
         if unresolved {
             kernel.resolve_identity(pid, self.settings.kernel.verbose);
         }
+        kernel.place_probes(pid, self.enforcer.builder.devices());
     }
 
     /// A GPU open, with what the kernel decided about it: said (`--verbose`, and a
