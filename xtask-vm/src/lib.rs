@@ -49,10 +49,11 @@ pub const ONCE_PER_KERNEL: &str = "any_tier_";
 /// on every kernel would take CI past its budget.
 pub const KERNEL_SUITES: [&str; 1] = ["memory_at_alloc"];
 const KERNEL_SUITE_KERNEL: &str = "6.1";
-const KERNEL_SUITE_TESTS: [&str; 3] = [
+const KERNEL_SUITE_TESTS: [&str; 4] = [
     "the_allocation_that_crosses_the_cap",
     "racing_processes",
     "a_context_on_gpu_1",
+    "only_processes_in_capped_environments",
 ];
 
 /// Every suite a boot of [`run_kernel`] may run: what the caller builds.
