@@ -544,6 +544,55 @@ fn only_processes_in_capped_environments_carry_the_probes_breakpoints() {
     insider.ok("alloc 100");
 }
 
+/// A user forking without end in a capped environment cannot take the daemon's
+/// descriptors: the processes' perf events (about 30 a process) hold at most half its
+/// limit. A process past that is said, held by the memory poll alone, and the daemon
+/// goes on.
+#[test]
+fn the_probes_hold_at_most_half_the_daemons_descriptors() {
+    let _serial = serial();
+    let mut node = Node::new(2);
+    let (lib, cuda_env) = node.cuda();
+    let Some(daemon) = daemon(&node, &lib, "kill", &[]) else {
+        return;
+    };
+    // The daemon's limit lowered to 256 descriptors (about 70 in use, the libraries'
+    // carriers among them): 128 for the processes' perf events, four processes' worth.
+    let limit = libc::rlimit {
+        rlim_cur: 256,
+        rlim_max: 256,
+    };
+    // SAFETY: prlimit(2) of another process's limit, from a live struct; nothing read.
+    let set = unsafe {
+        libc::prlimit(
+            daemon.daemon.pid() as i32,
+            libc::RLIMIT_NOFILE,
+            &limit,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(set, 0, "{}", std::io::Error::last_os_error());
+    let mut first = capped(&mut node, &cuda_env, &daemon, "lambda", &[0]);
+    assert_eq!(first.ok("peek cuMemAlloc_v2"), "0xcc");
+    let mut more = Vec::new();
+    for _ in 0..5 {
+        let mut command = Command::new(artefact("cuda-user"));
+        command.env("GENV_ENVIRONMENT_ID", "lambda");
+        more.push(CudaUser::spawn(&mut node, &cuda_env, command));
+    }
+    daemon.expect("cannot carry the probes (the probes' share of the daemon's descriptors");
+    let mut carrying = 0;
+    for user in &mut more {
+        carrying += usize::from(user.ok("peek cuMemAlloc_v2") == "0xcc");
+    }
+    assert!(carrying < more.len(), "all carry the probes");
+    // The daemon goes on: the first process is still held at the allocation.
+    first.init(&daemon, "0");
+    first.ok("ctx 0");
+    first.ok("alloc 600");
+    killed_at(&mut node, &daemon, &mut first, "alloc 600");
+}
+
 /// A size no driver can give (2^63 + 1 bytes) is charged as the largest allocation
 /// there is and, failing, given back whole: it cannot leave the account in credit.
 /// (Given back as its raw size, it once wrapped the environment's count negative, and

@@ -163,13 +163,23 @@ impl Probes {
     /// attached now and of those attached later; a pid followed already, with another
     /// start time, was another process, whose perf events go first. Whether it was not
     /// followed yet. Fails (and follows nothing) if the kernel refuses one: the process
-    /// is gone, or the daemon is out of descriptors.
+    /// is gone, or the probes' share of the daemon's descriptors is used up (half its
+    /// limit: a user forking without end in a capped environment must not take the
+    /// descriptors the rest of the daemon needs).
     pub fn follow(&mut self, pid: u32, start_time: u64) -> io::Result<bool> {
         if let Some(old) = self.followers.get(&pid) {
             if old.start_time == start_time {
                 return Ok(false);
             }
             self.followers.remove(&pid);
+        }
+        let wanted: usize = self.libraries.values().map(Vec::len).sum();
+        let held: usize = self.followers.values().map(|f| f.events.len()).sum();
+        if held + wanted > descriptor_budget() {
+            return Err(io::Error::other(format!(
+                "the probes' share of the daemon's descriptors ({}) is in use",
+                descriptor_budget()
+            )));
         }
         let mut follower = Follower::new(start_time);
         for (&key, events) in &self.libraries {
@@ -220,6 +230,13 @@ impl Probes {
             .as_deref()
             .ok_or_else(|| LoadError::Object("the libcuda probes are not loaded".into()))
     }
+}
+
+/// Half the daemon's descriptor limit (raised to its hard limit at start-up): what the
+/// processes' perf events may hold, about 30 a process.
+fn descriptor_budget() -> usize {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    (limit.current.unwrap_or(1 << 20) / 2) as usize
 }
 
 impl Drop for Probes {
