@@ -547,7 +547,7 @@ fn only_processes_in_capped_environments_carry_the_probes_breakpoints() {
 /// A user forking without end in a capped environment cannot take the daemon's
 /// descriptors: the processes' perf events (about 30 a process) hold at most half its
 /// limit. A process past that is said, held by the memory poll alone, and the daemon
-/// goes on.
+/// goes on; once a place is free, the next full cycle has it carry them.
 #[test]
 fn the_probes_hold_at_most_half_the_daemons_descriptors() {
     let _serial = serial();
@@ -581,12 +581,28 @@ fn the_probes_hold_at_most_half_the_daemons_descriptors() {
         more.push(CudaUser::spawn(&mut node, &cuda_env, command));
     }
     daemon.expect("cannot carry the probes (the probes' share of the daemon's descriptors");
-    let mut carrying = 0;
-    for user in &mut more {
-        carrying += usize::from(user.ok("peek cuMemAlloc_v2") == "0xcc");
+    let (mut refused, mut carrying) = (Vec::new(), Vec::new());
+    for (i, user) in more.iter_mut().enumerate() {
+        match user.ok("peek cuMemAlloc_v2") == "0xcc" {
+            true => carrying.push(i),
+            false => refused.push(i),
+        }
     }
-    assert!(carrying < more.len(), "all carry the probes");
-    // The daemon goes on: the first process is still held at the allocation.
+    assert!(!refused.is_empty(), "all carry the probes");
+    // A place comes free (a process exits); once the daemon has the exit, a full cycle
+    // (genv's next write; one made before it may come first) has a refused process
+    // carry the probes.
+    let gone = more[carrying[0]].pid;
+    // SAFETY: kill(2) of a child of this test.
+    assert_eq!(unsafe { libc::kill(gone as i32, libc::SIGKILL) }, 0);
+    assert_eq!(node.wait_exit(gone, DEATH), Some(libc::SIGKILL));
+    wait_until("a refused process to carry the probes", DEATH, || {
+        Genv::get().bash(&node, "genv activate --id mu");
+        refused
+            .iter()
+            .any(|&i| more[i].ok("peek cuMemAlloc_v2") == "0xcc")
+    });
+    // The daemon went on: the first process is still held at the allocation.
     first.init(&daemon, "0");
     first.ok("ctx 0");
     first.ok("alloc 600");
@@ -649,6 +665,7 @@ fn a_duplicated_visible_devices_is_read_as_cuda_reads_it() {
          ctypes.CDLL(None).execve(argv[0], argv, envp)' \"$CUDA_USER\"";
     let mut user = CudaUser::start(&mut node, &cuda_env, exec);
     daemon.expect("caps held at the allocation: mu 1g");
+    daemon.expect(&format!("Process {} carries the libcuda probes", user.pid));
     user.init(&daemon, "1");
     user.ok("ctx 0");
     user.ok("alloc 600");

@@ -58,15 +58,6 @@ impl Caps {
         Self { by_identity }
     }
 
-    /// Whether the same environments have caps (whatever their sizes).
-    pub fn same_environments(&self, other: &Caps) -> bool {
-        self.by_identity.len() == other.by_identity.len()
-            && self
-                .by_identity
-                .keys()
-                .all(|identity| other.by_identity.contains_key(identity))
-    }
-
     /// Whether processes of the environment `identity` are held to a cap.
     pub fn holds(&self, identity: u64) -> bool {
         self.by_identity.contains_key(&identity)

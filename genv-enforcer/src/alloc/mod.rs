@@ -51,10 +51,6 @@ pub struct AllocSide {
     /// start times: read again once it does (until then, those GPUs are charged nothing).
     unresolved: HashMap<u32, u64>,
     verbose: bool,
-    /// Whether the processes carrying the probes were chosen once (at the first cycle
-    /// that read genv's state); after that, again whenever the capped environments
-    /// change.
-    followed_once: bool,
     /// Said once: a process could not be made to carry the probes.
     unfollowable: crate::warn_once::WarnOnce,
 }
@@ -72,7 +68,6 @@ impl AllocSide {
             exiting: HashMap::new(),
             unresolved: HashMap::new(),
             verbose,
-            followed_once: false,
             unfollowable: Default::default(),
         };
         // A given library that cannot be opened is said by name (never looked at by
@@ -156,14 +151,13 @@ impl AllocSide {
             return;
         }
         let changed = caps.kernel_entries() != self.caps.kernel_entries();
-        let refollow = !self.followed_once || !caps.same_environments(&self.caps);
         self.caps = caps;
-        // The processes carry the probes before the caps are said to be held.
-        if refollow {
-            self.followed_once = true;
-            for process in probed::refollow(programs, &self.caps, &mut self.unfollowable) {
-                self.read_devices(programs, process, gpus, "carries the libcuda probes");
-            }
+        // The processes carry the probes before the caps are said to be held. Chosen
+        // again at every full cycle, not only when the caps change: one whose exec the
+        // kernel's ring buffer lost, whose identity was settled since, or whose follow
+        // failed, is caught up here.
+        for process in probed::refollow(programs, &self.caps, &mut self.unfollowable) {
+            self.read_devices(programs, process, gpus, "carries the libcuda probes");
         }
         if changed {
             tracing::info!(

@@ -4,8 +4,9 @@
 //! space, and pays nothing for `--memory-at-alloc` (see
 //! `crate::kernel::cuda::uprobe_events` for how).
 //!
-//! The set follows the events (a process exec'ed, forked, exited) and, when the capped
-//! environments change, is chosen again from the kernel's identities. A process that
+//! The set follows the events (a process exec'ed, forked, exited) and, at every full
+//! cycle, is caught up with the kernel's identities (a cap came or went, an exec was
+//! lost, a follow failed). A process that
 //! starts in a capped environment is followed when its exec reaches the daemon, well
 //! before its CUDA start (loading the runtime and libcuda takes far longer than that):
 //! its libcuda is then mapped with the breakpoints in. Followed late, for a cap set on an
@@ -62,8 +63,11 @@ pub(super) fn refollow(
     for pid in leaving {
         probes.unfollow(pid);
     }
+    // Those followed already are left as they are (their exits unfollow them).
+    let followed: std::collections::HashSet<u32> = probes.followed().map(|(pid, _)| pid).collect();
     wanted
         .into_iter()
+        .filter(|pid| !followed.contains(pid))
         .filter_map(|pid| Some((pid, follow(programs, pid, said)?)))
         .collect()
 }
@@ -72,7 +76,14 @@ pub(super) fn refollow(
 fn follow(programs: &mut KernelPrograms, pid: u32, said: &mut WarnOnce) -> Option<u64> {
     let started = procfs::stat(pid).ok()?.start_time;
     match programs.cuda_probes().follow(pid, started) {
-        Ok(true) => Some(started),
+        // The pid may have been reused between the two: the events would then be
+        // another process's (costing it the traps, though the programs charge only a
+        // capped environment's calls).
+        Ok(true) if procfs::stat(pid).is_ok_and(|stat| stat.start_time == started) => Some(started),
+        Ok(true) => {
+            programs.cuda_probes().unfollow(pid);
+            None
+        }
         Ok(false) => None,
         // Gone between the two.
         Err(e) if e.raw_os_error() == Some(libc::ESRCH) => None,

@@ -197,8 +197,9 @@ fn open(id: u64, pid: i32) -> io::Result<OwnedFd> {
 }
 
 /// Removes the events of daemons no longer running (one killed outright leaves its
-/// group behind: harmless, as no process carries its breakpoints, but kept out of the
-/// way). A running daemon's, another's on this node, are left alone.
+/// group behind: harmless, as no process carries its breakpoints, but in the way of a
+/// daemon given its pid, whose events would clash). A running daemon's, another's on
+/// this node, are left alone. Called before this daemon makes any.
 pub fn remove_stale(tracefs: &Path) {
     let Ok(groups) = std::fs::read_dir(tracefs.join("events")) else {
         return;
@@ -212,7 +213,9 @@ pub fn remove_stale(tracefs: &Path) {
         else {
             continue;
         };
-        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+        // This daemon's own pid: a dead daemon's that had it (this one has made no
+        // event yet; left, its events would clash with ours).
+        if pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
             continue;
         }
         let Ok(events) = std::fs::read_dir(group.path()) else {
