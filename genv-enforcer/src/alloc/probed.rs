@@ -55,16 +55,11 @@ pub(super) fn refollow(
         .map(|(pid, _)| pid)
         .collect();
     let probes = programs.cuda_probes();
-    let leaving: Vec<u32> = probes
-        .followed()
-        .map(|(pid, _)| pid)
-        .filter(|pid| !wanted.contains(pid))
-        .collect();
-    for pid in leaving {
+    let followed: std::collections::HashSet<u32> = probes.followed().map(|(pid, _)| pid).collect();
+    for &pid in followed.difference(&wanted) {
         probes.unfollow(pid);
     }
     // Those followed already are left as they are (their exits unfollow them).
-    let followed: std::collections::HashSet<u32> = probes.followed().map(|(pid, _)| pid).collect();
     wanted
         .into_iter()
         .filter(|pid| !followed.contains(pid))

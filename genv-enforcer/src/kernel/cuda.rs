@@ -175,10 +175,10 @@ impl Probes {
         }
         let wanted: usize = self.libraries.values().map(Vec::len).sum();
         let held: usize = self.followers.values().map(|f| f.events.len()).sum();
-        if held + wanted > descriptor_budget() {
+        let budget = descriptor_budget();
+        if held + wanted > budget {
             return Err(io::Error::other(format!(
-                "the probes' share of the daemon's descriptors ({}) is in use",
-                descriptor_budget()
+                "the probes' share of the daemon's descriptors ({budget}) is in use"
             )));
         }
         let mut follower = Follower::new(start_time);
