@@ -50,6 +50,25 @@ fn shell_in_a() -> Child {
         .unwrap()
 }
 
+/// Waits until `witness`, subscribed before the processes started, has seen `count`
+/// events of `pid`. The kernel sends a process's exec event after its parent's `spawn`
+/// (or `vfork`) returns, and delivers it to every subscriber at once: once the witness
+/// has it, no subscription made later can receive it.
+fn await_events(witness: &mut ProcEvents, seen: &mut Vec<u32>, pid: u32, count: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen.iter().filter(|p| **p == pid).count() < count {
+        match witness.drain() {
+            Changes::Pids(pids) => seen.extend(pids),
+            Changes::Unknown => panic!("process events lost on a quiet machine"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{count} events of {pid} not seen"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn env(eid: &str) -> Env {
     serde_json::from_value(serde_json::json!({"eid": eid, "uid": 0, "pids": [1]})).unwrap()
 }
@@ -57,7 +76,13 @@ fn env(eid: &str) -> Env {
 #[test]
 fn reads_again_only_the_processes_the_kernel_says_changed() {
     let inspector = Counting::default();
+    let mut witness = ProcEvents::subscribe().expect("process events (the suites run as root)");
     let (mut still, mut execs) = (shell_in_a(), shell_in_a());
+    let mut seen = Vec::new();
+    for child in [&still, &execs] {
+        // Their exec events were sent, so the table's subscription cannot get them.
+        await_events(&mut witness, &mut seen, child.id(), 1);
+    }
     if still.id() > execs.id() {
         std::mem::swap(&mut still, &mut execs); // claims are listed by pid
     }
@@ -93,11 +118,8 @@ fn reads_again_only_the_processes_the_kernel_says_changed() {
     );
 
     writeln!(execs.stdin.as_mut().unwrap()).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::fs::read(format!("/proc/{}/comm", execs.id())).unwrap() != b"sleep\n" {
-        assert!(Instant::now() < deadline, "the shell did not exec");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    // Its execs of `env` and then `sleep`: both sent, so the table has them too.
+    await_events(&mut witness, &mut seen, execs.id(), 3);
     let (claims, reads) = assemble();
     assert_eq!(
         claims,
