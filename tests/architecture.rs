@@ -629,14 +629,19 @@ fn test_names(source: &str) -> Vec<String> {
 fn ungrouped(source: &str) -> Vec<String> {
     test_names(source)
         .into_iter()
-        .filter(|n| !n.starts_with("tier_") && !n.starts_with("any_tier_"))
+        .filter(|n| {
+            !["tier_", "kernel_", "any_tier_"]
+                .iter()
+                .any(|g| n.starts_with(g))
+        })
         .collect()
 }
 
 /// Every test of a tier suite says in its name which group it is in: `tier_` (runs on
-/// every tier of every kernel) or `any_tier_` (its outcome is the same whatever program
-/// sees the opens: run with the first tier of each kernel only). A new test can then
-/// never run once when it needed every tier, nor every tier by accident.
+/// every tier of every kernel), `kernel_` (its outcome is the same whatever program sees
+/// the opens, but depends on the kernel: run with the first tier of each kernel) or
+/// `any_tier_` (depends on neither: run with the first tier of one kernel). A new test
+/// can then never run once when it needed every tier, nor every tier by accident.
 #[test]
 fn every_test_of_a_tier_suite_names_its_group() {
     for suite in TIER_SUITES {
@@ -647,7 +652,7 @@ fn every_test_of_a_tier_suite_names_its_group() {
         assert!(
             loose.is_empty(),
             "{suite}: tests that do not say whether they depend on the BPF tier (name them \
-             tier_… or any_tier_…): {loose:?}"
+             tier_…, kernel_… or any_tier_…): {loose:?}"
         );
     }
     // The check sees an ungrouped test, behind other attributes too.

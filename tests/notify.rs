@@ -11,8 +11,9 @@
 //! any outsider that opens a test GPU node, whoever's test it is.
 //!
 //! A tier suite (xtask's `TIER_SUITES`): `tier_` tests depend on the program that sees
-//! the open (the kernel refuses or kills it); `any_tier_` ones do not (the executor's
-//! terminations, the terminal writer, `why`, the allocation probes).
+//! the open (the kernel refuses or kills it); `any_tier_` ones depend on neither the tier
+//! nor the kernel (the executor's terminations, the terminal writer, `why`, the
+//! allocation probes).
 
 #[path = "notify/terminal.rs"]
 mod terminal;

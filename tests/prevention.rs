@@ -520,7 +520,7 @@ fn tier_ten_thousand_attempts_from_outside_never_get_the_gpu() {
 }
 
 #[test]
-fn any_tier_the_kernel_reads_the_environment_block_as_genv_does() {
+fn kernel_the_kernel_reads_the_environment_block_as_genv_does() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -687,7 +687,7 @@ fn spawn_with_block(node: &mut Node, block: &str, gpu: &Path) -> u32 {
 /// A 64 KiB block is read in the kernel even while the daemon cannot answer (stopped,
 /// its ring buffer overflowing under an exec storm).
 #[test]
-fn any_tier_a_64_kib_block_is_read_in_the_kernel_while_the_daemon_cannot_answer() {
+fn kernel_a_64_kib_block_is_read_in_the_kernel_while_the_daemon_cannot_answer() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &["--ring-buffer-bytes", "4096"]) else {

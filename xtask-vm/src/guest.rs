@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
-use crate::{KERNEL_SUITE_KERNEL, KERNEL_SUITE_TESTS, KERNEL_SUITES, ONCE_PER_KERNEL};
+use crate::{KERNEL_SUITE_TESTS, KERNEL_SUITES, ONCE, ONCE_PER_KERNEL, ONE_KERNEL};
 use crate::{Options, Series, TIER_SUITES};
 
 /// What every boot shares: the work tree (read-write, at its own path), the test
@@ -100,13 +100,19 @@ fn suite_args(name: &str, nth: usize, series: Series, test_args: &[String]) -> O
         return None;
     }
     let mut args = test_args.join(" ");
-    // Tests that prove the same on any open tier (`any_tier_`, see [`ONCE_PER_KERNEL`])
-    // run with the first tier of each boot only.
-    if nth > 0 && TIER_SUITES.contains(&name) {
-        args.push_str(&format!(" --skip {ONCE_PER_KERNEL}"));
+    // What proves the same on any open tier runs with the first tier of a boot only:
+    // the `kernel_` tests on every kernel, the `any_tier_` ones on one kernel in CI's
+    // run (see [`ONCE_PER_KERNEL`] and [`ONCE`]).
+    let one_kernel = test_args.is_empty() && series.version != ONE_KERNEL;
+    if TIER_SUITES.contains(&name) {
+        if nth > 0 {
+            args.push_str(&format!(" --skip {ONCE_PER_KERNEL} --skip {ONCE}"));
+        } else if one_kernel {
+            args.push_str(&format!(" --skip {ONCE}"));
+        }
     }
     if KERNEL_SUITES.contains(&name) {
-        if nth > 0 || (test_args.is_empty() && series.version != KERNEL_SUITE_KERNEL) {
+        if nth > 0 || one_kernel {
             return None;
         }
         if test_args.is_empty() {
@@ -131,8 +137,17 @@ mod tests {
     use super::*;
     use crate::KERNELS;
 
+    /// The commands of `suite` on `tier` in `script` (what runs before `||`).
+    fn runs(script: &str, tier: &str, suite: &str) -> Vec<String> {
+        script
+            .lines()
+            .filter(|l| l.starts_with(&format!("GENV_TEST_BPF_TIER={tier} '/t/{suite}'")))
+            .map(|l| l.split(" || ").next().unwrap_or(l).trim_end().to_owned())
+            .collect()
+    }
+
     #[test]
-    fn once_per_kernel_tests_run_with_the_first_tier_only() {
+    fn once_per_kernel_tests_run_with_the_first_tier_and_once_tests_on_one_kernel() {
         let guest = Guest {
             root: PathBuf::from("/w"),
             // Every tier suite there is (a new one is checked as the others are), and
@@ -145,27 +160,51 @@ mod tests {
             target_dir: PathBuf::from("/t"),
         };
         let tiers = ["lsm".to_owned(), "fentry".to_owned()];
-        let script = script(&guest, KERNELS[0], &tiers, &Options::default());
-        let runs = |tier: &str, suite: &str| -> Vec<String> {
-            script
-                .lines()
-                .filter(|l| l.starts_with(&format!("GENV_TEST_BPF_TIER={tier} '/t/{suite}'")))
-                .map(str::to_owned)
-                .collect()
-        };
+        let [one, other] = KERNELS;
+        assert_eq!(one.version, ONE_KERNEL);
+        let (script_one, script_other) = (
+            script(&guest, one, &tiers, &Options::default()),
+            script(&guest, other, &tiers, &Options::default()),
+        );
+        let both = format!(" --skip {ONCE_PER_KERNEL} --skip {ONCE}");
         for suite in TIER_SUITES {
-            let (first, later) = (runs("lsm", suite), runs("fentry", suite));
-            assert_eq!((first.len(), later.len()), (1, 1), "{script}");
+            let first = runs(&script_one, "lsm", suite);
+            let later = runs(&script_one, "fentry", suite);
+            assert_eq!((first.len(), later.len()), (1, 1), "{script_one}");
             assert!(!first[0].contains("--skip"), "{}", first[0]);
+            assert!(later[0].ends_with(&both), "{}", later[0]);
+            // The other kernel: its first tier runs the `kernel_` tests, not `any_tier_`.
+            let first = runs(&script_other, "lsm", suite);
+            let later = runs(&script_other, "fentry", suite);
             assert!(
-                later[0].contains(&format!("--skip {ONCE_PER_KERNEL}")),
+                first[0].ends_with(&format!(" --skip {ONCE}")),
                 "{}",
-                later[0]
+                first[0]
             );
+            assert!(!first[0].contains(ONCE_PER_KERNEL), "{}", first[0]);
+            assert!(later[0].ends_with(&both), "{}", later[0]);
         }
-        assert_eq!(runs("lsm", "memory_at_alloc").len(), 1, "{script}");
-        assert_eq!(runs("fentry", "memory_at_alloc").len(), 0, "{script}");
-        assert!(!script.contains("systemd_unit"), "{script}");
+        assert_eq!(runs(&script_one, "lsm", "memory_at_alloc").len(), 1);
+        assert_eq!(runs(&script_one, "fentry", "memory_at_alloc").len(), 0);
+        assert_eq!(runs(&script_other, "lsm", "memory_at_alloc").len(), 0);
+        assert!(!script_one.contains("systemd_unit"), "{script_one}");
+    }
+
+    /// Asked for tests by name, every kernel runs them (with its first tier).
+    #[test]
+    fn tests_asked_for_run_on_every_kernel_asked_for() {
+        let guest = Guest {
+            root: PathBuf::from("/w"),
+            suites: vec![("prevention".into(), PathBuf::from("/t/prevention"))],
+            target_dir: PathBuf::from("/t"),
+        };
+        let options = Options {
+            test_args: vec!["any_tier_x".into()],
+            ..Options::default()
+        };
+        let script = script(&guest, KERNELS[1], &["lsm".to_owned()], &options);
+        let first = runs(&script, "lsm", "prevention");
+        assert!(first[0].ends_with("'any_tier_x'"), "{}", first[0]);
     }
 
     #[test]
