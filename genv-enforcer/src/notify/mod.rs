@@ -194,16 +194,22 @@ impl Notifier {
     }
 
     /// For a one-shot run: lets the lines queued reach their terminals and the log, for
-    /// at most a second each.
+    /// at most [`FLUSH_WAIT`] each. The waits end as soon as the queues are empty; the
+    /// bound is for a thread that cannot finish (a user-name lookup that hangs is cut at
+    /// its own two seconds), not the usual case, so it is generous: a loaded machine's
+    /// one-shot run must not drop the line that tells a user why.
     pub fn flush(&self) {
         if let Some(writer) = &self.writer {
-            writer.flush(Duration::from_secs(1));
+            writer.flush(FLUSH_WAIT);
         }
         if let Some(logger) = &self.logger {
-            logger.flush(Duration::from_secs(1));
+            logger.flush(FLUSH_WAIT);
         }
     }
 }
+
+/// How long a one-shot run waits for its notices and decision records at most.
+const FLUSH_WAIT: Duration = Duration::from_secs(5);
 
 fn unix_now() -> u64 {
     SystemTime::now()

@@ -59,7 +59,7 @@ mod tests {
     use std::process::{Command, Stdio};
 
     use super::*;
-    use crate::notify::tty::tests::{child_on, pty};
+    use crate::notify::tty::tests::{await_exec, child_on, pty};
 
     fn me() -> u32 {
         rustix::process::getuid().as_raw()
@@ -103,6 +103,7 @@ mod tests {
             })
         };
         let mut detached = command.spawn().unwrap();
+        await_exec(detached.id(), "sleep");
         let subject = Subject::of_process(detached.id(), None).unwrap();
         assert_eq!(subject.terminal, None);
         assert_eq!(subject.comm, b"sleep");

@@ -248,10 +248,12 @@ mod tests {
         let dir = scratch("child");
         let lock = dir.join(LOCK_FILE);
         drop(GlobalLock::acquire(&dir).unwrap());
-        // flock(1) holds the lock in a child for a second.
+        // flock(1) holds the lock in a child (itself, no fork) until it is killed: a
+        // fixed hold would end early for a test thread stalled on a loaded machine.
         let mut child = std::process::Command::new("flock")
+            .args(["--no-fork"])
             .arg(&lock)
-            .args(["sleep", "1"])
+            .args(["sleep", "600"])
             .spawn()
             .unwrap();
         let start = Instant::now();
@@ -263,7 +265,14 @@ mod tests {
         }
         let error = GlobalLock::acquire_within(&dir, Duration::from_millis(50)).unwrap_err();
         assert!(matches!(error.kind, LockErrorKind::Held { .. }), "{error}");
+        let pid = child.id() as i32;
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            // SAFETY: kill(2) takes no pointer; the pid is this test's unreaped child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        });
         GlobalLock::acquire_within(&dir, Duration::from_secs(10)).unwrap();
+        releaser.join().unwrap();
         child.wait().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }

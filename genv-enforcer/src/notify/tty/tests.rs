@@ -57,7 +57,26 @@ pub(crate) fn child_on(pty: &Pty, program: &str, args: &[&str]) -> std::process:
             Ok(())
         })
     };
-    command.spawn().unwrap()
+    let child = command.spawn().unwrap();
+    await_exec(child.id(), program);
+    child
+}
+
+/// Waits until `pid` runs `program` (its `comm`, which names the process in a notice).
+/// `spawn` returns when the child's exec closes its error pipe, a moment before the
+/// kernel sets the new name: a test reading the name at once could see the forked
+/// test thread's.
+pub(crate) fn await_exec(pid: u32, program: &str) {
+    let name = std::path::Path::new(program).file_name().unwrap();
+    let want = format!("{}\n", name.to_str().unwrap());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default() != want {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{pid} never ran {program}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
 
 fn me() -> u32 {
