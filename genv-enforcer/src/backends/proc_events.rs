@@ -268,8 +268,30 @@ fn event_of(datagram: &[u8]) -> Option<Event> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// Waits, up to 30 s, until `events` has reported `count` events of `pid` in all
+    /// (`seen` keeps what was drained across calls).
+    pub(crate) fn await_events(
+        events: &mut ProcEvents,
+        seen: &mut Vec<u32>,
+        pid: u32,
+        count: usize,
+    ) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while seen.iter().filter(|p| **p == pid).count() < count {
+            match events.drain() {
+                Changes::Pids(pids) => seen.extend(pids),
+                Changes::Unknown => panic!("process events lost on a quiet machine"),
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{count} events of {pid} not seen: {seen:?}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 
     fn datagram(what: u32, pid: u32, tgid: u32) -> Vec<u8> {
         let mut d = Vec::new();
@@ -315,18 +337,7 @@ mod tests {
         let mut child = std::process::Command::new("/bin/true").spawn().unwrap();
         let pid = child.id();
         child.wait().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut seen = Vec::new();
-        while seen.iter().filter(|p| **p == pid).count() < 2 {
-            match events.drain() {
-                Changes::Pids(pids) => seen.extend(pids),
-                Changes::Unknown => panic!("events lost on a quiet machine"),
-            }
-            assert!(
-                Instant::now() < deadline,
-                "exec and exit of {pid} not seen: {seen:?}"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        // Its exec and its exit.
+        await_events(&mut events, &mut Vec::new(), pid, 2);
     }
 }

@@ -4,10 +4,10 @@
 use std::io::Write;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
-use std::time::{Duration, Instant};
 
 use super::*;
 use crate::backends::devmap::DeviceMap;
+use crate::backends::proc_events::tests::await_events;
 use crate::snapshot::inspect::Procfs;
 
 /// The real `/proc`, counting `stat` reads.
@@ -50,25 +50,6 @@ fn shell_in_a() -> Child {
         .unwrap()
 }
 
-/// Waits until `witness`, subscribed before the processes started, has seen `count`
-/// events of `pid`. The kernel sends a process's exec event after its parent's `spawn`
-/// (or `vfork`) returns, and delivers it to every subscriber at once: once the witness
-/// has it, no subscription made later can receive it.
-fn await_events(witness: &mut ProcEvents, seen: &mut Vec<u32>, pid: u32, count: usize) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while seen.iter().filter(|p| **p == pid).count() < count {
-        match witness.drain() {
-            Changes::Pids(pids) => seen.extend(pids),
-            Changes::Unknown => panic!("process events lost on a quiet machine"),
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{count} events of {pid} not seen"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 fn env(eid: &str) -> Env {
     serde_json::from_value(serde_json::json!({"eid": eid, "uid": 0, "pids": [1]})).unwrap()
 }
@@ -80,7 +61,9 @@ fn reads_again_only_the_processes_the_kernel_says_changed() {
     let (mut still, mut execs) = (shell_in_a(), shell_in_a());
     let mut seen = Vec::new();
     for child in [&still, &execs] {
-        // Their exec events were sent, so the table's subscription cannot get them.
+        // Their exec events were sent, so the table's subscription cannot get them:
+        // `spawn` returns before the kernel sends a child's exec event, and the kernel
+        // delivers an event to every subscriber at once.
         await_events(&mut witness, &mut seen, child.id(), 1);
     }
     if still.id() > execs.id() {
