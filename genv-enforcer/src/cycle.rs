@@ -140,6 +140,9 @@ impl Enforcer {
     /// [`Self::snapshot`] for a check of `among` alone (see
     /// [`SnapshotBuilder::take_among`]).
     fn snapshot_among(&mut self, among: Option<&[u32]>) -> Result<Snapshot, LockError> {
+        // The processes' environment blocks first, without the lock: their owners can
+        // keep them from answering, and every user's genv waits for the lock.
+        self.builder.read_ahead(among);
         let lock = self.lock.take(self.builder.state())?;
         let (snapshot, warnings) = self.builder.take_among(among);
         drop(lock);

@@ -22,6 +22,7 @@ pub mod events;
 pub mod harness;
 pub mod mounts;
 pub mod sshd;
+pub mod stall;
 
 pub use harness::{PATIENCE, path, serial, wait_for, wait_for_or, wait_until, xtask};
 

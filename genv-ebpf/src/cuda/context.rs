@@ -9,12 +9,15 @@ use genv_ebpf_common::cuda_call;
 
 use super::{
     CALL_CTX_CREATE, CALL_CTX_RETAIN, CTX_DEVICE, PENDING, PROC_ORDINALS, Pending, THREAD_CTX,
-    handle, read_user_u64, started, take_pending,
+    handle, held, read_user_u64, started, take_pending,
 };
 use crate::kernel::current;
 
 #[uprobe]
 pub fn cu_init(_ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     started(cuda_call::INIT);
     0
 }
@@ -22,6 +25,9 @@ pub fn cu_init(_ctx: ProbeContext) -> u32 {
 /// `cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)`.
 #[uprobe]
 pub fn cu_ctx_retain(ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     context_made(&ctx, 1, CALL_CTX_RETAIN);
     0
 }
@@ -29,6 +35,9 @@ pub fn cu_ctx_retain(ctx: ProbeContext) -> u32 {
 /// `cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)`.
 #[uprobe]
 pub fn cu_ctx_create(ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     context_made(&ctx, 2, CALL_CTX_CREATE);
     0
 }
@@ -79,6 +88,9 @@ pub(super) static SWITCHES: LruHashMap<u32, Switch> = LruHashMap::with_max_entri
 /// `cuCtxSetCurrent(CUcontext ctx)`: replaces the top of the stack, on success.
 #[uprobe]
 pub fn cu_ctx_set_current(ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     switch_called(SWITCH_SET, ctx.arg(0).unwrap_or(0));
     0
 }
@@ -86,6 +98,9 @@ pub fn cu_ctx_set_current(ctx: ProbeContext) -> u32 {
 /// `cuCtxPushCurrent_v2(CUcontext ctx)`.
 #[uprobe]
 pub fn cu_ctx_push(ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     switch_called(SWITCH_PUSH, ctx.arg(0).unwrap_or(0));
     0
 }
@@ -93,6 +108,9 @@ pub fn cu_ctx_push(ctx: ProbeContext) -> u32 {
 /// `cuCtxPopCurrent_v2(CUcontext *pctx)`.
 #[uprobe]
 pub fn cu_ctx_pop(_ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     switch_called(SWITCH_POP, 0);
     0
 }
@@ -101,6 +119,9 @@ pub fn cu_ctx_pop(_ctx: ProbeContext) -> u32 {
 /// calling thread's current one (as the driver does).
 #[uprobe]
 pub fn cu_ctx_destroy(ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     switch_called(SWITCH_DESTROY, ctx.arg(0).unwrap_or(0));
     0
 }

@@ -11,7 +11,7 @@ use super::context::{current_device, nvml_index};
 use super::{
     ALLOC_BASE, ALLOC_DELTA, ALLOCS, BPF_NOEXIST, CALL_ALLOC, CALL_ALLOC_UNCHARGED, CALL_FREE,
     CUDA_GPUS, ENV_MEMORY, LOCATION_DEVICE, PENDING, PROC_CAP, PROC_CHARGE, PROP_LOCATION, Pending,
-    SIGKILL, handle, read_user_u64, take_pending,
+    SIGKILL, handle, held, read_user_u64, take_pending,
 };
 use crate::kernel::current;
 use crate::maps::{ENVS, PROC_ENV, Wake, now_ns, offsets, policy, send};
@@ -22,6 +22,9 @@ use crate::told::subject;
 /// `cuMemAllocFromPoolAsync`): on the current context's device.
 #[uprobe]
 pub fn cu_mem_alloc(ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     let (Some(out), Some(size)) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1)) else {
         return 0;
     };
@@ -36,6 +39,9 @@ pub fn cu_mem_alloc(ctx: ProbeContext) -> u32 {
 /// the driver chose a larger pitch.
 #[uprobe]
 pub fn cu_mem_alloc_pitch(ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     let (Some(out), Some(pitch_out), Some(width), Some(height)) = (
         ctx.arg::<u64>(0),
         ctx.arg::<u64>(1),
@@ -66,6 +72,9 @@ fn product(a: u64, b: u64) -> u64 {
 /// name (PyTorch's expandable segments).
 #[uprobe]
 pub fn cu_mem_create(ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     let (Some(out), Some(size), Some(prop)) =
         (ctx.arg::<u64>(0), ctx.arg::<u64>(1), ctx.arg::<u64>(2))
     else {
@@ -137,6 +146,9 @@ pub fn cu_mem_alloc_ret(ctx: RetProbeContext) -> u32 {
 /// `cuMemRelease(CUmemGenericAllocationHandle)`.
 #[uprobe]
 pub fn cu_mem_free(ctx: ProbeContext) -> u32 {
+    if !held() {
+        return 0;
+    }
     let (_, tid) = current();
     let Some(ptr) = ctx.arg::<u64>(0) else {
         return 0;
@@ -348,7 +360,7 @@ fn report(pid: u32, env: u64, gpu: u32, usage: i64, verdict: u32) {
 /// claim (as the open hook decides) and that environment has a cap; `None` otherwise
 /// (nothing is charged: an environment without a cap makes no entries).
 #[inline(always)]
-fn capped_environment(pid: u32) -> Option<u64> {
+pub(super) fn capped_environment(pid: u32) -> Option<u64> {
     // SAFETY: plain lookups; the values are copied out at once.
     let identity = unsafe { PROC_ENV.get(&pid) }.copied()?;
     if matches!(identity, identity::NO_ENV | identity::UNRESOLVED) {

@@ -157,6 +157,15 @@ pub(super) fn started(call: u32) {
 
 pub(super) const BPF_NOEXIST: u64 = 1;
 
+/// Whether the calling process is held at its allocations (its environment has a cap
+/// and its uid may claim it). The probes are registered system-wide, so every process
+/// that maps libcuda runs them: each entry probe returns here at once for any other,
+/// leaving nothing for its return probe.
+#[inline(always)]
+pub(super) fn held() -> bool {
+    memory::capped_environment(current().0).is_some()
+}
+
 /// The exec hook: a new program image starts CUDA anew.
 #[inline(always)]
 pub fn forget_image(pid: u32) {

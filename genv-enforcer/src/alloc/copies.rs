@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::budget::Budget;
 use super::looks::Looks;
+use crate::backends::address_space::{self, SpaceFile};
 use crate::backends::maps::{self, Mapping};
 use crate::backends::procfs;
 use crate::kernel::KernelPrograms;
@@ -57,8 +58,11 @@ pub(super) struct Copies {
     budget: Budget,
     /// When a budget refusal was last said, by uid.
     said: HashMap<u32, Instant>,
-    /// Copies probed since [`Self::take_probed`]: the process, and the line to say.
-    probed: Vec<(u32, String)>,
+    /// Processes copies were probed for since [`Self::take_probed`] (the registrar says
+    /// the line once the probes are in place).
+    probed: Vec<u32>,
+    /// Processes whose mappings did not answer in time, said once each.
+    held_said: HashSet<u32>,
 }
 
 impl Copies {
@@ -91,9 +95,8 @@ impl Copies {
         }
     }
 
-    /// The copies probed since the last call, by the process each was found in, with
-    /// the line that says so.
-    pub(super) fn take_probed(&mut self) -> Vec<(u32, String)> {
+    /// The processes copies were probed for since the last call.
+    pub(super) fn take_probed(&mut self) -> Vec<u32> {
         std::mem::take(&mut self.probed)
     }
 
@@ -105,6 +108,7 @@ impl Copies {
     /// mapping a copy, the copy's probes.
     pub(super) fn gone(&mut self, programs: &mut KernelPrograms, pid: u32) {
         self.looks.forget(pid);
+        self.held_said.remove(&pid);
         for id in self.mapped_by.remove(&pid).unwrap_or_default() {
             let unmapped = self.copies.get_mut(&id).is_some_and(|copy| {
                 copy.mappers.remove(&pid);
@@ -117,32 +121,34 @@ impl Copies {
     }
 
     /// Looks at the files `pid` maps executable: a libcuda copy not probed yet is
-    /// probed, within the budget.
+    /// probed, within the budget. What it maps is read on a worker with a deadline
+    /// ([`open_mapped`]): its owner can keep its address space from answering.
     fn look(&mut self, programs: &mut KernelPrograms, pid: u32, uid: u32, now: Instant) {
-        let (Ok(files), Ok(started)) = (
-            maps::executable_files(pid),
-            procfs::stat(pid).map(|s| s.start_time),
-        ) else {
+        let Ok(started) = procfs::stat(pid).map(|s| s.start_time) else {
             return; // gone
         };
-        let mountinfo = format!("/proc/{pid}/mountinfo");
-        let table = match MountTable::read(&mountinfo) {
-            Ok(table) => table,
+        let process = address_space::Process { pid, started };
+        let opened = match address_space::read(process, SpaceFile::Maps, move || open_mapped(pid)) {
+            Ok(Ok(opened)) => opened,
+            Ok(Err(e)) => {
+                if let Some(e) = e {
+                    tracing::warn!(
+                        "--memory-at-alloc: cannot look at process {pid}'s libraries: {e}"
+                    );
+                }
+                return;
+            }
             Err(e) => {
-                tracing::warn!("--memory-at-alloc: cannot look at process {pid}'s libraries: {e}");
+                if self.held_said.insert(pid) {
+                    tracing::warn!(
+                        "--memory-at-alloc: cannot look at process {pid}'s libraries: {e}; looked at again at its next open (said once per process)"
+                    );
+                }
                 return;
             }
         };
         let mut checked = 0;
-        for mapping in likely_first(files) {
-            // Refused unopened: nothing of a FUSE mount is touched.
-            if table.is_fuse_device(mapping.dev) {
-                continue;
-            }
-            let name = format!("{:?} (mapped by process {pid})", mapping.path);
-            let Ok(handle) = Handle::new(&mapping.link, name, &table) else {
-                continue; // FUSE, unlisted, or unmapped since
-            };
+        for handle in opened {
             let Some(version) = handle.version() else {
                 continue;
             };
@@ -212,14 +218,13 @@ impl Copies {
             }
             return; // looked at again at its next open
         }
-        match programs.attach_cuda(&library, &exports) {
+        let line = format!(
+            "--memory-at-alloc: process {pid} maps a libcuda not probed yet ({}, device {}, inode {}); allocations through it are held to their environment's gpu_memory",
+            library.name, id.0, id.1
+        );
+        match programs.attach_cuda(&library, &exports, |_| line) {
             Ok(attachment) => {
-                self.probed.push((pid, format!(
-                    "--memory-at-alloc: process {pid} maps a libcuda not probed yet ({}, device {}, inode {}); allocations through it are held to their environment's gpu_memory",
-                    library.name,
-                    id.0,
-                    id.1
-                )));
+                self.probed.push(pid);
                 let mappers = HashMap::from([(pid, started)]);
                 let copy = Copy {
                     attachment,
@@ -280,6 +285,25 @@ impl Copies {
 
 /// The files a look examines, those named like a libcuda first (a look may stop before
 /// the end, see [`CHECKS_PER_LOOK`]); a copy is told by its contents all the same.
+/// The files `pid` maps executable, likely libcudas first, each opened `O_PATH` through
+/// `/proc/<pid>/map_files` (both wait on its address space: run on a worker). Files on
+/// FUSE are left unopened; `Err(None)` when the process is gone.
+fn open_mapped(pid: u32) -> Result<Vec<Handle>, Option<String>> {
+    let files = maps::executable_files(pid).map_err(|_| None)?;
+    let mountinfo = format!("/proc/{pid}/mountinfo");
+    let table = MountTable::read(&mountinfo).map_err(|e| Some(e.to_string()))?;
+    Ok(likely_first(files)
+        .into_iter()
+        // Refused unopened: nothing of a FUSE mount is touched.
+        .filter(|mapping| !table.is_fuse_device(mapping.dev))
+        .filter_map(|mapping| {
+            let name = format!("{:?} (mapped by process {pid})", mapping.path);
+            // FUSE, unlisted, or unmapped since: skipped.
+            Handle::new(&mapping.link, name, &table).ok()
+        })
+        .collect())
+}
+
 fn likely_first(mut files: Vec<Mapping>) -> Vec<Mapping> {
     files.sort_by_key(|m| {
         let name = m.path.rsplit('/').next().unwrap_or_default();

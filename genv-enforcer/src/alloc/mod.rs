@@ -6,10 +6,10 @@
 //! taken off when it exits. The kernel decides; this prints what it decided.
 
 mod budget;
+mod capped;
 pub mod caps;
 mod copies;
 mod looks;
-mod probed;
 pub mod started_cap;
 
 use std::collections::{HashMap, HashSet};
@@ -51,8 +51,8 @@ pub struct AllocSide {
     /// start times: read again once it does (until then, those GPUs are charged nothing).
     unresolved: HashMap<u32, u64>,
     verbose: bool,
-    /// Said once: a process could not be made to carry the probes.
-    unfollowable: crate::warn_once::WarnOnce,
+    /// The processes of capped environments whose CUDA numbering was read.
+    capped: capped::Capped,
 }
 
 impl AllocSide {
@@ -68,7 +68,7 @@ impl AllocSide {
             exiting: HashMap::new(),
             unresolved: HashMap::new(),
             verbose,
-            unfollowable: Default::default(),
+            capped: capped::Capped::default(),
         };
         // A given library that cannot be opened is said by name (never looked at by
         // path first: on a FUSE mount even a `stat` could wait for ever).
@@ -106,19 +106,21 @@ impl AllocSide {
         if self.copies.is_probed(version.id()) {
             return;
         }
+        let name = library.name.clone();
+        let line = move |missing: &[&str]| {
+            let missing = match missing.is_empty() {
+                true => String::new(),
+                false => format!(" (it has no {})", missing.join(", ")),
+            };
+            format!(
+                "--memory-at-alloc: allocations through {name} are held to their environment's gpu_memory{missing}"
+            )
+        };
         let attached = library
             .exports()
-            .and_then(|exports| programs.attach_cuda(library, &exports));
+            .and_then(|exports| programs.attach_cuda(library, &exports, line));
         match attached {
-            Ok(attachment) => {
-                let missing = match attachment.missing.is_empty() {
-                    true => String::new(),
-                    false => format!(" (it has no {})", attachment.missing.join(", ")),
-                };
-                tracing::info!(
-                    "--memory-at-alloc: allocations through {} are held to their environment's gpu_memory{missing}",
-                    library.name
-                );
+            Ok(_) => {
                 self.copies.given(version);
                 self.attached_any = true;
             }
@@ -156,8 +158,8 @@ impl AllocSide {
         // again at every full cycle, not only when the caps change: one whose exec the
         // kernel's ring buffer lost, whose identity was settled since, or whose follow
         // failed, is caught up here.
-        for process in probed::refollow(programs, &self.caps, &mut self.unfollowable) {
-            self.read_devices(programs, process, gpus, "carries the libcuda probes");
+        for process in self.capped.caught_up(programs, &self.caps) {
+            self.read_devices(programs, process, gpus, "is held at its allocations");
         }
         if changed {
             tracing::info!(
@@ -171,8 +173,8 @@ impl AllocSide {
     /// at the exec, or inherited): it carries the probes if its environment has a cap,
     /// and not otherwise.
     pub fn place_probes(&mut self, programs: &mut KernelPrograms, pid: u32, gpus: &[GpuInfo]) {
-        if let Some(started) = probed::place(programs, &self.caps, pid, &mut self.unfollowable) {
-            self.read_devices(programs, (pid, started), gpus, "carries the libcuda probes");
+        if let Some(started) = self.capped.placed(programs, &self.caps, pid) {
+            self.read_devices(programs, (pid, started), gpus, "is held at its allocations");
         }
     }
 
@@ -306,9 +308,8 @@ impl AllocSide {
     /// probes may have missed their `cuInit`): they are read as at their first CUDA
     /// call, and only then is the copy said to be probed.
     fn probed(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
-        for (pid, line) in self.copies.take_probed() {
+        for pid in self.copies.take_probed() {
             self.cuda_started(programs, pid, gpus);
-            tracing::info!("{line}");
         }
     }
 
@@ -330,7 +331,7 @@ impl AllocSide {
     /// A process began exiting: its charges come off once it is gone
     /// ([`Self::settle_exits`], which the daemon calls after every batch of events).
     pub fn exiting(&mut self, programs: &mut KernelPrograms, pid: u32) {
-        programs.cuda_probes().unfollow(pid);
+        self.capped.forget(pid);
         if let Some(started) = self.forget(programs, pid) {
             self.exiting.insert(pid, started);
         }

@@ -2,6 +2,7 @@
 //! processes (and for GPU use when NVML is missing) and the files they map, the device
 //! map that says which device node is which GPU, and the passwd database for user names.
 
+pub mod address_space;
 pub mod devmap;
 pub mod maps;
 pub mod nvml;

@@ -8,6 +8,8 @@ use std::path::Path;
 
 use rustix::process::{Pid, test_kill_process};
 
+use super::address_space::{self, NoAnswer, SpaceFile};
+
 /// The variable genv sets in every process of an environment.
 pub const ENV_VAR: &str = "GENV_ENVIRONMENT_ID";
 
@@ -182,6 +184,17 @@ pub enum EnvironError {
     Unreadable(u32),
     #[error("cannot read /proc/{0}/environ: {1}")]
     Other(u32, #[source] io::Error),
+    /// Its reader waited past its deadline (see [`address_space`]).
+    #[error("cannot read /proc/{0}/environ: {1}")]
+    NoAnswer(u32, NoAnswer),
+}
+
+impl EnvironError {
+    /// Whether the process's own owner keeps its block from being read (its address
+    /// space is held), as opposed to the daemon having no reader free.
+    pub fn held_by_owner(&self) -> bool {
+        matches!(self, Self::NoAnswer(_, NoAnswer::Held))
+    }
 }
 
 /// The value of `GENV_ENVIRONMENT_ID` in the process's initial environment, read as genv
@@ -225,8 +238,15 @@ pub fn first_environment_vars<const N: usize>(
     }))
 }
 
+/// The process's environment block, read on a worker with a deadline: the read takes the
+/// process's `mmap_lock`, which its owner can hold for ever (see [`address_space`]).
 fn environ(pid: u32) -> Result<Vec<u8>, EnvironError> {
-    read_all(&format!("/proc/{pid}/environ")).map_err(|e| match e.kind() {
+    let started = stat(pid).map_err(|_| EnvironError::Gone(pid))?.start_time;
+    let path = format!("/proc/{pid}/environ");
+    let process = address_space::Process { pid, started };
+    let read = address_space::read(process, SpaceFile::Environ, move || read_all(&path))
+        .map_err(|e| EnvironError::NoAnswer(pid, e))?;
+    read.map_err(|e| match e.kind() {
         io::ErrorKind::NotFound => EnvironError::Gone(pid),
         io::ErrorKind::PermissionDenied => EnvironError::Unreadable(pid),
         _ if e.raw_os_error() == Some(libc::ESRCH) => EnvironError::Gone(pid),

@@ -12,6 +12,7 @@ pub mod shared_args;
 mod why;
 
 use std::io::Read;
+use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
@@ -99,11 +100,21 @@ fn usage_snapshot(
         EnvPolicy::default(),
         Vec::new(),
     );
+    // A process whose environment block does not answer is judged once it has not for
+    // a grace period: kept across runs in root's run directory (see
+    // `snapshot::unreadable`).
+    let record = builder.remember_unreadable(Path::new(args::DEFAULT_RUN_DIR));
+    builder.read_ahead(None);
     let lock = LockPolicy::bounded(LockPolicy::COMMAND_WAIT)
         .take(builder.state())
         .context("taking genv's global lock")?;
     let (mut snapshot, mut warnings) = builder.take();
     drop(lock);
+    if let Some(record) = record {
+        if let Err(e) = builder.save_unreadable(&record) {
+            tracing::warn!("Cannot write {}: {e}", record.display());
+        }
+    }
     warnings.extend(snapshot.name_confirmed_owners(crate::backends::users::name_of));
     for warning in warnings {
         tracing::warn!("{}", warning.0);

@@ -12,6 +12,7 @@ use genv_ebpf_common::alloc::{
 };
 
 use super::error::{LoadError, map_error, take_map};
+use super::policy_maps::remove_if_there;
 
 /// The accounting deltas of every environment and GPU, read just before NVML was asked
 /// and just after it answered.
@@ -69,8 +70,8 @@ impl AllocMaps {
             .collect();
         super::policy_maps::sync_map(&mut self.caps, wanted).map_err(map_error(ENV_MEMORY_MAP))?;
         for key in stale {
-            remove(&mut self.delta, &key).map_err(map_error(ALLOC_DELTA_MAP))?;
-            remove(&mut self.base, &key).map_err(map_error(ALLOC_BASE_MAP))?;
+            remove_if_there(&mut self.delta, &key).map_err(map_error(ALLOC_DELTA_MAP))?;
+            remove_if_there(&mut self.base, &key).map_err(map_error(ALLOC_BASE_MAP))?;
         }
         Ok(())
     }
@@ -130,7 +131,7 @@ impl AllocMaps {
         super::policy_maps::sync_map(&mut self.base, wanted).map_err(map_error(ALLOC_BASE_MAP))?;
         self.kept = kept;
         for (key, _) in gone {
-            remove(&mut self.charges, &key).map_err(map_error(PROC_CHARGE_MAP))?;
+            remove_if_there(&mut self.charges, &key).map_err(map_error(PROC_CHARGE_MAP))?;
         }
         Ok(())
     }
@@ -186,8 +187,8 @@ impl AllocMaps {
     /// environments (through the baseline, which only the daemon writes: the probes'
     /// atomic adds to the delta are never raced); its device numbering goes.
     pub fn process_exited(&mut self, pid: u32) {
-        let _ = remove(&mut self.ordinals, &pid);
-        let _ = remove(&mut self.started_caps, &pid);
+        let _ = remove_if_there(&mut self.ordinals, &pid);
+        let _ = remove_if_there(&mut self.started_caps, &pid);
         let held: Vec<ProcGpu> = self
             .charges
             .keys()
@@ -198,7 +199,7 @@ impl AllocMaps {
             let Ok(charge) = self.charges.get(&key, 0) else {
                 continue;
             };
-            let _ = remove(&mut self.charges, &key);
+            let _ = remove_if_there(&mut self.charges, &key);
             let env_gpu = charge.account();
             let mut base = self.base.get(&env_gpu, 0).unwrap_or_default();
             base.delta_at = base.delta_at.saturating_add(charge.bytes);
@@ -212,7 +213,7 @@ impl AllocMaps {
     pub fn set_ordinals(&mut self, pid: u32, map: Option<Ordinals>) -> Result<(), LoadError> {
         match map {
             Some(map) => self.ordinals.insert(pid, map, 0),
-            None => remove(&mut self.ordinals, &pid),
+            None => remove_if_there(&mut self.ordinals, &pid),
         }
         .map_err(map_error(PROC_ORDINALS_MAP))
     }
@@ -222,7 +223,7 @@ impl AllocMaps {
     pub fn set_started_cap(&mut self, pid: u32, bytes: Option<u64>) -> Result<(), LoadError> {
         match bytes {
             Some(bytes) => self.started_caps.insert(pid, bytes, 0),
-            None => remove(&mut self.started_caps, &pid),
+            None => remove_if_there(&mut self.started_caps, &pid),
         }
         .map_err(map_error(PROC_CAP_MAP))
     }
@@ -231,14 +232,4 @@ impl AllocMaps {
 /// Whether process `pid` is gone (or a zombie, whose GPU memory the driver has freed).
 fn dead(pid: u32) -> bool {
     crate::backends::procfs::stat(pid).map_or(true, |stat| stat.is_zombie())
-}
-
-fn remove<K: aya::Pod, V: aya::Pod>(
-    map: &mut BpfHashMap<MapData, K, V>,
-    key: &K,
-) -> Result<(), MapError> {
-    match map.remove(key) {
-        Err(MapError::KeyNotFound) => Ok(()),
-        other => other,
-    }
 }

@@ -5,16 +5,16 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use std::io;
-
 use aya::Ebpf;
 use aya::programs::{ProbeKind, UProbe};
 
 mod library;
+mod registrar;
 mod uprobe_events;
 
 pub use library::{FileVersion, Handle, LIBRARY_LIMIT, Library};
-use uprobe_events::{Follower, Side, UprobeEvent};
+use registrar::{Definition, Registrar, Registration};
+use uprobe_events::Side;
 
 use super::alloc_maps::AllocMaps;
 use super::attached::{Attached, program_mut};
@@ -139,143 +139,95 @@ impl Exports {
     }
 }
 
-/// The probes of every library attached, and the processes that carry them (see
-/// [`uprobe_events`]).
+/// The probes of every library attached: registered and removed by a thread of their
+/// own (see [`registrar`]).
 #[derive(Default)]
 pub struct Probes {
-    /// Each library's events, by key.
-    libraries: HashMap<u64, Vec<UprobeEvent>>,
+    registrar: Option<Registrar>,
     next_key: u64,
-    /// The processes carrying the probes, by pid.
-    followers: HashMap<u32, Follower>,
-    tracefs: Option<PathBuf>,
 }
 
 impl Probes {
     pub(super) fn new(tracefs: PathBuf) -> Self {
         uprobe_events::remove_stale(&tracefs);
-        let mut probes = Self::default();
-        probes.tracefs = Some(tracefs);
-        probes
+        Self {
+            registrar: Some(Registrar::start(tracefs)),
+            next_key: 0,
+        }
     }
 
-    /// Has process `pid` (started at `start_time`) carry every probe, of the libraries
-    /// attached now and of those attached later; a pid followed already, with another
-    /// start time, was another process, whose perf events go first. Whether it was not
-    /// followed yet. Fails (and follows nothing) if the kernel refuses one: the process
-    /// is gone, or the probes' share of the daemon's descriptors is used up (half its
-    /// limit: a user forking without end in a capped environment must not take the
-    /// descriptors the rest of the daemon needs).
-    pub fn follow(&mut self, pid: u32, start_time: u64) -> io::Result<bool> {
-        if let Some(old) = self.followers.get(&pid) {
-            if old.start_time == start_time {
-                return Ok(false);
-            }
-            self.followers.remove(&pid);
-        }
-        let wanted: usize = self.libraries.values().map(Vec::len).sum();
-        let held: usize = self.followers.values().map(|f| f.events.len()).sum();
-        let budget = descriptor_budget();
-        if held + wanted > budget {
-            return Err(io::Error::other(format!(
-                "the probes' share of the daemon's descriptors ({budget}) is in use"
-            )));
-        }
-        let mut follower = Follower::new(start_time);
-        for (&key, events) in &self.libraries {
-            for event in events {
-                follower.events.push((key, event.follow(pid)?));
-            }
-        }
-        self.followers.insert(pid, follower);
-        Ok(true)
+    /// Whether a registration has been waiting on the kernel past
+    /// [`registrar::SAY_AFTER`].
+    pub fn stalled(&self) -> bool {
+        self.registrar.as_ref().is_some_and(Registrar::stalled)
     }
 
-    /// Process `pid` carries the probes no more.
-    pub fn unfollow(&mut self, pid: u32) -> bool {
-        self.followers.remove(&pid).is_some()
-    }
-
-    /// The processes followed, with their start times.
-    pub fn followed(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
-        self.followers.iter().map(|(&pid, f)| (pid, f.start_time))
-    }
-
-    /// A library's events, carried from now on by every process followed (one that
-    /// cannot carry them is followed no more, and said).
-    fn add_library(&mut self, key: u64, events: Vec<UprobeEvent>, name: &str) {
-        let mut refused = Vec::new();
-        for (&pid, follower) in self.followers.iter_mut() {
-            for event in &events {
-                match event.follow(pid) {
-                    Ok(fd) => follower.events.push((key, fd)),
-                    Err(e) => {
-                        refused.push((pid, e));
-                        break;
-                    }
-                }
-            }
-        }
-        for (pid, e) in refused {
-            self.followers.remove(&pid);
-            tracing::warn!(
-                "--memory-at-alloc: process {pid} cannot carry the probes of {name}: {e}"
-            );
-        }
-        self.libraries.insert(key, events);
-    }
-
-    fn tracefs(&self) -> Result<&Path, LoadError> {
-        self.tracefs
-            .as_deref()
+    fn registrar(&self) -> Result<&Registrar, LoadError> {
+        self.registrar
+            .as_ref()
             .ok_or_else(|| LoadError::Object("the libcuda probes are not loaded".into()))
     }
 }
 
-/// Half the daemon's descriptor limit (raised to its hard limit at start-up): what the
-/// processes' perf events may hold, about 30 a process.
-fn descriptor_budget() -> usize {
-    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-    (limit.current.unwrap_or(1 << 20) / 2) as usize
-}
-
-impl Drop for Probes {
-    /// The processes' perf events first: an event still open on a uprobe keeps it.
-    fn drop(&mut self) {
-        self.followers.clear();
-        self.libraries.clear();
-    }
-}
-
-/// Attaches every probe to `library` at `exports`, in the processes `probes` follows. A
-/// library without the required symbols is refused whole, as is one a probe cannot be
-/// attached to (those attached already are taken off again); the others missing are
-/// listed.
+/// Has every probe attached to `library` at `exports`, system-wide, by the registrar;
+/// `line(missing)` is said once they are in place. A library without the required
+/// symbols is refused whole here; one a probe cannot be attached to is refused (and
+/// said) by the registrar, which then removes those it made. The other symbols missing
+/// are listed.
 pub(super) fn attach(
     ebpf: &mut Ebpf,
     probes: &mut Probes,
     library: &Library,
     exports: &Exports,
+    line: impl FnOnce(&[&'static str]) -> String,
 ) -> Result<Attachment, LoadError> {
-    use std::os::fd::{AsFd, AsRawFd};
     if let Some(absent) = REQUIRED.iter().find(|s| !exports.0.contains_key(**s)) {
         return Err(LoadError::Library(format!(
             "{}: no {absent} (not a libcuda)",
             library.name
         )));
     }
-    let tracefs = probes.tracefs()?.to_owned();
-    // The descriptor we hold: the kernel resolves it to the file we read.
-    let target = PathBuf::from(format!("/proc/self/fd/{}", library.file.as_raw_fd()));
     let key = probes.next_key;
+    let (definitions, missing) = definitions(ebpf, exports, key)?;
+    let file = library
+        .file
+        .try_clone()
+        .map_err(|e| LoadError::Library(format!("{}: {e}", library.name)))?;
+    probes.registrar()?;
     probes.next_key += 1;
+    probes.registrar()?.register(Registration {
+        key,
+        file,
+        name: library.name.clone(),
+        definitions,
+        line: line(&missing),
+    });
+    Ok(Attachment { missing, key })
+}
+
+/// The uprobes to make for a library at `exports`, under the library's `key`, and the
+/// calls it does not have.
+fn definitions(
+    ebpf: &mut Ebpf,
+    exports: &Exports,
+    key: u64,
+) -> Result<(Vec<Definition>, Vec<&'static str>), LoadError> {
+    use std::os::fd::AsFd;
     let mut missing = Vec::new();
-    let mut events = Vec::new();
+    let mut definitions = Vec::new();
     for &(name, wanted) in PROBES {
-        let side = match probe_mut(ebpf, name)?.kind() {
+        let probe = probe_mut(ebpf, name)?;
+        let side = match probe.kind() {
             ProbeKind::Entry => Side::Entry,
             ProbeKind::Return => Side::Return,
         };
+        let program = probe.fd().map_err(program_error(name))?;
+        let program = std::sync::Arc::new(
+            program
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(|e| LoadError::Object(format!("{name}: {e}")))?,
+        );
         for (index, &symbol) in wanted.iter().enumerate() {
             let Some(&offset) = exports.0.get(symbol) else {
                 if !missing.contains(&symbol) {
@@ -283,36 +235,23 @@ pub(super) fn attach(
                 }
                 continue;
             };
-            let made = probe_mut(ebpf, name).and_then(|probe| {
-                let program = probe.fd().map_err(program_error(name))?;
-                UprobeEvent::new(
-                    &tracefs,
-                    format!("{name}_{key}_{index}"),
-                    side,
-                    &target,
-                    offset,
-                    program.as_fd(),
-                )
-                .map_err(|e| LoadError::Program {
-                    program: name,
-                    message: format!("attaching to {symbol} in {}: {e}", library.name),
-                })
+            definitions.push(Definition {
+                name: format!("{name}_{key}_{index}"),
+                side,
+                offset,
+                program: std::sync::Arc::clone(&program),
+                what: format!("{name} at {symbol}"),
             });
-            // On an error, the events made so far are dropped: removed again.
-            events.push(made?);
         }
     }
-    probes.add_library(key, events, &library.name);
-    Ok(Attachment { missing, key })
+    Ok((definitions, missing))
 }
 
-/// Takes the probes of one [`attach`] off again: out of every process first, then the
-/// events themselves.
+/// Takes the probes of one [`attach`] off again, in the background.
 pub(super) fn detach(probes: &mut Probes, attachment: Attachment) {
-    for follower in probes.followers.values_mut() {
-        follower.leave(attachment.key);
+    if let Ok(registrar) = probes.registrar() {
+        registrar.remove(attachment.key);
     }
-    probes.libraries.remove(&attachment.key);
 }
 
 fn probe_mut<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, LoadError> {

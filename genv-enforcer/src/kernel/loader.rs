@@ -237,18 +237,20 @@ impl KernelPrograms {
             .collect()
     }
 
-    /// Attaches the libcuda probes to `library`, at its `exports` (`--memory-at-alloc`).
+    /// Attaches the libcuda probes to `library`, at its `exports` (`--memory-at-alloc`),
+    /// in the background: `line(missing)` is said once they are in place.
     pub fn attach_cuda(
         &mut self,
         library: &cuda::Library,
         exports: &cuda::Exports,
+        line: impl FnOnce(&[&'static str]) -> String,
     ) -> Result<Attachment, LoadError> {
         if self.alloc.is_none() {
             return Err(LoadError::Object(
                 "the libcuda probes are not loaded".into(),
             ));
         }
-        cuda::attach(&mut self.ebpf, &mut self.cuda, library, exports)
+        cuda::attach(&mut self.ebpf, &mut self.cuda, library, exports, line)
     }
 
     /// Takes the probes of one [`Self::attach_cuda`] off again.
@@ -256,9 +258,10 @@ impl KernelPrograms {
         cuda::detach(&mut self.cuda, attachment);
     }
 
-    /// The processes carrying the libcuda probes (`--memory-at-alloc`).
-    pub fn cuda_probes(&mut self) -> &mut cuda::Probes {
-        &mut self.cuda
+    /// Whether a registration of the libcuda probes has been waiting on the kernel
+    /// for over a second (`--memory-at-alloc`; see `cuda::registrar`).
+    pub fn cuda_registration_stalled(&self) -> bool {
+        self.cuda.stalled()
     }
 
     /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.

@@ -59,6 +59,29 @@ pub struct DenyPolicy {
 
 /// Makes a kernel hash map hold exactly `wanted`: stale keys removed, the rest
 /// written (the programs may read it meanwhile; every entry is valid at all times).
+/// Removes `key` from `map`; a key that is not there is no failure. aya reports a
+/// delete that finds nothing as a failed `bpf_map_delete_elem` (ENOENT), not as
+/// `KeyNotFound`: taken for a failure, it was a warning at every exec of a capped
+/// environment.
+pub(super) fn remove_if_there<K: aya::Pod, V: aya::Pod>(
+    map: &mut BpfHashMap<MapData, K, V>,
+    key: &K,
+) -> Result<(), MapError> {
+    match map.remove(key) {
+        Err(e) if is_absent(&e) => Ok(()),
+        other => other,
+    }
+}
+
+/// Whether `e` says only that the key was not there.
+fn is_absent(e: &MapError) -> bool {
+    match e {
+        MapError::KeyNotFound => true,
+        MapError::SyscallError(e) => e.io_error.raw_os_error() == Some(libc::ENOENT),
+        _ => false,
+    }
+}
+
 pub(super) fn sync_map<K, V>(
     map: &mut BpfHashMap<MapData, K, V>,
     wanted: HashMap<K, V>,
@@ -73,7 +96,7 @@ where
         .filter(|key| !wanted.contains_key(key))
         .collect();
     for key in stale {
-        map.remove(&key)?;
+        remove_if_there(map, &key)?;
     }
     for (key, value) in wanted {
         map.insert(key, value, 0)?;
@@ -136,10 +159,7 @@ impl PolicyMaps {
 
     /// Drops a process's identity (one whose exit the kernel did not see).
     pub fn forget_identity(&mut self, pid: u32) -> Result<(), LoadError> {
-        match self.proc_env.remove(&pid) {
-            Err(MapError::KeyNotFound) => Ok(()),
-            other => other.map_err(map_error(PROC_ENV_MAP)),
-        }
+        remove_if_there(&mut self.proc_env, &pid).map_err(map_error(PROC_ENV_MAP))
     }
 
     /// Makes the kernel's active environments exactly `wanted`.
@@ -201,10 +221,7 @@ impl PolicyMaps {
 
     /// Ends an exemption: pinned maps outlive the daemon, and its pid will be reused.
     pub fn unexempt(&mut self, pid: u32) -> Result<(), LoadError> {
-        match self.exempt.remove(&pid) {
-            Err(MapError::KeyNotFound) => Ok(()),
-            other => other.map_err(map_error(EXEMPT_PIDS_MAP)),
-        }
+        remove_if_there(&mut self.exempt, &pid).map_err(map_error(EXEMPT_PIDS_MAP))
     }
 
     pub fn decisions(&self) -> Decisions {
@@ -220,5 +237,26 @@ impl PolicyMaps {
             kill_failed: sum(decision::KILL_FAILED),
             identity_lost: sum(decision::IDENTITY_LOST),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// aya's delete of a missing key is a failed syscall with ENOENT: no failure here.
+    #[test]
+    fn a_delete_of_a_missing_key_is_no_failure() {
+        let missing = MapError::SyscallError(aya::sys::SyscallError {
+            call: "bpf_map_delete_elem",
+            io_error: std::io::Error::from_raw_os_error(libc::ENOENT),
+        });
+        assert!(is_absent(&missing));
+        assert!(is_absent(&MapError::KeyNotFound));
+        let refused = MapError::SyscallError(aya::sys::SyscallError {
+            call: "bpf_map_delete_elem",
+            io_error: std::io::Error::from_raw_os_error(libc::EPERM),
+        });
+        assert!(!is_absent(&refused));
     }
 }

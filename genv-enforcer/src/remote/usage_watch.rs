@@ -221,6 +221,7 @@ impl Watcher {
     ) -> bool {
         // Any other error taking it (the state directory unreadable) is the snapshot's
         // to report: it reads without the lock, as before.
+        builder.read_ahead(None);
         let lock = self.lock.take(builder.state()).ok().flatten();
         let (mut snapshot, mut warnings) = builder.take();
         drop(lock);

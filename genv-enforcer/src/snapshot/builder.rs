@@ -1,10 +1,15 @@
 //! Taking a snapshot: GPU contexts from NVML (or, without NVML, GPU nodes held open in
 //! `/proc`), each process's environment (see [`super::process_table`]), and genv's state.
 //!
-//! Called with genv's global lock held, as genv takes its snapshot.
+//! genv takes its whole snapshot under its global lock. Here only the state files are
+//! read under it: the processes' claims come from their environment blocks, which their
+//! owners can keep from answering (see `crate::backends::address_space`), so they are
+//! read first, without the lock ([`SnapshotBuilder::read_ahead`]). A claim is fixed at
+//! the process's exec, so reading it earlier changes nothing that the lock protects.
 
 use std::collections::HashMap;
 use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 
 use super::inspect::{ProcessInspector, Procfs};
 use super::orphans::OrphanPolicy;
@@ -49,6 +54,16 @@ pub struct SnapshotBuilder {
     /// Keyed by pid, with the start time it had: a pid reused after a lost exit event
     /// is not the process proven.
     proven: HashMap<u32, (u32, u64)>,
+    /// What [`Self::read_ahead`] read for the next snapshot.
+    ahead: Option<Ahead>,
+}
+
+/// The half of a snapshot read before genv's lock is taken.
+struct Ahead {
+    among: Option<Vec<u32>>,
+    contexts: Vec<ComputeContext>,
+    memory_known: bool,
+    warnings: Vec<Warning>,
 }
 
 impl SnapshotBuilder {
@@ -68,6 +83,7 @@ impl SnapshotBuilder {
             nvml_missing: WarnOnce::default(),
             minor_guess: WarnOnce::default(),
             proven: HashMap::new(),
+            ahead: None,
         }
     }
 
@@ -229,17 +245,51 @@ impl SnapshotBuilder {
         &self.device_map
     }
 
-    /// Takes a snapshot. The caller holds genv's global lock.
+    /// Takes a snapshot. The caller holds genv's global lock, taken after
+    /// [`Self::read_ahead`].
     pub fn take(&mut self) -> (Snapshot, Vec<Warning>) {
         self.take_among(None)
     }
 
-    /// Takes a snapshot for a check of `among` alone (all processes when `None`): where
-    /// GPU use comes from `/proc` (no NVML), only their descriptors are read, and the
-    /// snapshot lists no other GPU process. The caller holds genv's global lock.
-    pub fn take_among(&mut self, among: Option<&[u32]>) -> (Snapshot, Vec<Warning>) {
+    /// What a snapshot for `among` reads of the processes, read before the caller takes
+    /// genv's lock: the GPU contexts and, for each process not known yet, what it
+    /// claims (its environment block, within a deadline). The snapshot taken next under
+    /// the lock reads no environment block: a process it finds unread is left out of it,
+    /// and read ahead of the next.
+    pub fn read_ahead(&mut self, among: Option<&[u32]>) {
         let mut warnings = Vec::new();
-        let (mut contexts, memory_known) = self.gpu_contexts(among, &mut warnings);
+        let (contexts, memory_known) = self.gpu_contexts_with_proven(among, &mut warnings);
+        let pids: Vec<u32> = contexts.iter().map(|c| c.pid).collect();
+        self.table.read_claims_ahead(&pids, self.inspector.as_ref());
+        self.ahead = Some(Ahead {
+            among: among.map(<[u32]>::to_vec),
+            contexts,
+            memory_known,
+            warnings,
+        });
+    }
+
+    /// Loads the record of unreadable processes kept in `run_dir` by earlier runs (a
+    /// one-shot snapshot's grace, see [`super::unreadable`]); its path, for
+    /// [`Self::save_unreadable`] (see `Unreadable::in_run_dir`).
+    pub fn remember_unreadable(&mut self, run_dir: &Path) -> Option<PathBuf> {
+        let (record, path) = super::unreadable::Unreadable::in_run_dir(run_dir)?;
+        self.table.unreadable = record;
+        Some(path)
+    }
+
+    /// Saves the record [`Self::remember_unreadable`] loaded, as it is now.
+    pub fn save_unreadable(&self, path: &Path) -> std::io::Result<()> {
+        self.table.unreadable.save(path)
+    }
+
+    /// The GPU contexts, with the processes the kernel proved to be computing.
+    fn gpu_contexts_with_proven(
+        &mut self,
+        among: Option<&[u32]>,
+        warnings: &mut Vec<Warning>,
+    ) -> (Vec<ComputeContext>, bool) {
+        let (mut contexts, memory_known) = self.gpu_contexts(among, warnings);
         self.proven
             .retain(|&pid, (_, started)| procfs::stat(pid).is_ok_and(|s| s.start_time == *started));
         for (&pid, &(index, _)) in &self.proven {
@@ -252,6 +302,27 @@ impl SnapshotBuilder {
                 });
             }
         }
+        (contexts, memory_known)
+    }
+
+    /// Takes a snapshot for a check of `among` alone (all processes when `None`): where
+    /// GPU use comes from `/proc` (no NVML), only their descriptors are read, and the
+    /// snapshot lists no other GPU process. The caller holds genv's global lock; what
+    /// [`Self::read_ahead`] read for the same `among` is used, else it is read now.
+    pub fn take_among(&mut self, among: Option<&[u32]>) -> (Snapshot, Vec<Warning>) {
+        let ahead = self
+            .ahead
+            .take()
+            .filter(|ahead| ahead.among.as_deref() == among);
+        let (contexts, memory_known, mut warnings) = match ahead {
+            Some(ahead) => (ahead.contexts, ahead.memory_known, ahead.warnings),
+            None => {
+                self.table.read_claims_now();
+                let mut warnings = Vec::new();
+                let (contexts, known) = self.gpu_contexts_with_proven(among, &mut warnings);
+                (contexts, known, warnings)
+            }
+        };
 
         let (envs, devices) = self.guarded_state(&mut warnings);
 

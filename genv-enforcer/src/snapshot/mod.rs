@@ -18,6 +18,7 @@ mod orphans;
 mod owner_names;
 mod owners;
 mod process_table;
+mod unreadable;
 mod wire;
 
 #[cfg(test)]

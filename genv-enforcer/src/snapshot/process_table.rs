@@ -5,16 +5,18 @@
 
 use crate::warn_once::WarnOnce;
 use std::collections::HashMap;
-use std::io;
 
 use super::inspect::{ProcessInspector, handle_budget, read_stats};
 use super::order::python_set_order;
 use super::orphans::{DroppedEnvs, Orphan, OrphanPolicy};
+use super::unreadable::Unreadable;
 use super::{GpuProcess, Usage, Warning};
 use crate::backends::nvml::ComputeContext;
 use crate::backends::proc_events::{Changes, ProcEvents};
 use crate::backends::procfs::{EnvironError, ProcStat, StatFile};
 use crate::state::Env;
+use claims::{KernelClaim, claim_of_identity, orphan_of, resolve_env};
+use unread::Unread;
 
 /// How far a process's `GENV_ENVIRONMENT_ID` is believed. genv believes it always; by
 /// default the enforcer believes it only for an active environment of the process's own
@@ -55,6 +57,23 @@ pub(crate) struct ProcessTable {
     pub(crate) dropped: DroppedEnvs,
     /// The last assembly's orphans.
     pub(crate) orphans: Vec<Orphan>,
+    /// Claims read before genv's lock was taken, for the assembly under it.
+    ahead: HashMap<u32, ReadAhead>,
+    /// The next assembly reads no environment block: [`ProcessTable::read_claims_ahead`]
+    /// read them.
+    claims_read_ahead: bool,
+    /// The identities of the environments active at the last assembly: a process the
+    /// kernel records in one of them needs no block read ahead.
+    env_hashes: std::collections::HashSet<u64>,
+    /// GPU processes whose blocks do not answer, and since when.
+    pub(crate) unreadable: Unreadable,
+}
+
+/// A process's claim, read ahead of the lock, with the image it was read of.
+struct ReadAhead {
+    start_time: u64,
+    exec_fingerprint: [u64; 3],
+    claim: Result<Option<String>, EnvironError>,
 }
 
 #[derive(Debug, Default)]
@@ -72,6 +91,59 @@ impl ProcessTable {
     pub(crate) fn forget(&mut self, pid: u32) {
         self.known.remove(&pid);
         self.stat_files.remove(&pid);
+    }
+
+    /// Reads what the processes in `pids` not known yet claim, before genv's lock is
+    /// taken (see `SnapshotBuilder::read_ahead`): the next assembly reads no block.
+    pub(crate) fn read_claims_ahead(&mut self, pids: &[u32], inspector: &dyn ProcessInspector) {
+        use genv_ebpf_common::identity;
+        self.ahead.clear();
+        self.claims_read_ahead = true;
+        for &pid in pids {
+            if self.known.contains_key(&pid) || self.ahead.contains_key(&pid) {
+                continue;
+            }
+            let Ok(stat) = inspector.stat(pid) else {
+                continue; // gone: the assembly leaves it out
+            };
+            let needs_block = match inspector.kernel_identity(pid) {
+                Some(identity::NO_ENV) => false,
+                Some(identity::UNRESOLVED) | None => true,
+                Some(hash) => !self.env_hashes.contains(&hash),
+            };
+            if stat.is_kernel_thread() || !needs_block {
+                continue;
+            }
+            let claim = inspector.environment_id(pid);
+            self.ahead.insert(
+                pid,
+                ReadAhead {
+                    start_time: stat.start_time,
+                    exec_fingerprint: stat.exec_fingerprint,
+                    claim,
+                },
+            );
+        }
+    }
+
+    /// An assembly among `envs` begins: the environments' identities are noted, and the
+    /// unreadable processes gone are forgotten.
+    fn begin(&mut self, envs: Option<&[Env]>, inspector: &dyn ProcessInspector) {
+        if let Some(envs) = envs {
+            self.env_hashes = envs
+                .iter()
+                .filter(|e| e.eid.len() <= genv_ebpf_common::MAX_ENV_ID)
+                .map(|e| genv_ebpf_common::env_id_hash(e.eid.as_bytes()))
+                .collect();
+        }
+        self.unreadable
+            .retain(|pid, started| inspector.stat(pid).is_ok_and(|s| s.start_time == started));
+    }
+
+    /// The next assembly reads what it needs itself (nothing was read ahead of it).
+    pub(crate) fn read_claims_now(&mut self) {
+        self.ahead.clear();
+        self.claims_read_ahead = false;
     }
 
     /// Forgets what changed since the last assembly; `true` when the events say that
@@ -116,6 +188,7 @@ pub(crate) fn assemble_processes(
         });
     }
     let order = python_set_order(contexts.iter().map(|c| c.pid));
+    table.begin(envs, inspector);
     table.known.retain(|pid, _| usage.contains_key(pid));
     table.orphans.clear();
     table.stat_files.retain(|pid, _| usage.contains_key(pid));
@@ -155,35 +228,9 @@ pub(crate) fn assemble_processes(
         processes.extend(place.judge(table, gpus, inspector, warnings));
     }
     warnings.extend(unread.warning());
+    table.claims_read_ahead = false;
+    table.ahead.clear();
     processes
-}
-
-/// The processes whose `stat` could not be read for a reason other than their end: left
-/// out of this cycle like the gone ones (no rule may act on a process it cannot tell),
-/// but said, once per cycle, so that a node short of descriptors is not quietly
-/// unenforced.
-#[derive(Default)]
-struct Unread {
-    count: usize,
-    first: Option<(u32, String)>,
-}
-
-impl Unread {
-    fn note(&mut self, pid: u32, e: &io::Error) {
-        let gone = e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH);
-        if !gone {
-            self.count += 1;
-            self.first.get_or_insert_with(|| (pid, e.to_string()));
-        }
-    }
-
-    fn warning(self) -> Option<Warning> {
-        let (pid, error) = self.first?;
-        Some(warning!(
-            "cannot read /proc/{pid}/stat ({error}): {} GPU process(es) left out of this cycle, read again next cycle",
-            self.count
-        ))
-    }
 }
 
 /// One GPU process of this assembly, its image known.
@@ -267,15 +314,24 @@ fn refresh_known(
         return true;
     }
     table.known.remove(&pid);
-    let recorded = inspector.kernel_identity(pid);
-    let claimed = match recorded.map_or(KernelClaim::AskProc, |id| claim_of_identity(id, envs)) {
-        KernelClaim::Outside => Ok(None),
-        KernelClaim::In(eid) => Ok(Some(eid)),
-        KernelClaim::AskProc => inspector.environment_id(pid),
+    let Some(claimed) = claim_of(table, pid, stat, inspector, envs) else {
+        return false;
     };
     let claimed = match claimed {
-        Ok(claimed) => claimed,
+        Ok(claimed) => {
+            table.unreadable.answered(pid);
+            claimed
+        }
         Err(EnvironError::Gone(_)) => return false,
+        Err(e) if e.held_by_owner() => {
+            if !table
+                .unreadable
+                .past_grace(pid, stat.start_time, &e, warnings)
+            {
+                return false;
+            }
+            None
+        }
         Err(e) => {
             warnings.push(warning!(
                 "{e}: cannot tell its environment, leaving process {pid} alone"
@@ -296,106 +352,38 @@ fn refresh_known(
     true
 }
 
-/// An orphan: a process of its own environment (its uid, or root) that genv dropped,
-/// on GPUs that environment had attached. Anywhere else it is no orphan, and the rules
-/// judge it as the claim of an environment not active.
-fn orphan_of(
-    dropped: &DroppedEnvs,
-    eid: &str,
-    gpus: &[Usage],
-    uid: &mut dyn FnMut() -> io::Result<u32>,
-) -> Option<Orphan> {
-    let env = dropped.dropped(eid)?;
-    if !gpus.iter().all(|u| env.attached.contains(&u.index)) {
-        return None;
-    }
-    let uid = uid().ok()?;
-    (uid == env.uid || uid == 0).then(|| Orphan {
-        pid: 0,
-        uid,
-        eid: eid.to_owned(),
-    })
-}
-
-/// What the kernel's exec-time record says of a process's environment.
-#[derive(Debug, PartialEq, Eq)]
-enum KernelClaim {
-    /// No `GENV_ENVIRONMENT_ID` at its exec: outside any environment.
-    Outside,
-    /// This active environment.
-    In(String),
-    /// Nothing to go by: the kernel could not resolve it, or it names an environment
-    /// not active now, whose id only `/proc` can spell.
-    AskProc,
-}
-
-/// The claim the kernel's exec-time record (`identity`) makes, among `envs`.
-fn claim_of_identity(identity: u64, envs: Option<&[Env]>) -> KernelClaim {
-    use genv_ebpf_common::{MAX_ENV_ID, env_id_hash, identity as kernel};
-    match identity {
-        kernel::UNRESOLVED => KernelClaim::AskProc,
-        kernel::NO_ENV => KernelClaim::Outside,
-        hash => envs
-            .into_iter()
-            .flatten()
-            .find(|e| {
-                !e.key_lost && e.eid.len() <= MAX_ENV_ID && env_id_hash(e.eid.as_bytes()) == hash
-            })
-            .map_or(KernelClaim::AskProc, |e| KernelClaim::In(e.eid.clone())),
-    }
-}
-
-/// The environment a process counts as being in: `Some(None)` outside any,
-/// `Some(Some(eid))` in `eid`, `None` when it cannot be told.
-fn resolve_env(
+/// What process `pid` (its image as `stat` reads) claims: the kernel's exec-time record
+/// where there is one, else its environment block, read ahead of genv's lock (or now,
+/// where nothing was read ahead); `None` when it was not read ahead (it is new, or
+/// exec'd, since): it is left out of this snapshot, and read ahead of the next.
+fn claim_of(
+    table: &mut ProcessTable,
     pid: u32,
-    claimed: Option<String>,
+    stat: &ProcStat,
+    inspector: &dyn ProcessInspector,
     envs: Option<&[Env]>,
-    uid: &mut dyn FnMut() -> io::Result<u32>,
-    policy: EnvPolicy,
-    warnings: &mut Vec<Warning>,
-) -> Option<Option<String>> {
-    let Some(eid) = claimed else {
-        return Some(None);
-    };
-    if policy.trust_unknown_env_ids && policy.trust_foreign_env_ids {
-        return Some(Some(eid));
-    }
-    let Some(envs) = envs else {
-        warnings.push(warning!(
-            "cannot check environment {eid} of process {pid} without envs.json: leaving it alone"
-        ));
-        return None;
-    };
-    let Some(env) = envs.iter().find(|e| e.eid == eid) else {
-        if policy.trust_unknown_env_ids {
-            return Some(Some(eid));
-        }
-        warnings.push(warning!(
-            "process {pid} claims environment {eid}, which is not active: it counts as outside any environment"
-        ));
-        return Some(None);
-    };
-    if policy.trust_foreign_env_ids {
-        return Some(Some(eid));
-    }
-    match uid() {
-        Ok(uid) if uid == env.uid || uid == 0 => Some(Some(eid)),
-        Ok(uid) => {
-            warnings.push(warning!(
-                "process {pid} of uid {uid} claims environment {eid} of uid {}: it counts as outside any environment",
-                env.uid
-            ));
-            Some(None)
-        }
-        Err(e) => {
-            warnings.push(warning!(
-                "cannot read the uid of process {pid} ({e}): leaving it alone"
-            ));
-            None
-        }
-    }
+) -> Option<Result<Option<String>, EnvironError>> {
+    let recorded = inspector.kernel_identity(pid);
+    Some(
+        match recorded.map_or(KernelClaim::AskProc, |id| claim_of_identity(id, envs)) {
+            KernelClaim::Outside => Ok(None),
+            KernelClaim::In(eid) => Ok(Some(eid)),
+            KernelClaim::AskProc => match table.ahead.remove(&pid) {
+                Some(ahead)
+                    if ahead.start_time == stat.start_time
+                        && ahead.exec_fingerprint == stat.exec_fingerprint =>
+                {
+                    ahead.claim
+                }
+                _ if table.claims_read_ahead => return None,
+                _ => inspector.environment_id(pid),
+            },
+        },
+    )
 }
+
+mod claims;
+mod unread;
 
 #[cfg(test)]
 mod event_tests;
@@ -404,6 +392,7 @@ mod event_tests;
 mod tests {
     use super::*;
     use crate::backends::procfs::ProcStat;
+    use std::io;
     use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
     /// A made-up process: (uid, environ as read or `Err` if unreadable, kernel thread).

@@ -93,10 +93,11 @@ impl KernelSide {
         status.counts.identities_seeded += done.seeded as u64;
         if done != Default::default() && settings.verbose {
             tracing::info!(
-                "Identities resynchronised: {} read from /proc, {} recorded anew, {} of processes gone dropped",
+                "Identities resynchronised: {} read from /proc, {} recorded anew, {} of processes gone dropped, {} whose blocks did not answer in time",
                 done.resolved,
                 done.seeded,
-                done.pruned
+                done.pruned,
+                done.unresolved
             );
         }
     }

@@ -18,27 +18,68 @@ pub fn identity_of(id: Option<&str>) -> u64 {
     }
 }
 
-/// Records, for every process that exists now, the identity its environment block
-/// gives; the exec and fork hooks keep it current from here on (they were attached
-/// first, and an entry they wrote wins over this). How many were seeded.
-pub fn seed_identities(maps: &mut PolicyMaps) -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    let mut seeded = 0;
-    for pid in dir
-        .filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-    {
-        // Gone, or a kernel thread (empty block): nothing to record.
-        let Ok(id) = procfs::environment_id(pid) else {
-            continue;
+/// What one seeding of the kernel's identities from `/proc` did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Seeded {
+    /// Processes whose identity was recorded.
+    pub seeded: usize,
+    /// Processes whose environment block did not answer in time (their owner holds
+    /// their address space): recorded as unresolved, read again at each full cycle.
+    pub unresolved: Vec<u32>,
+}
+
+impl Seeded {
+    /// Said once per seeding that left some unresolved, naming the first few.
+    pub fn say_unresolved(&self) {
+        if self.unresolved.is_empty() {
+            return;
+        }
+        let first: Vec<String> = self.unresolved.iter().take(8).map(u32::to_string).collect();
+        tracing::warn!(
+            "The environment blocks of {} process(es) did not answer in time (their owners hold their address spaces: pid {}): unresolved, read again at each full cycle; one that stays unreadable and uses a GPU is judged outside any environment",
+            self.unresolved.len(),
+            first.join(", ")
+        );
+    }
+}
+
+/// Records the identity its environment block gives each process in `pids`, or
+/// `UNRESOLVED` where the block does not answer in time.
+fn seed(maps: &mut PolicyMaps, pids: impl Iterator<Item = u32>) -> Seeded {
+    let mut done = Seeded::default();
+    for pid in pids {
+        let identity = match procfs::environment_id(pid) {
+            Ok(id) => identity_of(id.as_deref()),
+            Err(procfs::EnvironError::NoAnswer(..)) => {
+                done.unresolved.push(pid);
+                identity::UNRESOLVED
+            }
+            // Gone, or a kernel thread (empty block): nothing to record.
+            Err(_) => continue,
         };
-        if maps.seed_identity(pid, identity_of(id.as_deref())).is_ok() {
-            seeded += 1;
+        if maps.seed_identity(pid, identity).is_ok() && identity != identity::UNRESOLVED {
+            done.seeded += 1;
         }
     }
-    seeded
+    done
+}
+
+/// Every pid in `/proc` now.
+fn pids_now() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .collect()
+}
+
+/// Records, for every process that exists now, the identity its environment block
+/// gives; the exec and fork hooks keep it current from here on (they were attached
+/// first, and an entry they wrote wins over this). A process whose block does not
+/// answer within its deadline is recorded unresolved, and costs the start no more.
+pub fn seed_identities(maps: &mut PolicyMaps) -> Seeded {
+    seed(maps, pids_now().into_iter())
 }
 
 /// The identity of a process whose environment block the exec hook could not read in
@@ -74,6 +115,8 @@ pub struct Resync {
     pub seeded: usize,
     /// Identities of processes that no longer exist (only when `prune`).
     pub pruned: usize,
+    /// Processes seeded unresolved: their blocks did not answer in time.
+    pub unresolved: usize,
 }
 
 /// Makes the kernel's identities whole again: no process stays unresolved or without
@@ -97,21 +140,10 @@ pub fn resync_identities(maps: &mut PolicyMaps, prune: bool, verbose: bool) -> R
             done.resolved += 1;
         }
     }
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return done;
-    };
-    for pid in dir
-        .filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| !recorded.contains(pid))
-    {
-        let Ok(id) = procfs::environment_id(pid) else {
-            continue; // gone, or a kernel thread
-        };
-        if maps.seed_identity(pid, identity_of(id.as_deref())).is_ok() {
-            done.seeded += 1;
-        }
-    }
+    let unseeded = pids_now().into_iter().filter(|pid| !recorded.contains(pid));
+    let seeded = seed(maps, unseeded);
+    done.seeded += seeded.seeded;
+    done.unresolved += seeded.unresolved.len();
     done
 }
 

@@ -73,8 +73,10 @@ impl KernelSide {
         status.allowed = side.install_allow_list(settings, None)?;
         let seeded = identity::seed_identities(side.programs.policy_mut());
         tracing::info!(
-            "Environment identities of {seeded} running processes recorded in the kernel"
+            "Environment identities of {} running processes recorded in the kernel",
+            seeded.seeded
         );
+        seeded.say_unresolved();
         Ok(Some((side, intake)))
     }
 

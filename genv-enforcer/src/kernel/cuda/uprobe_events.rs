@@ -1,25 +1,17 @@
-//! The probes placed only in the processes that need them (`--memory-at-alloc`).
+//! The libcuda probes as tracefs uprobe events, registered system-wide.
 //!
-//! The kernel places a uprobe's breakpoints in a process only where one of its
-//! consumers' filters wants that process. A tracefs uprobe event has one consumer,
-//! whose filter is the set of processes with a perf event open on it (everyone, as soon
-//! as one of those events is system-wide). So each probed call of a library is one
-//! tracefs uprobe event, made once (`uprobe_events`), and:
-//! - its *carrier*, a perf event on the daemon itself (whose address space never maps
-//!   libcuda), holds the BPF program (`PERF_EVENT_IOC_SET_BPF`). The program is the
-//!   event's, not the perf event's: it runs on every hit of the uprobe, in whichever
-//!   process another perf event placed the breakpoint;
-//! - each process that needs the probes gets one perf event per uprobe ([`Follower`]),
-//!   opened on it with its pid: that places the breakpoints in its address space, now
-//!   and in whatever it maps later. Closing them takes them out again, at once.
+//! Each probed call of a library is one tracefs uprobe event, made once, and its
+//! *carrier*: a perf event on it for every process (`pid` -1, on CPU 0), which holds the
+//! BPF program (`PERF_EVENT_IOC_SET_BPF`). A system-wide perf event makes the uprobe's
+//! filter want every process, so the kernel places the breakpoints in each process that
+//! maps the library, at its `mmap`, in that process's own context; the program runs on
+//! every hit, on any CPU (the program is the event's, not the perf event's), and returns
+//! at once for a process outside a capped environment. Nothing here is done per process:
+//! opening or closing a perf event on a uprobe walks every address space that maps the
+//! file, under a lock every `fork()` needs (see [`super::registrar`]).
 //!
-//! No event is enabled: none records a sample (the programs return 0, and a disabled
-//! event collects nothing); they are there for the filter and the program.
-//!
-//! Why not aya's per-process uprobe: that is a perf PMU uprobe of its own per process,
-//! so one uprobe per process and call. Each closed one waits out an RCU grace period
-//! (about 120 ms here, 3 s for a process's thirty), and every hit walks every other
-//! process's consumer.
+//! The carrier is disabled: it records no sample (the programs return 0, and a disabled
+//! event collects nothing); it is there for the filter and the program.
 
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -61,8 +53,8 @@ pub enum Side {
 }
 
 /// One tracefs uprobe event, its carrier holding the program. Dropped, the program is
-/// taken off and the event removed; every [`Follower`] on it must be gone first (the
-/// kernel refuses to remove an event still open: it is then left, and said).
+/// taken off and the event removed (the kernel refuses to remove an event still open:
+/// it is then left, and said).
 pub struct UprobeEvent {
     tracefs: PathBuf,
     group: String,
@@ -106,7 +98,7 @@ impl UprobeEvent {
                 format!("{}: not an id: {text:?}", id_path.display()),
             )
         })?;
-        let carrier = open(event.id, 0)?;
+        let carrier = open_system_wide(event.id)?;
         // SAFETY: an ioctl on a perf event we own, with a program descriptor as its
         // argument, as the kernel defines it.
         let set = unsafe {
@@ -128,12 +120,6 @@ impl UprobeEvent {
             .join("events")
             .join(&self.group)
             .join(&self.name)
-    }
-
-    /// A perf event of process `pid` on this uprobe: while it is open, the process
-    /// carries the uprobe's breakpoint.
-    pub fn follow(&self, pid: u32) -> io::Result<OwnedFd> {
-        open(self.id, pid as i32)
     }
 }
 
@@ -166,9 +152,9 @@ fn write_definition(tracefs: &Path, line: &str) -> io::Result<()> {
         .map_err(|e| io::Error::new(e.kind(), format!("{}: {line:?}: {e}", path.display())))
 }
 
-/// `perf_event_open` of tracepoint `id` for process `pid` (0: this one), on every CPU,
-/// disabled.
-fn open(id: u64, pid: i32) -> io::Result<OwnedFd> {
+/// `perf_event_open` of tracepoint `id` for every process (on CPU 0: a perf event for
+/// every process names one CPU; the program runs on all of them), disabled.
+fn open_system_wide(id: u64) -> io::Result<OwnedFd> {
     let attr = PerfEventAttr {
         kind: PERF_TYPE_TRACEPOINT,
         size: size_of::<PerfEventAttr>() as u32,
@@ -183,8 +169,8 @@ fn open(id: u64, pid: i32) -> io::Result<OwnedFd> {
         libc::syscall(
             libc::SYS_perf_event_open,
             &attr as *const PerfEventAttr,
-            pid,
             -1 as libc::c_int,
+            0 as libc::c_int,
             -1 as libc::c_int,
             PERF_FLAG_FD_CLOEXEC,
         )
@@ -234,28 +220,5 @@ pub fn remove_stale(tracefs: &Path) {
                 tracing::warn!("--memory-at-alloc: cannot remove a dead daemon's uprobe: {e}");
             }
         }
-    }
-}
-
-/// The perf events that place one process's breakpoints, one per uprobe; dropped, they
-/// are taken out.
-pub struct Follower {
-    /// `/proc/<pid>/stat`'s start time when followed: a pid reused is another process.
-    pub start_time: u64,
-    /// By the key of the library's events they follow.
-    pub events: Vec<(u64, OwnedFd)>,
-}
-
-impl Follower {
-    pub fn new(start_time: u64) -> Self {
-        Self {
-            start_time,
-            events: Vec::new(),
-        }
-    }
-
-    /// Takes out those on the library `key`'s events.
-    pub fn leave(&mut self, key: u64) {
-        self.events.retain(|(k, _)| *k != key);
     }
 }

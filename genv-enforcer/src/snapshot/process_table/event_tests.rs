@@ -1,7 +1,7 @@
 //! The table with the kernel's process events, on real processes: a process with no
 //! event since it was read is not read again, and one that exec'd is.
 
-use std::io::Write;
+use std::io::{self, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
