@@ -7,10 +7,16 @@
 
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use genv_enforcer_tests::events::{EventDaemon, make_gpu_node};
 use genv_enforcer_tests::harness::{KillOnDrop, wait_exit};
 use genv_enforcer_tests::stall::{StallFuse, blocks_reading, hold_lock_in, holder_command};
+use genv_enforcer_tests::{Genv, Node, device_record, env_record, path, serial, wait_for_or};
+use serde_json::json;
+
+const DEATH: Duration = Duration::from_secs(30);
 
 const NOBODY: u32 = 65534;
 
@@ -67,4 +73,253 @@ fn stall_harness_answering_after_releases_by_itself() {
         "the holder's environ still cannot be read 10 s after its READ came (answered \
          after 2 s)"
     );
+}
+
+// The enforcer against a user who holds their own address space.
+
+/// The grace an unreadable GPU process gets before it counts as outside any environment
+/// (`snapshot::unreadable::GRACE`), and what a check may add to it.
+const GRACE: Duration = Duration::from_secs(10);
+const CHECK: Duration = Duration::from_secs(10);
+
+/// A node whose GPU 0 is `gpu`, with the environment `E` of nobody attached to it.
+fn node_with_nobodys_e() -> (Node, PathBuf) {
+    let mut node = Node::new(2);
+    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record("E", NOBODY, "nobody", None, shell)]),
+        json!([device_record(0, &["E"]), device_record(1, &[])]),
+    );
+    (node, gpu)
+}
+
+/// A holder of `fuse`'s lock as nobody, in environment `eid` (or none), listed by NVML
+/// on GPU 0: a GPU process whose environment block cannot be read.
+fn gpu_holder(node: &mut Node, fuse: &StallFuse, eid: Option<&str>) -> KillOnDrop {
+    let mut command = holder_command(fuse, &[]);
+    command
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .env_remove("GENV_ENVIRONMENT_ID");
+    if let Some(eid) = eid {
+        command.env("GENV_ENVIRONMENT_ID", eid);
+    }
+    let holder = KillOnDrop(hold_lock_in(&mut command));
+    node.add_context(holder.0.id(), 0, 100);
+    holder
+}
+
+/// The daemon started after a user began holding a GPU process's lock reaches its
+/// watching state within a bound (the process's identity unresolved, said), and
+/// enforces: an outsider's open is answered. (Before, its start read every process's
+/// environment block on the main thread, and never got past that one.)
+#[test]
+fn the_event_driven_daemon_starts_and_enforces_while_a_user_holds_their_lock() {
+    let _serial = serial();
+    let (mut node, gpu) = node_with_nobodys_e();
+    let _holder: KillOnDrop; // dropped after the server (see above)
+    let fuse = StallFuse::new(NOBODY);
+    _holder = gpu_holder(&mut node, &fuse, Some("E"));
+    let started = Instant::now();
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
+        return;
+    };
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "started in {:?}",
+        started.elapsed()
+    );
+    daemon.expect("did not answer in time (their owners hold their address spaces: pid");
+    let rogue = node.spawn_with(None, &[(0, 100)], &["--open", path(&gpu)], None);
+    assert_eq!(node.wait_exit(rogue, DEATH), Some(libc::SIGTERM));
+}
+
+/// A GPU process outside any environment that keeps its own block unreadable gains
+/// nothing: once it has been so for the grace period, it is judged as outside any
+/// environment and terminated. (Before, the daemon never started.)
+#[test]
+fn an_unreadable_gpu_process_outside_any_environment_is_terminated_after_the_grace() {
+    let _serial = serial();
+    let (mut node, _gpu) = node_with_nobodys_e();
+    let mut holder: KillOnDrop;
+    let fuse = StallFuse::new(NOBODY);
+    holder = gpu_holder(&mut node, &fuse, None);
+    let pid = holder.0.id();
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes", "--interval", "2"])
+    else {
+        return;
+    };
+    let started = Instant::now();
+    daemon.expect(&format!("leaving process {pid} alone for now"));
+    let line = wait_for_or(
+        "the unreadable process to be terminated",
+        GRACE + CHECK + CHECK,
+        || {
+            daemon
+                .lines()
+                .into_iter()
+                .find(|l| l.contains(&format!("Terminating process {pid} ")))
+        },
+        || format!("{:#?}", daemon.lines()),
+    );
+    assert!(line.contains("environment N/A"), "{line}");
+    assert!(
+        started.elapsed() >= GRACE - Duration::from_secs(1),
+        "terminated before the grace: {:?}",
+        started.elapsed()
+    );
+    daemon.expect(&format!(
+        "process {pid}'s environment block has not been readable for"
+    ));
+    // Its threads wait on the server; once it is gone, the signal ends it.
+    drop(fuse);
+    let status = wait_exit(&mut holder.0, DEATH).expect("the holder exits");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(libc::SIGTERM)
+    );
+}
+
+/// A brief hold (a core dump, a burst of `mmap`) gets no process of an environment
+/// terminated: its block does not answer at the daemon's start, then does, and it is
+/// judged by it. (This guards the grace's other side.)
+#[test]
+fn a_process_in_an_environment_whose_lock_is_held_for_seconds_is_not_terminated() {
+    let _serial = serial();
+    let (mut node, _gpu) = node_with_nobodys_e();
+    let holder: KillOnDrop;
+    let fuse = StallFuse::answering_after(NOBODY, Duration::from_secs(4));
+    holder = gpu_holder(&mut node, &fuse, Some("E"));
+    let pid = holder.0.id();
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes", "--interval", "2"])
+    else {
+        return;
+    };
+    daemon.expect(&format!(
+        "their owners hold their address spaces: pid {pid}"
+    ));
+    // Read again once it answers, at a full cycle; then judged as in E, on E's GPU.
+    daemon.expect("Identities resynchronised: 1 read from /proc");
+    let cycles = daemon.count("full_cycles");
+    daemon.wait_count_at_least("full_cycles", cycles + 3);
+    assert!(
+        !daemon
+            .lines()
+            .iter()
+            .any(|l| l.contains(&format!("Terminating process {pid} "))),
+        "{:#?}",
+        daemon.lines()
+    );
+    assert_eq!(daemon.status()["counts"]["terminated"], 0);
+    assert!(
+        !blocks_reading(&PathBuf::from(format!("/proc/{pid}/environ")), DEATH),
+        "the hold never ended"
+    );
+}
+
+/// `usage snapshot` (what remote enforcement runs on each host) answers within its
+/// bound while a GPU process's block does not: that process is left out, and said.
+#[test]
+fn usage_snapshot_answers_while_a_user_holds_their_lock() {
+    let _serial = serial();
+    let (mut node, _gpu) = node_with_nobodys_e();
+    let _holder: KillOnDrop;
+    let fuse = StallFuse::new(NOBODY);
+    _holder = gpu_holder(&mut node, &fuse, Some("E"));
+    let pid = _holder.0.id();
+    let mut snapshot = node
+        .enforcer()
+        .args(["usage", "snapshot"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_exit(&mut snapshot, Duration::from_secs(10));
+    if status.is_none() {
+        let _ = snapshot.kill();
+        let _ = snapshot.wait();
+        panic!("usage snapshot waited 10 s on the held process");
+    }
+    let output = snapshot.wait_with_output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&format!("leaving process {pid} alone")),
+        "{stderr}"
+    );
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert!(json["processes"].is_array(), "{json}");
+}
+
+/// With `--memory-at-alloc kill`, a capped environment's exec, fork and exit while a user
+/// holds the lock of a process that maps the probed libcuda leave no `fork()` on the
+/// node waiting over a second, and the daemon's status stays fresh. (Before, each made
+/// the daemon open per-process perf events on the probes, a registration that
+/// write-locks every address space mapping libcuda under the lock `fork()` takes.)
+#[test]
+fn a_capped_environments_lifecycle_stalls_no_fork_while_a_user_holds_their_lock() {
+    let _serial = serial();
+    let (mut node, _gpu) = node_with_nobodys_e();
+    let (lib, _cuda_env) = node.cuda();
+    let args = ["--memory-at-alloc", "kill", "--cuda-lib", path(&lib)];
+    let Some(daemon) = EventDaemon::start(&node, &args) else {
+        return;
+    };
+    daemon.expect("are held to their environment's gpu_memory");
+    let _holder: KillOnDrop;
+    let fuse = StallFuse::new(NOBODY);
+    let mut command = holder_command(&fuse, &[]);
+    command.args(["--map", path(&lib)]).uid(NOBODY).gid(NOBODY);
+    _holder = KillOnDrop(hold_lock_in(&mut command));
+
+    let forks = ForkProber::start();
+    let script = "genv activate --id mu; genv config gpu-memory 1g; genv attach --index 1; \
+                  for i in 1 2 3; do /bin/true; (sleep 0.1) & done; wait";
+    let run = Genv::get().bash(&node, script);
+    assert!(run.success, "{}", run.stderr);
+    daemon.expect("caps held at the allocation: mu 1g");
+    let barrier = daemon.barrier();
+    let slowest = forks.stop();
+    assert!(
+        slowest < Duration::from_secs(1),
+        "a fork waited {slowest:?} on the node"
+    );
+    let updated = barrier["updated"].as_u64().unwrap();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(now - updated < 15, "the status is {} s old", now - updated);
+}
+
+/// Forks `/bin/true` in a loop from a thread of its own, timing each spawn.
+struct ForkProber {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Duration>,
+}
+
+impl ForkProber {
+    fn start() -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = std::sync::Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut slowest = Duration::ZERO;
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                let started = Instant::now();
+                let mut child = Command::new("/bin/true").spawn().unwrap();
+                slowest = slowest.max(started.elapsed());
+                child.wait().unwrap();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            slowest
+        });
+        Self { stop, thread }
+    }
+
+    /// The slowest spawn seen.
+    fn stop(self) -> Duration {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap()
+    }
 }

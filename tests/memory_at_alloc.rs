@@ -159,9 +159,9 @@ fn capped(
     );
     let user = CudaUser::start(node, cuda_env, &setup);
     daemon.expect(&format!("caps held at the allocation: {eid} 1g"));
-    // Followed at its exec (woken at once) or when the cap came, whichever was last: a
-    // real program's CUDA start takes far longer than that.
-    daemon.expect(&format!("Process {} carries the libcuda probes", user.pid));
+    // Read at its exec (woken at once) or when the cap came, whichever was last: a real
+    // program's CUDA start takes far longer than that.
+    daemon.expect(&format!("Process {} is held at its allocations", user.pid));
     user
 }
 
@@ -474,13 +474,15 @@ fn report_mode_says_so_and_lets_the_allocation_through() {
     );
 }
 
-/// Only a process of an environment with a cap carries the probes: one outside any
-/// environment, or in one without a cap, has no breakpoint in its address space (its
-/// CUDA calls cost nothing and start nothing in the daemon), and is judged at its GPU
-/// open, as `cuInit` makes one. An environment given a cap later has its running
-/// processes carry them from then on, and one whose cap goes, no longer.
+/// The probes are registered once, system-wide: every process that maps libcuda has
+/// their breakpoints, placed by the kernel at its own `mmap`. Only a process of an
+/// environment with a cap is held: one outside any environment, or in one without a
+/// cap, starts nothing in the daemon and is charged nothing (its calls return from the
+/// programs at once), and is judged at its GPU open, as `cuInit` makes one. An
+/// environment given a cap later has its running processes held from then on, and one
+/// whose cap goes, no longer.
 #[test]
-fn only_processes_in_capped_environments_carry_the_probes_breakpoints() {
+fn only_processes_in_capped_environments_are_held_though_every_one_has_the_breakpoints() {
     let _serial = serial();
     let mut node = Node::new(2);
     let (lib, mut cuda_env) = node.cuda();
@@ -491,17 +493,17 @@ fn only_processes_in_capped_environments_carry_the_probes_breakpoints() {
     insider.init(&daemon, "0");
     let breakpoint = "0xcc";
     assert_eq!(insider.ok("peek cuMemAlloc_v2"), breakpoint);
-    assert_eq!(insider.ok("peek cuInit"), breakpoint);
 
-    // An environment without a cap.
+    // An environment without a cap: breakpoints, and nothing started or charged.
     let mut uncapped = CudaUser::start(
         &mut node,
         &cuda_env,
         "genv activate --id iota; genv attach --index 1",
     );
     uncapped.ok("init");
-    assert_ne!(uncapped.ok("peek cuMemAlloc_v2"), breakpoint);
-    assert_ne!(uncapped.ok("peek cuInit"), breakpoint);
+    assert_eq!(uncapped.ok("peek cuMemAlloc_v2"), breakpoint);
+    uncapped.ok("ctx 0");
+    uncapped.ok("alloc 100");
 
     // Outside any environment, on a libcuda whose `cuInit` opens a GPU node.
     let gpu = node.dir.join("nvidia0");
@@ -510,8 +512,7 @@ fn only_processes_in_capped_environments_carry_the_probes_breakpoints() {
     let mut command = Command::new(artefact("cuda-user"));
     command.env_remove("GENV_ENVIRONMENT_ID");
     let mut outsider = CudaUser::spawn(&mut node, &cuda_env, command);
-    assert_ne!(outsider.ok("peek cuMemAlloc_v2"), breakpoint);
-    assert_ne!(outsider.ok("peek cuInit"), breakpoint);
+    assert_eq!(outsider.ok("peek cuInit"), breakpoint);
     // Its open is watched; once NVML lists it on the GPU, it is terminated (answered or
     // not: the signal may land first).
     outsider.send(&["init", "ctx 0", "alloc 100"]);
@@ -523,90 +524,64 @@ fn only_processes_in_capped_environments_carry_the_probes_breakpoints() {
     // The insider's start alone was seen.
     assert_eq!(daemon.status()["counts"]["cuda_starts"], 1);
 
-    // The cap comes: the running process carries the probes; it goes: no longer.
+    // The cap comes: the running process is held from then on; it goes: no longer.
     let capped = Genv::get().bash(&node, "genv activate --id iota; genv config gpu-memory 1g");
     assert!(capped.success, "{}", capped.stderr);
     daemon.expect("caps held at the allocation: iota 1g");
     daemon.expect(&format!(
-        "Process {} carries the libcuda probes",
+        "Process {} is held at its allocations",
         uncapped.pid
     ));
-    assert_eq!(uncapped.ok("peek cuMemAlloc_v2"), breakpoint);
+    uncapped.ok("alloc 600");
+    killed_at(&mut node, &daemon, &mut uncapped, "alloc 600");
     let cleared = Genv::get().bash(
         &node,
         "genv activate --id iota; genv config --clear gpu-memory",
     );
     assert!(cleared.success, "{}", cleared.stderr);
     daemon.expect_count("caps held at the allocation: theta 1g", 2);
-    assert_ne!(uncapped.ok("peek cuMemAlloc_v2"), breakpoint);
-    assert_eq!(insider.ok("peek cuMemAlloc_v2"), breakpoint);
     insider.ok("ctx 0");
     insider.ok("alloc 100");
 }
 
-/// A user forking without end in a capped environment cannot take the daemon's
-/// descriptors: the processes' perf events (about 30 a process) hold at most half its
-/// limit. A process past that is said, held by the memory poll alone, and the daemon
-/// goes on; once a place is free, the next full cycle has it carry them.
+/// A user forking without end in a capped environment costs the daemon no descriptor:
+/// nothing is opened per process (the probes' perf events are the libraries', one per
+/// probed call), so no pool one user could exhaust for others is there.
 #[test]
-fn the_probes_hold_at_most_half_the_daemons_descriptors() {
+fn processes_in_a_capped_environment_cost_the_daemon_no_descriptor() {
     let _serial = serial();
     let mut node = Node::new(2);
     let (lib, cuda_env) = node.cuda();
     let Some(daemon) = daemon(&node, &lib, "kill", &[]) else {
         return;
     };
-    // The daemon's limit lowered to 256 descriptors (about 70 in use, the libraries'
-    // carriers among them): 128 for the processes' perf events, four processes' worth.
-    let limit = libc::rlimit {
-        rlim_cur: 256,
-        rlim_max: 256,
-    };
-    // SAFETY: prlimit(2) of another process's limit, from a live struct; nothing read.
-    let set = unsafe {
-        libc::prlimit(
-            daemon.daemon.pid() as i32,
-            libc::RLIMIT_NOFILE,
-            &limit,
-            std::ptr::null_mut(),
-        )
-    };
-    assert_eq!(set, 0, "{}", std::io::Error::last_os_error());
     let mut first = capped(&mut node, &cuda_env, &daemon, "lambda", &[0]);
-    assert_eq!(first.ok("peek cuMemAlloc_v2"), "0xcc");
+    let perf_events = || perf_events_of(daemon.daemon.pid());
+    let before = perf_events();
+    assert!(before > 0, "the library's probes hold perf events");
     let mut more = Vec::new();
     for _ in 0..5 {
         let mut command = Command::new(artefact("cuda-user"));
         command.env("GENV_ENVIRONMENT_ID", "lambda");
-        more.push(CudaUser::spawn(&mut node, &cuda_env, command));
+        let user = CudaUser::spawn(&mut node, &cuda_env, command);
+        daemon.expect(&format!("Process {} is held at its allocations", user.pid));
+        more.push(user);
     }
-    daemon.expect("cannot carry the probes (the probes' share of the daemon's descriptors");
-    let (mut refused, mut carrying) = (Vec::new(), Vec::new());
-    for (i, user) in more.iter_mut().enumerate() {
-        match user.ok("peek cuMemAlloc_v2") == "0xcc" {
-            true => carrying.push(i),
-            false => refused.push(i),
-        }
-    }
-    assert!(!refused.is_empty(), "all carry the probes");
-    // A place comes free (a process exits); once the daemon has the exit, a full cycle
-    // (genv's next write; one made before it may come first) has a refused process
-    // carry the probes.
-    let gone = more[carrying[0]].pid;
-    // SAFETY: kill(2) of a child of this test.
-    assert_eq!(unsafe { libc::kill(gone as i32, libc::SIGKILL) }, 0);
-    assert_eq!(node.wait_exit(gone, DEATH), Some(libc::SIGKILL));
-    wait_until("a refused process to carry the probes", DEATH, || {
-        Genv::get().bash(&node, "genv activate --id mu");
-        refused
-            .iter()
-            .any(|&i| more[i].ok("peek cuMemAlloc_v2") == "0xcc")
-    });
-    // The daemon went on: the first process is still held at the allocation.
+    assert_eq!(perf_events(), before, "perf events opened per process");
+    // All of them are held at the allocation.
     first.init(&daemon, "0");
     first.ok("ctx 0");
     first.ok("alloc 600");
     killed_at(&mut node, &daemon, &mut first, "alloc 600");
+}
+
+/// How many perf events process `pid` holds open.
+fn perf_events_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter(|target| target.to_string_lossy() == "anon_inode:[perf_event]")
+        .count()
 }
 
 /// A size no driver can give (2^63 + 1 bytes) is charged as the largest allocation
@@ -665,7 +640,7 @@ fn a_duplicated_visible_devices_is_read_as_cuda_reads_it() {
          ctypes.CDLL(None).execve(argv[0], argv, envp)' \"$CUDA_USER\"";
     let mut user = CudaUser::start(&mut node, &cuda_env, exec);
     daemon.expect("caps held at the allocation: mu 1g");
-    daemon.expect(&format!("Process {} carries the libcuda probes", user.pid));
+    daemon.expect(&format!("Process {} is held at its allocations", user.pid));
     user.init(&daemon, "1");
     user.ok("ctx 0");
     user.ok("alloc 600");
@@ -691,7 +666,7 @@ fn a_gpu_named_by_uuid_in_visible_devices_is_charged() {
          export CUDA_VISIBLE_DEVICES=GPU-fake-1",
     );
     daemon.expect("caps held at the allocation: nu 1g");
-    daemon.expect(&format!("Process {} carries the libcuda probes", user.pid));
+    daemon.expect(&format!("Process {} is held at its allocations", user.pid));
     user.init(&daemon, "GPU-fake-1");
     user.ok("ctx 0");
     user.ok("alloc 600");
@@ -728,7 +703,7 @@ fn a_uuid_read_before_nvml_listed_any_gpu_is_resolved_once_it_does() {
          export CUDA_VISIBLE_DEVICES=GPU-fake-1",
     );
     daemon.expect("caps held at the allocation: xi 1g");
-    daemon.expect(&format!("Process {} carries the libcuda probes", user.pid));
+    daemon.expect(&format!("Process {} is held at its allocations", user.pid));
     user.init(&daemon, "GPU-fake-1");
     user.ok("ctx 0");
     user.ok("alloc 600");

@@ -333,7 +333,7 @@ fn any_tier_a_process_killed_in_an_allocation_is_told_why() {
     };
     // Woken by its exec, the daemon has it carry the probes (a real program's CUDA
     // start takes far longer than that).
-    daemon.expect(&format!("Process {pid} carries the libcuda probes"));
+    daemon.expect(&format!("Process {pid} is held at its allocations"));
     assert!(call("init").starts_with("ok"));
     daemon.expect(&format!(
         "Process {pid} started CUDA with CUDA_VISIBLE_DEVICES=0"

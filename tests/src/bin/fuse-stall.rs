@@ -9,7 +9,9 @@
 //!   `default_permissions`), drops to UID and serves one file, `data` (1 MiB, 0644,
 //!   UID's), whose READ requests it never answers, or answers (zeros) N ms after each
 //!   came. Prints `mounted` once it answered the kernel's INIT.
-//! - `hold --file PATH [--open DEV]...` (as the user): maps PATH, then thread A reads
+//! - `hold --file PATH [--open DEV]... [--map LIB]...` (as the user): maps each LIB
+//!   executable (as a program maps a library, so that a uprobe on it walks this
+//!   process), maps PATH, then thread A reads
 //!   the mapping through `/proc/self/mem`. That read takes the process's `mmap_lock` for
 //!   reading (`access_remote_vm`, not a per-VMA lock) and faults the page in under it
 //!   without leave to drop it (no `FAULT_FLAG_ALLOW_RETRY`), so it holds the lock for as
@@ -44,7 +46,7 @@ fn main() -> anyhow::Result<()> {
         Some("hold") => hold(&args[1..]),
         _ => bail!(
             "usage: fuse-stall serve --mountpoint DIR --uid UID [--answer-after-ms N]\n       \
-             fuse-stall hold --file PATH [--open DEV]..."
+             fuse-stall hold --file PATH [--open DEV]... [--map LIB]..."
         ),
     }
 }
@@ -540,16 +542,34 @@ struct Open {
 }
 
 fn hold(args: &[String]) -> anyhow::Result<()> {
-    let (mut file, mut opens) = (None, Vec::new());
+    let (mut file, mut opens, mut maps) = (None, Vec::new(), Vec::new());
     for (name, value) in options(args)? {
         match name {
             "file" => file = Some(value.to_owned()),
+            "map" => maps.push(std::fs::File::open(value).context("opening --map")?),
             "open" => opens.push(Open {
                 path: CString::new(value)?,
                 as_path_only: format!("opened {value} with O_PATH\n").into_bytes(),
                 failed: format!("fuse-stall: cannot open {value}\n").into_bytes(),
             }),
             _ => bail!("hold: unknown option --{name}"),
+        }
+    }
+    for library in &maps {
+        // SAFETY: a fresh mapping of a file kept open for the process's life, as a
+        // program maps a library; nothing reads it.
+        let mapped = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                library.metadata()?.len() as usize,
+                libc::PROT_READ | libc::PROT_EXEC,
+                libc::MAP_PRIVATE,
+                library.as_raw_fd(),
+                0,
+            )
+        };
+        if mapped == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error()).context("mmap of --map");
         }
     }
     let file = std::fs::File::open(file.context("--file")?).context("opening --file")?;
