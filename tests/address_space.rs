@@ -249,7 +249,7 @@ fn usage_snapshot_answers_while_a_user_holds_their_lock() {
         "{stderr}"
     );
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    assert!(json["processes"].is_array(), "{json}");
+    assert_eq!(json["processes"]["processes"], json!([]), "{json}");
 }
 
 /// With `--memory-at-alloc kill`, a capped environment's exec, fork and exit while a user
@@ -322,4 +322,38 @@ impl ForkProber {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.thread.join().unwrap()
     }
+}
+
+/// A daemon with `--memory-at-alloc` started while a user holds a process that maps the
+/// libcuda to probe: the registration (whose walk would wait for that process, holding
+/// the lock every `fork()` takes) is put off and said, the node's forks go on, and the
+/// probes are registered once the user lets go. (Before, the daemon's start waited in
+/// the registration, and every fork on the node with it.)
+#[test]
+fn a_registration_is_put_off_while_a_process_mapping_the_library_holds_its_lock() {
+    let _serial = serial();
+    let (mut node, _gpu) = node_with_nobodys_e();
+    let (lib, _cuda_env) = node.cuda();
+    let holder: KillOnDrop;
+    let fuse = StallFuse::new(NOBODY);
+    let mut command = holder_command(&fuse, &[]);
+    command.args(["--map", path(&lib)]).uid(NOBODY).gid(NOBODY);
+    holder = KillOnDrop(hold_lock_in(&mut command));
+    let forks = ForkProber::start();
+    let args = ["--memory-at-alloc", "kill", "--cuda-lib", path(&lib)];
+    let Some(daemon) = EventDaemon::start(&node, &args) else {
+        return;
+    };
+    let line = daemon.expect("not probing");
+    assert!(
+        line.contains(&format!("{} (uid {NOBODY})", holder.0.id())),
+        "{line}"
+    );
+    let slowest = forks.stop();
+    assert!(
+        slowest < Duration::from_secs(1),
+        "a fork waited {slowest:?} on the node"
+    );
+    drop(fuse);
+    daemon.expect("are held to their environment's gpu_memory");
 }

@@ -124,10 +124,15 @@ impl Copies {
     /// probed, within the budget. What it maps is read on a worker with a deadline
     /// ([`open_mapped`]): its owner can keep its address space from answering.
     fn look(&mut self, programs: &mut KernelPrograms, pid: u32, uid: u32, now: Instant) {
-        let Ok(started) = procfs::stat(pid).map(|s| s.start_time) else {
+        let Ok(stat) = procfs::stat(pid) else {
             return; // gone
         };
-        let process = address_space::Process { pid, started };
+        let started = stat.start_time;
+        let process = address_space::Process {
+            pid,
+            started,
+            image: stat.exec_fingerprint,
+        };
         let opened = match address_space::read(process, SpaceFile::Maps, move || open_mapped(pid)) {
             Ok(Ok(opened)) => opened,
             Ok(Err(e)) => {

@@ -154,10 +154,9 @@ impl AllocSide {
         }
         let changed = caps.kernel_entries() != self.caps.kernel_entries();
         self.caps = caps;
-        // The processes carry the probes before the caps are said to be held. Chosen
-        // again at every full cycle, not only when the caps change: one whose exec the
-        // kernel's ring buffer lost, whose identity was settled since, or whose follow
-        // failed, is caught up here.
+        // The processes of capped environments are read before the caps are said to be
+        // held. Caught up at every full cycle, not only when the caps change: one whose
+        // exec the kernel's ring buffer lost, or whose identity was settled since.
         for process in self.capped.caught_up(programs, &self.caps) {
             self.read_devices(programs, process, gpus, "is held at its allocations");
         }
@@ -170,8 +169,8 @@ impl AllocSide {
     }
 
     /// A process exec'ed or was forked (its identity in the kernel is final by now: read
-    /// at the exec, or inherited): it carries the probes if its environment has a cap,
-    /// and not otherwise.
+    /// at the exec, or inherited): if its environment has a cap, what CUDA will read of
+    /// it is read now (the probes, system-wide, hold it from its first call).
     pub fn place_probes(&mut self, programs: &mut KernelPrograms, pid: u32, gpus: &[GpuInfo]) {
         if let Some(started) = self.capped.placed(programs, &self.caps, pid) {
             self.read_devices(programs, (pid, started), gpus, "is held at its allocations");
@@ -217,7 +216,8 @@ impl AllocSide {
 
     /// What CUDA will read of `pid`'s environment, into the kernel: its device
     /// numbering, and the cap it was started with. Read at its CUDA start, and before,
-    /// when it is made to carry the probes (which may be too late for its `cuInit`).
+    /// at its exec or fork into a capped environment (which may be too late for its
+    /// `cuInit`).
     fn read_devices(
         &mut self,
         programs: &mut KernelPrograms,

@@ -66,9 +66,8 @@ struct Slot {
     answer: Mutex<Option<Answer>>,
     done: Condvar,
     uid: u32,
-    /// The process's start time (`/proc/<pid>` directory's), so that an answer that
-    /// came late is never taken for another process given the pid.
-    started: u64,
+    /// The image read, so that an answer that came late is never taken for another.
+    process: Process,
 }
 
 #[derive(Default)]
@@ -103,12 +102,14 @@ fn owner_of(pid: u32) -> Option<u32> {
     Some(std::fs::metadata(format!("/proc/{pid}")).ok()?.uid())
 }
 
-/// The process a read is of: its pid, and its start time (`/proc/<pid>/stat`'s), so that
-/// a late answer is never taken for another process given the pid.
+/// The process image a read is of: its pid, start time and exec fingerprint
+/// (`/proc/<pid>/stat`'s), so that a late answer is never taken for another process
+/// given the pid, nor for the image the process exec'd since.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Process {
     pub pid: u32,
     pub started: u64,
+    pub image: [u64; 3],
 }
 
 /// Runs `read` (a read of `process`'s `file`) on a worker, and waits for it at most
@@ -123,21 +124,22 @@ pub fn read<R: Send + 'static>(
 
 /// [`read`] with a deadline of its own.
 pub fn read_within<R: Send + 'static>(
-    Process { pid, started }: Process,
+    process: Process,
     file: SpaceFile,
     wait: Duration,
     read: impl FnOnce() -> R + Send + 'static,
 ) -> Result<R, NoAnswer> {
     let reader = reader();
+    let pid = process.pid;
     let Some(uid) = owner_of(pid) else {
         return Ok(read()); // gone: the read says so at once, holding nothing
     };
-    let slot = match book(reader, (pid, file), uid, started)? {
+    let slot = match book(reader, (pid, file), uid, process)? {
         Booked::Answered(answer) => {
             if let Ok(answer) = answer.downcast::<R>() {
                 return Ok(*answer);
             }
-            book(reader, (pid, file), uid, started)?.into_slot()?
+            book(reader, (pid, file), uid, process)?.into_slot()?
         }
         Booked::Slot(slot) => slot,
     };
@@ -159,7 +161,8 @@ pub fn read_within<R: Send + 'static>(
         return Ok(*answer.downcast::<R>().expect("the answer of this read"));
     }
     let mut book = reader.book.lock().unwrap_or_else(|e| e.into_inner());
-    book.held.insert((pid, file), slot);
+    // A read raced to the same key is kept: one blocked worker is as good as two.
+    book.held.entry((pid, file)).or_insert(slot);
     Err(NoAnswer::Held)
 }
 
@@ -180,25 +183,25 @@ impl Booked {
     }
 }
 
-/// Takes a worker for a read of `key` (a process owned by `uid`, started at `started`),
+/// Takes a worker for a read of `key` (the image `process`, owned by `uid`),
 /// unless an earlier read of it is held, or answered late, or `uid` holds
 /// [`HELD_PER_UID`] reads, or every worker is taken.
 fn book(
     reader: &'static Reader,
     key: (u32, SpaceFile),
     uid: u32,
-    started: u64,
+    process: Process,
 ) -> Result<Booked, NoAnswer> {
     let mut book = reader.book.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(held) = book.held.get(&key).cloned() {
         let answered = held.answer.lock().unwrap_or_else(|e| e.into_inner()).take();
         match answered {
-            None if held.started == started => return Err(NoAnswer::Held),
-            // Another process now has the pid: its read is its own.
+            None if held.process == process => return Err(NoAnswer::Held),
+            // Another process now has the pid, or it exec'd: its read is its own.
             None => {}
             Some(answer) => {
                 book.held.remove(&key);
-                if held.started == started {
+                if held.process == process {
                     return Ok(Booked::Answered(answer));
                 }
             }
@@ -220,7 +223,7 @@ fn book(
         answer: Mutex::new(None),
         done: Condvar::new(),
         uid,
-        started,
+        process,
     })))
 }
 
@@ -325,8 +328,12 @@ mod tests {
 
     fn me() -> Process {
         let pid = std::process::id();
-        let started = crate::backends::procfs::stat(pid).unwrap().start_time;
-        Process { pid, started }
+        let stat = crate::backends::procfs::stat(pid).unwrap();
+        Process {
+            pid,
+            started: stat.start_time,
+            image: stat.exec_fingerprint,
+        }
     }
 
     #[test]

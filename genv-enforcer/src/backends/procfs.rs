@@ -241,9 +241,13 @@ pub fn first_environment_vars<const N: usize>(
 /// The process's environment block, read on a worker with a deadline: the read takes the
 /// process's `mmap_lock`, which its owner can hold for ever (see [`address_space`]).
 fn environ(pid: u32) -> Result<Vec<u8>, EnvironError> {
-    let started = stat(pid).map_err(|_| EnvironError::Gone(pid))?.start_time;
+    let stat = stat(pid).map_err(|_| EnvironError::Gone(pid))?;
     let path = format!("/proc/{pid}/environ");
-    let process = address_space::Process { pid, started };
+    let process = address_space::Process {
+        pid,
+        started: stat.start_time,
+        image: stat.exec_fingerprint,
+    };
     let read = address_space::read(process, SpaceFile::Environ, move || read_all(&path))
         .map_err(|e| EnvironError::NoAnswer(pid, e))?;
     read.map_err(|e| match e.kind() {

@@ -112,7 +112,7 @@ fn usage_snapshot(
     drop(lock);
     if let Some(record) = record {
         if let Err(e) = builder.save_unreadable(&record) {
-            tracing::warn!("Cannot write {}: {e}", record.display());
+            tracing::warn!("Cannot write {}: {e}", record.path().display());
         }
     }
     warnings.extend(snapshot.name_confirmed_owners(crate::backends::users::name_of));

@@ -57,8 +57,6 @@ pub struct DenyPolicy {
     pub root: bool,
 }
 
-/// Makes a kernel hash map hold exactly `wanted`: stale keys removed, the rest
-/// written (the programs may read it meanwhile; every entry is valid at all times).
 /// Removes `key` from `map`; a key that is not there is no failure. aya reports a
 /// delete that finds nothing as a failed `bpf_map_delete_elem` (ENOENT), not as
 /// `KeyNotFound`: taken for a failure, it was a warning at every exec of a capped
@@ -82,6 +80,8 @@ fn is_absent(e: &MapError) -> bool {
     }
 }
 
+/// Makes a kernel hash map hold exactly `wanted`: stale keys removed, the rest
+/// written (the programs may read it meanwhile; every entry is valid at all times).
 pub(super) fn sync_map<K, V>(
     map: &mut BpfHashMap<MapData, K, V>,
     wanted: HashMap<K, V>,

@@ -63,6 +63,14 @@ pub struct Status {
     /// What users were told: decisions recorded, log records held back, terminal lines.
     #[serde(default)]
     pub told: crate::notify::Counts,
+    /// Reads of processes' address spaces waiting past their deadline now (their owners
+    /// hold them; see `backends::address_space`), as of the last full cycle.
+    #[serde(default)]
+    pub address_spaces_held: usize,
+    /// `--memory-at-alloc`: a registration of the libcuda probes has been waiting on the
+    /// kernel for over a second (see `kernel::cuda::registrar`).
+    #[serde(default)]
+    pub probes_registration_stalled: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

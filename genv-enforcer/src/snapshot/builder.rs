@@ -9,7 +9,9 @@
 
 use std::collections::HashMap;
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use super::unreadable::Kept;
 
 use super::inspect::{ProcessInspector, Procfs};
 use super::orphans::OrphanPolicy;
@@ -272,15 +274,15 @@ impl SnapshotBuilder {
     /// Loads the record of unreadable processes kept in `run_dir` by earlier runs (a
     /// one-shot snapshot's grace, see [`super::unreadable`]); its path, for
     /// [`Self::save_unreadable`] (see `Unreadable::in_run_dir`).
-    pub fn remember_unreadable(&mut self, run_dir: &Path) -> Option<PathBuf> {
-        let (record, path) = super::unreadable::Unreadable::in_run_dir(run_dir)?;
+    pub fn remember_unreadable(&mut self, run_dir: &Path) -> Option<Kept> {
+        let (record, kept) = super::unreadable::Unreadable::in_run_dir(run_dir)?;
         self.table.unreadable = record;
-        Some(path)
+        Some(kept)
     }
 
     /// Saves the record [`Self::remember_unreadable`] loaded, as it is now.
-    pub fn save_unreadable(&self, path: &Path) -> std::io::Result<()> {
-        self.table.unreadable.save(path)
+    pub fn save_unreadable(&self, kept: &Kept) -> std::io::Result<()> {
+        self.table.unreadable.save_to(kept)
     }
 
     /// The GPU contexts, with the processes the kernel proved to be computing.
@@ -324,6 +326,10 @@ impl SnapshotBuilder {
             }
         };
 
+        if among.is_none() {
+            let pids: Vec<u32> = contexts.iter().map(|c| c.pid).collect();
+            self.table.unreadable.keep_only(&pids);
+        }
         let (envs, devices) = self.guarded_state(&mut warnings);
 
         if let Some(envs) = &envs {

@@ -15,7 +15,8 @@ use crate::backends::nvml::ComputeContext;
 use crate::backends::proc_events::{Changes, ProcEvents};
 use crate::backends::procfs::{EnvironError, ProcStat, StatFile};
 use crate::state::Env;
-use claims::{KernelClaim, claim_of_identity, orphan_of, resolve_env};
+use claims::{orphan_of, resolve_env};
+use read_ahead::{ReadAhead, claim_of};
 use unread::Unread;
 
 /// How far a process's `GENV_ENVIRONMENT_ID` is believed. genv believes it always; by
@@ -59,6 +60,9 @@ pub(crate) struct ProcessTable {
     pub(crate) orphans: Vec<Orphan>,
     /// Claims read before genv's lock was taken, for the assembly under it.
     ahead: HashMap<u32, ReadAhead>,
+    /// The start time of every GPU process as it was read ahead: the GPU contexts were
+    /// listed then, and a pid that names another process now is not that context's.
+    ahead_started: HashMap<u32, u64>,
     /// The next assembly reads no environment block: [`ProcessTable::read_claims_ahead`]
     /// read them.
     claims_read_ahead: bool,
@@ -67,13 +71,6 @@ pub(crate) struct ProcessTable {
     env_hashes: std::collections::HashSet<u64>,
     /// GPU processes whose blocks do not answer, and since when.
     pub(crate) unreadable: Unreadable,
-}
-
-/// A process's claim, read ahead of the lock, with the image it was read of.
-struct ReadAhead {
-    start_time: u64,
-    exec_fingerprint: [u64; 3],
-    claim: Result<Option<String>, EnvironError>,
 }
 
 #[derive(Debug, Default)]
@@ -96,34 +93,7 @@ impl ProcessTable {
     /// Reads what the processes in `pids` not known yet claim, before genv's lock is
     /// taken (see `SnapshotBuilder::read_ahead`): the next assembly reads no block.
     pub(crate) fn read_claims_ahead(&mut self, pids: &[u32], inspector: &dyn ProcessInspector) {
-        use genv_ebpf_common::identity;
-        self.ahead.clear();
-        self.claims_read_ahead = true;
-        for &pid in pids {
-            if self.known.contains_key(&pid) || self.ahead.contains_key(&pid) {
-                continue;
-            }
-            let Ok(stat) = inspector.stat(pid) else {
-                continue; // gone: the assembly leaves it out
-            };
-            let needs_block = match inspector.kernel_identity(pid) {
-                Some(identity::NO_ENV) => false,
-                Some(identity::UNRESOLVED) | None => true,
-                Some(hash) => !self.env_hashes.contains(&hash),
-            };
-            if stat.is_kernel_thread() || !needs_block {
-                continue;
-            }
-            let claim = inspector.environment_id(pid);
-            self.ahead.insert(
-                pid,
-                ReadAhead {
-                    start_time: stat.start_time,
-                    exec_fingerprint: stat.exec_fingerprint,
-                    claim,
-                },
-            );
-        }
+        read_ahead::read_claims_ahead(self, pids, inspector);
     }
 
     /// An assembly among `envs` begins: the environments' identities are noted, and the
@@ -140,9 +110,16 @@ impl ProcessTable {
             .retain(|pid, started| inspector.stat(pid).is_ok_and(|s| s.start_time == started));
     }
 
+    /// Whether `pid`, started at `start_time`, is the process read ahead (always, where
+    /// nothing was).
+    fn same_as_ahead(&self, pid: u32, start_time: u64) -> bool {
+        !self.claims_read_ahead || self.ahead_started.get(&pid) == Some(&start_time)
+    }
+
     /// The next assembly reads what it needs itself (nothing was read ahead of it).
     pub(crate) fn read_claims_now(&mut self) {
         self.ahead.clear();
+        self.ahead_started.clear();
         self.claims_read_ahead = false;
     }
 
@@ -211,6 +188,7 @@ pub(crate) fn assemble_processes(
                 continue;
             }
             Some((_, Ok(stat))) if stat.is_kernel_thread() => continue,
+            Some((_, Ok(stat))) if !table.same_as_ahead(pid, stat.start_time) => continue,
             Some((_, Ok(stat))) => {
                 if !refresh_known(table, pid, &stat, inspector, envs, warnings) {
                     continue;
@@ -228,8 +206,7 @@ pub(crate) fn assemble_processes(
         processes.extend(place.judge(table, gpus, inspector, warnings));
     }
     warnings.extend(unread.warning());
-    table.claims_read_ahead = false;
-    table.ahead.clear();
+    table.read_claims_now();
     processes
 }
 
@@ -352,37 +329,8 @@ fn refresh_known(
     true
 }
 
-/// What process `pid` (its image as `stat` reads) claims: the kernel's exec-time record
-/// where there is one, else its environment block, read ahead of genv's lock (or now,
-/// where nothing was read ahead); `None` when it was not read ahead (it is new, or
-/// exec'd, since): it is left out of this snapshot, and read ahead of the next.
-fn claim_of(
-    table: &mut ProcessTable,
-    pid: u32,
-    stat: &ProcStat,
-    inspector: &dyn ProcessInspector,
-    envs: Option<&[Env]>,
-) -> Option<Result<Option<String>, EnvironError>> {
-    let recorded = inspector.kernel_identity(pid);
-    Some(
-        match recorded.map_or(KernelClaim::AskProc, |id| claim_of_identity(id, envs)) {
-            KernelClaim::Outside => Ok(None),
-            KernelClaim::In(eid) => Ok(Some(eid)),
-            KernelClaim::AskProc => match table.ahead.remove(&pid) {
-                Some(ahead)
-                    if ahead.start_time == stat.start_time
-                        && ahead.exec_fingerprint == stat.exec_fingerprint =>
-                {
-                    ahead.claim
-                }
-                _ if table.claims_read_ahead => return None,
-                _ => inspector.environment_id(pid),
-            },
-        },
-    )
-}
-
 mod claims;
+mod read_ahead;
 mod unread;
 
 #[cfg(test)]
@@ -390,6 +338,7 @@ mod event_tests;
 
 #[cfg(test)]
 mod tests {
+    use super::claims::{KernelClaim, claim_of_identity};
     use super::*;
     use crate::backends::procfs::ProcStat;
     use std::io;

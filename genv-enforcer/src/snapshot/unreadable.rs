@@ -29,6 +29,18 @@ const LIMIT: usize = 4096;
 /// The largest file [`Unreadable::load`] reads.
 const FILE_LIMIT: u64 = 256 * 1024;
 
+/// Where a record is kept between runs, and the lock that is this run's turn.
+pub struct Kept {
+    path: std::path::PathBuf,
+    _lock: std::fs::File,
+}
+
+impl Kept {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
 /// When each process (pid, start time) was first found unreadable, in milliseconds of
 /// `CLOCK_BOOTTIME` (so that a record never outlives a reboot as a valid one).
 #[derive(Debug, Default)]
@@ -103,10 +115,12 @@ impl Unreadable {
         }
     }
 
-    /// The record kept in `run_dir` by earlier runs, and its path; `None` where this is
-    /// not root or `run_dir` is not root's alone (it is made, 0755, if missing).
-    pub(crate) fn in_run_dir(run_dir: &Path) -> Option<(Self, std::path::PathBuf)> {
-        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    /// The record kept in `run_dir` by earlier runs, and where it goes back; `None` where
+    /// this is not root or `run_dir` is not root's alone (it is made, 0755, if missing).
+    /// Runs at once take turns (an `flock` of root's own file, held until the record is
+    /// saved), so that none loses another's update.
+    pub(crate) fn in_run_dir(run_dir: &Path) -> Option<(Self, Kept)> {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
         if !rustix::process::geteuid().is_root() {
             return None; // nothing root keeps can be trusted or written
         }
@@ -116,7 +130,16 @@ impl Unreadable {
             return None;
         }
         let path = run_dir.join("unreadable-processes");
-        Some((Self::load(&path), path))
+        let lock = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path.with_extension("lock"))
+            .ok()?;
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).ok()?;
+        Some((Self::load(&path), Kept { path, _lock: lock }))
     }
 
     /// The records of `path`: `pid start_time first_ms` lines. A missing, unreadable or
@@ -151,9 +174,21 @@ impl Unreadable {
         Self { first }
     }
 
+    /// Keeps only the processes in `gpu_processes` (after a full snapshot): one that
+    /// stopped using a GPU starts its clock anew if it is found unreadable again.
+    pub(crate) fn keep_only(&mut self, gpu_processes: &[u32]) {
+        self.first.retain(|pid, _| gpu_processes.contains(pid));
+    }
+
+    /// Writes the records where `kept` says (a new file renamed over it, mode 0600); an
+    /// empty record removes it.
+    pub(crate) fn save_to(&self, kept: &Kept) -> std::io::Result<()> {
+        self.save(&kept.path)
+    }
+
     /// Writes the records to `path` (a new file renamed over it, mode 0600); an empty
     /// record removes it.
-    pub(crate) fn save(&self, path: &Path) -> std::io::Result<()> {
+    fn save(&self, path: &Path) -> std::io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
         if self.first.is_empty() {
             return match std::fs::remove_file(path) {
@@ -166,13 +201,17 @@ impl Unreadable {
             text.push_str(&format!("{pid} {start} {first}\n"));
         }
         let temporary = path.with_extension(format!("new.{}", std::process::id()));
-        let mut file = std::fs::OpenOptions::new()
+        let written = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
-            .open(&temporary)?;
-        file.write_all(text.as_bytes())?;
-        std::fs::rename(&temporary, path)
+            .open(&temporary)
+            .and_then(|mut file| file.write_all(text.as_bytes()))
+            .and_then(|()| std::fs::rename(&temporary, path));
+        if written.is_err() {
+            let _ = std::fs::remove_file(&temporary);
+        }
+        written
     }
 }
 

@@ -42,6 +42,8 @@ impl KernelSide {
         self.mirror_state(settings, status, state, &summary.dropped_envs);
         self.resync_identities(settings, status);
         self.follow_nvml(settings, status);
+        status.address_spaces_held = crate::backends::address_space::held_now();
+        status.probes_registration_stalled = self.programs.cuda_registration_stalled();
     }
 
     /// Once NVML is loaded, its tools may sit beside it (`/usr/local/nvidia/lib64` and

@@ -141,27 +141,51 @@ impl Drop for Registrar {
     }
 }
 
+/// How often a registration put off (a process that maps the library holds its
+/// address space) is tried again.
+const TRY_AGAIN: Duration = Duration::from_secs(2);
+
+/// A registration put off, and the holders last said for it.
+type PutOff = (Registration, Vec<(u32, u32)>);
+
 fn run(tracefs: &std::path::Path, queue: &mpsc::Receiver<Job>, busy: &Mutex<Busy>) {
     let mut libraries: HashMap<u64, Vec<UprobeEvent>> = HashMap::new();
+    let mut put_off: Vec<PutOff> = Vec::new();
     let set_busy = |what: Option<String>| {
         let mut busy = busy.lock().unwrap_or_else(|e| e.into_inner());
         busy.what = what.map(|w| (w, Instant::now()));
         busy.said = false;
     };
-    while let Ok(job) = queue.recv() {
+    loop {
+        let job = match put_off.is_empty() {
+            true => queue.recv().ok(),
+            false => match queue.recv_timeout(TRY_AGAIN) {
+                Ok(job) => Some(job),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            },
+        };
         match job {
-            Job::Register(registration) => {
-                set_busy(Some(format!(
-                    "registering the probes of {}",
-                    registration.name
-                )));
-                if let Some(events) = register(tracefs, registration) {
-                    libraries.insert(events.0, events.1);
-                }
-            }
-            Job::Remove(key) => {
+            Some(Job::Register(registration)) => put_off.push((registration, Vec::new())),
+            Some(Job::Remove(key)) => {
+                put_off.retain(|(registration, _)| registration.key != key);
                 set_busy(Some("removing the probes of a libcuda copy".into()));
                 drop(libraries.remove(&key));
+            }
+            None if put_off.is_empty() => break,
+            None => {}
+        }
+        for (registration, said) in std::mem::take(&mut put_off) {
+            if let Some(held) = still_held(&registration, said) {
+                put_off.push((registration, held));
+                continue;
+            }
+            set_busy(Some(format!(
+                "registering the probes of {}",
+                registration.name
+            )));
+            if let Some(events) = register(tracefs, registration) {
+                libraries.insert(events.0, events.1);
             }
         }
         set_busy(None);
@@ -211,6 +235,85 @@ fn register(
     Some((key, events))
 }
 
+/// The processes holding a registration off now (said when they are not those `said`
+/// last time), or `None` when it can go ahead.
+fn still_held(registration: &Registration, said: Vec<(u32, u32)>) -> Option<Vec<(u32, u32)>> {
+    let held = held_mappers(&registration.file);
+    if held.is_empty() {
+        return None;
+    }
+    if held != said {
+        tracing::warn!(
+            "--memory-at-alloc: not probing {} yet: {} map it and hold their address spaces (a registration would wait for them, and every fork() on the node with it); tried again every {} s",
+            registration.name,
+            named(&held),
+            TRY_AGAIN.as_secs()
+        );
+    }
+    Some(held)
+}
+
+/// The processes that map `file` and whose address spaces do not answer now (the
+/// registration's walk would wait for them, holding `dup_mmap_sem`), with their owners.
+/// A process whose mappings cannot be read in time (kernels that read them under the
+/// lock) counts as one. What a user starts holding after this look is still waited for:
+/// the look narrows the window, it cannot close it (see SECURITY.md).
+fn held_mappers(file: &std::fs::File) -> Vec<(u32, u32)> {
+    use crate::backends::address_space::{self, NoAnswer, Process, SpaceFile};
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = file.metadata() else {
+        return Vec::new();
+    };
+    let (major, minor) = (libc::major(meta.dev()), libc::minor(meta.dev()));
+    let needle = format!(" {major:02x}:{minor:02x} {} ", meta.ino());
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut held = Vec::new();
+    for pid in dir
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+    {
+        let Ok(stat) = crate::backends::procfs::stat(pid) else {
+            continue;
+        };
+        let process = Process {
+            pid,
+            started: stat.start_time,
+            image: stat.exec_fingerprint,
+        };
+        let path = format!("/proc/{pid}/maps");
+        let maps = address_space::read(process, SpaceFile::Maps, move || {
+            std::fs::read_to_string(path).unwrap_or_default()
+        });
+        let maps_it = match maps {
+            Ok(maps) => maps.lines().any(|line| line.contains(&needle)),
+            Err(NoAnswer::Held) => true,
+            Err(NoAnswer::Busy) => false,
+        };
+        // Whether it holds its lock now: its block takes the lock to be read.
+        let holds = maps_it
+            && matches!(
+                crate::backends::procfs::environment_id(pid),
+                Err(crate::backends::procfs::EnvironError::NoAnswer(..))
+            );
+        if holds {
+            let uid = std::fs::metadata(format!("/proc/{pid}")).map_or(u32::MAX, |m| m.uid());
+            held.push((pid, uid));
+        }
+    }
+    held
+}
+
+/// "processes 12 (uid 1000), 13 (uid 1000)".
+fn named(processes: &[(u32, u32)]) -> String {
+    let named: Vec<String> = processes
+        .iter()
+        .map(|(pid, uid)| format!("{pid} (uid {uid})"))
+        .collect();
+    format!("process(es) {}", named.join(", "))
+}
+
 /// Says a registration that runs past [`SAY_AFTER`], once, with the processes that
 /// hold their address spaces; ends with the registrar.
 fn watch(busy: &std::sync::Weak<Mutex<Busy>>) {
@@ -232,12 +335,8 @@ fn watch(busy: &std::sync::Weak<Mutex<Busy>>) {
         let named = match holders.is_empty() {
             true => "no process is seen waiting on FUSE".to_owned(),
             false => format!(
-                "processes waiting on FUSE, which hold their address spaces: {}",
-                holders
-                    .iter()
-                    .map(|(pid, uid)| format!("{pid} (uid {uid})"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                "{} wait on FUSE or to map, and hold their address spaces",
+                named(&holders)
             ),
         };
         tracing::warn!(
