@@ -78,6 +78,22 @@ impl StallFuse {
     pub fn mountpoint(&self) -> &Path {
         &self.dir
     }
+
+    /// Kills the server `after` this (unless it is gone by then), whatever the test is
+    /// waiting for: an enforcer that waits on a held process in the kernel, unkillable
+    /// until the hold ends, then fails its test instead of hanging it.
+    pub fn release_after(&self, after: Duration) {
+        let pid = self.server.id() as i32;
+        let started = start_time(self.server.id());
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            // The same server still (a pid reused meanwhile is left alone).
+            if start_time(pid as u32) == started {
+                // SAFETY: kill(2) of a child of this test, still that process.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        });
+    }
 }
 
 impl Drop for StallFuse {
@@ -138,4 +154,11 @@ pub fn blocks_reading(path: &Path, within: Duration) -> bool {
         rx.recv_timeout(within),
         Err(mpsc::RecvTimeoutError::Timeout)
     )
+}
+
+/// A process's start time (`/proc/<pid>/stat`'s 22nd field), `None` once it is gone.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split(' ').nth(19)?.parse().ok()
 }
