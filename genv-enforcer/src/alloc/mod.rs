@@ -73,6 +73,13 @@ impl AllocSide {
         // A given library that cannot be opened is said by name (never looked at by
         // path first: on a FUSE mount even a `stat` could wait for ever).
         side.attach_found(programs, given, None);
+        // Registered on a thread of their own; waited for here, within a bound, so that
+        // the probes are in place once the daemon says it enforces.
+        if !programs.cuda_settle(std::time::Duration::from_secs(5)) {
+            tracing::warn!(
+                "--memory-at-alloc: the libcuda probes are not registered after 5 s; the daemon goes on, and says when they are"
+            );
+        }
         if !side.attached_any {
             tracing::warn!(
                 "--memory-at-alloc: no libcuda found (ldconfig -p lists no libcuda.so.1; give one with --cuda-lib); looking beside NVML once it loads"

@@ -156,6 +156,12 @@ impl Probes {
         }
     }
 
+    /// Waits, at most `within`, until the registrations sent so far were made or put
+    /// off; whether they were.
+    pub fn settle(&self, within: std::time::Duration) -> bool {
+        self.registrar.as_ref().is_none_or(|r| r.settle(within))
+    }
+
     /// Whether a registration has been waiting on the kernel past
     /// [`registrar::SAY_AFTER`].
     pub fn stalled(&self) -> bool {

@@ -258,6 +258,12 @@ impl KernelPrograms {
         cuda::detach(&mut self.cuda, attachment);
     }
 
+    /// Waits, at most `within`, until the libcuda probes sent for registration were
+    /// registered or put off (see `cuda::registrar`); whether they were.
+    pub fn cuda_settle(&self, within: std::time::Duration) -> bool {
+        self.cuda.settle(within)
+    }
+
     /// Whether a registration of the libcuda probes has been waiting on the kernel
     /// for over a second (`--memory-at-alloc`; see `cuda::registrar`).
     pub fn cuda_registration_stalled(&self) -> bool {

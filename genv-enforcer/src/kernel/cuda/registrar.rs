@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::uprobe_events::{Side, UprobeEvent};
@@ -70,16 +70,33 @@ pub struct Registrar {
     jobs: Option<mpsc::Sender<Job>>,
     thread: Option<std::thread::JoinHandle<()>>,
     busy: Arc<Mutex<Busy>>,
+    queued: Arc<Queued>,
+}
+
+/// Jobs sent and not yet taken up (a registration put off counts as taken up).
+#[derive(Default)]
+struct Queued {
+    count: Mutex<usize>,
+    changed: Condvar,
+}
+
+impl Queued {
+    fn add(&self, n: isize) {
+        let mut count = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        *count = count.saturating_add_signed(n);
+        self.changed.notify_all();
+    }
 }
 
 impl Registrar {
     pub fn start(tracefs: PathBuf) -> Self {
         let (jobs, queue) = mpsc::channel::<Job>();
         let busy = Arc::new(Mutex::new(Busy::default()));
-        let working = Arc::clone(&busy);
+        let queued = Arc::new(Queued::default());
+        let (working, taking) = (Arc::clone(&busy), Arc::clone(&queued));
         let thread = std::thread::Builder::new()
             .name("uprobe-registrar".into())
-            .spawn(move || run(&tracefs, &queue, &working))
+            .spawn(move || run(&tracefs, &queue, &working, &taking))
             .ok();
         let watched = Arc::downgrade(&busy);
         let _ = std::thread::Builder::new()
@@ -89,7 +106,30 @@ impl Registrar {
             jobs: Some(jobs),
             thread,
             busy,
+            queued,
         }
+    }
+
+    /// Waits, at most `within`, until every job sent so far was taken up: registered,
+    /// or put off (said). Whether it was. The daemon's start waits for its first
+    /// libraries this way, so that "held at the allocation" is true once it is said,
+    /// without waiting on a user who holds a mapper.
+    pub fn settle(&self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        let mut count = self.queued.count.lock().unwrap_or_else(|e| e.into_inner());
+        while *count > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            count = self
+                .queued
+                .changed
+                .wait_timeout(count, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
     }
 
     /// Registers a library's probes, in the background.
@@ -104,7 +144,9 @@ impl Registrar {
 
     fn send(&self, job: Job) {
         if let Some(jobs) = &self.jobs {
+            self.queued.add(1);
             if jobs.send(job).is_err() {
+                self.queued.add(-1);
                 tracing::error!("--memory-at-alloc: the uprobe registrar is gone");
             }
         }
@@ -148,7 +190,12 @@ const TRY_AGAIN: Duration = Duration::from_secs(2);
 /// A registration put off, and the holders last said for it.
 type PutOff = (Registration, Vec<(u32, u32)>);
 
-fn run(tracefs: &std::path::Path, queue: &mpsc::Receiver<Job>, busy: &Mutex<Busy>) {
+fn run(
+    tracefs: &std::path::Path,
+    queue: &mpsc::Receiver<Job>,
+    busy: &Mutex<Busy>,
+    queued: &Queued,
+) {
     let mut libraries: HashMap<u64, Vec<UprobeEvent>> = HashMap::new();
     let mut put_off: Vec<PutOff> = Vec::new();
     let set_busy = |what: Option<String>| {
@@ -165,6 +212,7 @@ fn run(tracefs: &std::path::Path, queue: &mpsc::Receiver<Job>, busy: &Mutex<Busy
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
             },
         };
+        let took_one = job.is_some();
         match job {
             Some(Job::Register(registration)) => put_off.push((registration, Vec::new())),
             Some(Job::Remove(key)) => {
@@ -189,6 +237,9 @@ fn run(tracefs: &std::path::Path, queue: &mpsc::Receiver<Job>, busy: &Mutex<Busy
             }
         }
         set_busy(None);
+        if took_one {
+            queued.add(-1);
+        }
     }
     set_busy(Some("removing the libcuda probes".into()));
     libraries.clear();
