@@ -112,6 +112,16 @@ fn gpu_holder(node: &mut Node, fuse: &StallFuse, eid: Option<&str>) -> KillOnDro
     holder
 }
 
+/// A holder of `fuse`'s lock as nobody that maps `library` as a program maps a library.
+fn library_holder(fuse: &StallFuse, library: &std::path::Path) -> KillOnDrop {
+    let mut command = holder_command(fuse, &[]);
+    command
+        .args(["--map", path(library)])
+        .uid(NOBODY)
+        .gid(NOBODY);
+    KillOnDrop(hold_lock_in(&mut command))
+}
+
 /// The daemon started after a user began holding a GPU process's lock reaches its
 /// watching state within a bound (the process's identity unresolved, said), and
 /// enforces: an outsider's open is answered. (Before, its start read every process's
@@ -272,9 +282,7 @@ fn a_capped_environments_lifecycle_stalls_no_fork_while_a_user_holds_their_lock(
     let _holder: KillOnDrop;
     let fuse = StallFuse::new(NOBODY);
     fuse.release_after(Duration::from_secs(60));
-    let mut command = holder_command(&fuse, &[]);
-    command.args(["--map", path(&lib)]).uid(NOBODY).gid(NOBODY);
-    _holder = KillOnDrop(hold_lock_in(&mut command));
+    _holder = library_holder(&fuse, &lib);
 
     let made = Genv::get().bash(
         &node,
@@ -371,9 +379,7 @@ fn a_registration_is_put_off_while_a_process_mapping_the_library_holds_its_lock(
     let holder: KillOnDrop;
     let fuse = StallFuse::new(NOBODY);
     fuse.release_after(Duration::from_secs(40));
-    let mut command = holder_command(&fuse, &[]);
-    command.args(["--map", path(&lib)]).uid(NOBODY).gid(NOBODY);
-    holder = KillOnDrop(hold_lock_in(&mut command));
+    holder = library_holder(&fuse, &lib);
     let forks = ForkProber::start();
     let args = ["--memory-at-alloc", "kill", "--cuda-lib", path(&lib)];
     let Some(daemon) = EventDaemon::start(&node, &args) else {

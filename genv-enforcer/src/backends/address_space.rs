@@ -276,46 +276,6 @@ fn spawn_worker(reader: &'static Reader) -> std::io::Result<()> {
         .map(drop)
 }
 
-/// Where the threads of a process that holds its own address space wait (`wchan`): on
-/// its FUSE server, in the page fault that called it, or queued to map.
-const WAITS_OF_A_HOLDER: [&str; 4] = ["fuse", "request_wait_answer", "filemap_fault", "mmap"];
-
-/// Processes with a thread waiting on a FUSE server (as its `wchan` names the kernel
-/// function it sleeps in), with their owners: the likely holders of their own address
-/// spaces. Neither `wchan` nor the directory's owner takes a lock of the address space.
-pub fn holders() -> Vec<(u32, u32)> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut found = Vec::new();
-    for pid in dir
-        .filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-    {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-            continue;
-        };
-        let waits_on_fuse = tasks.filter_map(Result::ok).any(|task| {
-            let mut wchan = [0u8; 64];
-            std::fs::File::open(task.path().join("wchan"))
-                .and_then(|mut f| std::io::Read::read(&mut f, &mut wchan))
-                .is_ok_and(|n| {
-                    let name = String::from_utf8_lossy(&wchan[..n]);
-                    WAITS_OF_A_HOLDER.iter().any(|w| name.contains(w))
-                })
-        });
-        if waits_on_fuse {
-            if let Some(uid) = owner_of(pid) {
-                found.push((pid, uid));
-            }
-        }
-        if found.len() == 16 {
-            break; // enough to name
-        }
-    }
-    found
-}
-
 /// How many reads are held now (for `status` and tests).
 pub fn held_now() -> usize {
     let book = reader().book.lock().unwrap_or_else(|e| e.into_inner());

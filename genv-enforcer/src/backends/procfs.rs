@@ -73,6 +73,16 @@ pub fn has_other_threads(pid: u32) -> bool {
         .any(|task| task.file_name().to_str().and_then(|t| t.parse().ok()) != Some(pid))
 }
 
+/// Every pid in `/proc` now.
+pub fn pids() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .collect()
+}
+
 /// `/proc/<pid>/stat`, read once.
 pub fn stat(pid: u32) -> io::Result<ProcStat> {
     StatFile::open(pid)?.read()

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use aya::Ebpf;
 use aya::programs::{ProbeKind, UProbe};
 
+mod holders;
 mod library;
 mod registrar;
 mod uprobe_events;

@@ -64,22 +64,12 @@ fn seed(maps: &mut PolicyMaps, pids: impl Iterator<Item = u32>) -> Seeded {
     done
 }
 
-/// Every pid in `/proc` now.
-fn pids_now() -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .collect()
-}
-
 /// Records, for every process that exists now, the identity its environment block
 /// gives; the exec and fork hooks keep it current from here on (they were attached
 /// first, and an entry they wrote wins over this). A process whose block does not
 /// answer within its deadline is recorded unresolved, and costs the start no more.
 pub fn seed_identities(maps: &mut PolicyMaps) -> Seeded {
-    seed(maps, pids_now().into_iter())
+    seed(maps, procfs::pids().into_iter())
 }
 
 /// The identity of a process whose environment block the exec hook could not read in
@@ -140,7 +130,9 @@ pub fn resync_identities(maps: &mut PolicyMaps, prune: bool, verbose: bool) -> R
             done.resolved += 1;
         }
     }
-    let unseeded = pids_now().into_iter().filter(|pid| !recorded.contains(pid));
+    let unseeded = procfs::pids()
+        .into_iter()
+        .filter(|pid| !recorded.contains(pid));
     let seeded = seed(maps, unseeded);
     done.seeded += seeded.seeded;
     done.unresolved += seeded.unresolved.len();

@@ -25,6 +25,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use super::holders::{held_mappers, holders, named};
 use super::uprobe_events::{Side, UprobeEvent};
 
 /// How long a registration may take before it is said.
@@ -304,67 +305,6 @@ fn still_held(registration: &Registration, said: Vec<(u32, u32)>) -> Option<Vec<
     Some(held)
 }
 
-/// The processes that map `file` and whose address spaces do not answer now (the
-/// registration's walk would wait for them, holding `dup_mmap_sem`), with their owners.
-/// A process whose mappings cannot be read in time (kernels that read them under the
-/// lock) counts as one. What a user starts holding after this look is still waited for:
-/// the look narrows the window, it cannot close it (see SECURITY.md).
-fn held_mappers(file: &std::fs::File) -> Vec<(u32, u32)> {
-    use crate::backends::address_space::{self, NoAnswer, Process, SpaceFile};
-    use std::os::unix::fs::MetadataExt;
-    let Ok(meta) = file.metadata() else {
-        return Vec::new();
-    };
-    let (major, minor) = (libc::major(meta.dev()), libc::minor(meta.dev()));
-    let needle = format!(" {major:02x}:{minor:02x} {} ", meta.ino());
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut held = Vec::new();
-    for pid in dir
-        .filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-    {
-        let Ok(stat) = crate::backends::procfs::stat(pid) else {
-            continue;
-        };
-        let process = Process {
-            pid,
-            started: stat.start_time,
-            image: stat.exec_fingerprint,
-        };
-        let path = format!("/proc/{pid}/maps");
-        let maps = address_space::read(process, SpaceFile::Maps, move || {
-            std::fs::read_to_string(path).unwrap_or_default()
-        });
-        let maps_it = match maps {
-            Ok(maps) => maps.lines().any(|line| line.contains(&needle)),
-            Err(NoAnswer::Held) => true,
-            Err(NoAnswer::Busy) => false,
-        };
-        // Whether it holds its lock now: its block takes the lock to be read.
-        let holds = maps_it
-            && matches!(
-                crate::backends::procfs::environment_id(pid),
-                Err(crate::backends::procfs::EnvironError::NoAnswer(..))
-            );
-        if holds {
-            let uid = std::fs::metadata(format!("/proc/{pid}")).map_or(u32::MAX, |m| m.uid());
-            held.push((pid, uid));
-        }
-    }
-    held
-}
-
-/// "processes 12 (uid 1000), 13 (uid 1000)".
-fn named(processes: &[(u32, u32)]) -> String {
-    let named: Vec<String> = processes
-        .iter()
-        .map(|(pid, uid)| format!("{pid} (uid {uid})"))
-        .collect();
-    format!("process(es) {}", named.join(", "))
-}
-
 /// Says a registration that runs past [`SAY_AFTER`], once, with the processes that
 /// hold their address spaces; ends with the registrar.
 fn watch(busy: &std::sync::Weak<Mutex<Busy>>) {
@@ -382,7 +322,7 @@ fn watch(busy: &std::sync::Weak<Mutex<Busy>>) {
         }
         busy.said = true;
         drop(busy);
-        let holders = crate::backends::address_space::holders();
+        let holders = holders();
         let named = match holders.is_empty() {
             true => "no process is seen waiting on FUSE".to_owned(),
             false => format!(
