@@ -398,3 +398,32 @@ fn a_registration_is_put_off_while_a_process_mapping_the_library_holds_its_lock(
     drop(fuse);
     daemon.expect("are held to their environment's gpu_memory");
 }
+
+/// genv's own polling cycle (`enforce` without `--event-driven`) never holds genv's lock
+/// while a GPU process's block does not answer: every user's `genv activate`, `attach`
+/// and `config` takes the lock meanwhile. (Before, the cycle read the blocks under it,
+/// and waited there.)
+#[test]
+fn the_polling_cycle_never_holds_genvs_lock_across_a_held_process() {
+    let _serial = serial();
+    let (mut node, _gpu) = node_with_nobodys_e();
+    let _holder: KillOnDrop;
+    let fuse = StallFuse::new(NOBODY);
+    fuse.release_after(Duration::from_secs(60));
+    _holder = gpu_holder(&mut node, &fuse, Some("E"));
+    let run_dir = node.dir.join("run");
+    let args = ["--interval", "1", "--run-dir", path(&run_dir)];
+    let daemon = genv_enforcer_tests::Daemon::start(&node, &args);
+    let lock = node.state.join("genv.lock");
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(700));
+        let taken = std::process::Command::new("flock")
+            .args(["-w", "3"])
+            .arg(&lock)
+            .arg("true")
+            .status()
+            .unwrap();
+        assert!(taken.success(), "genv's lock was held for 3 s by the cycle");
+    }
+    drop(daemon);
+}

@@ -331,7 +331,7 @@ fn any_tier_a_process_killed_in_an_allocation_is_told_why() {
         stdout.read_line(&mut answer).unwrap();
         answer
     };
-    // Woken by its exec, the daemon has it carry the probes (a real program's CUDA
+    // Woken by its exec, the daemon reads what CUDA will read of it (a real program's CUDA
     // start takes far longer than that).
     daemon.expect(&format!("Process {pid} is held at its allocations"));
     assert!(call("init").starts_with("ok"));
