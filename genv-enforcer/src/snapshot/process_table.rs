@@ -66,9 +66,6 @@ pub(crate) struct ProcessTable {
     /// The next assembly reads no environment block: [`ProcessTable::read_claims_ahead`]
     /// read them.
     claims_read_ahead: bool,
-    /// The identities of the environments active at the last assembly: a process the
-    /// kernel records in one of them needs no block read ahead.
-    env_hashes: std::collections::HashSet<u64>,
     /// GPU processes whose blocks do not answer, and since when.
     pub(crate) unreadable: Unreadable,
 }
@@ -96,16 +93,8 @@ impl ProcessTable {
         read_ahead::read_claims_ahead(self, pids, inspector);
     }
 
-    /// An assembly among `envs` begins: the environments' identities are noted, and the
-    /// unreadable processes gone are forgotten.
-    fn begin(&mut self, envs: Option<&[Env]>, inspector: &dyn ProcessInspector) {
-        if let Some(envs) = envs {
-            self.env_hashes = envs
-                .iter()
-                .filter(|e| e.eid.len() <= genv_ebpf_common::MAX_ENV_ID)
-                .map(|e| genv_ebpf_common::env_id_hash(e.eid.as_bytes()))
-                .collect();
-        }
+    /// An assembly begins: the unreadable processes gone are forgotten.
+    fn begin(&mut self, inspector: &dyn ProcessInspector) {
         self.unreadable
             .retain(|pid, started| inspector.stat(pid).is_ok_and(|s| s.start_time == started));
     }
@@ -165,7 +154,7 @@ pub(crate) fn assemble_processes(
         });
     }
     let order = python_set_order(contexts.iter().map(|c| c.pid));
-    table.begin(envs, inspector);
+    table.begin(inspector);
     table.known.retain(|pid, _| usage.contains_key(pid));
     table.orphans.clear();
     table.stat_files.retain(|pid, _| usage.contains_key(pid));

@@ -37,11 +37,11 @@ pub(super) fn read_claims_ahead(
             continue; // gone: the assembly leaves it out
         };
         table.ahead_started.insert(pid, stat.start_time);
-        let needs_block = match inspector.kernel_identity(pid) {
-            Some(identity::NO_ENV) => false,
-            Some(identity::UNRESOLVED) | None => true,
-            Some(hash) => !table.env_hashes.contains(&hash),
-        };
+        // Outside any environment at its exec, it is outside whatever the state says.
+        // An identity that names an environment is read ahead all the same: the state
+        // read under the lock may no longer list that environment (it was dropped),
+        // and only the block spells the id of one that is not active.
+        let needs_block = inspector.kernel_identity(pid) != Some(identity::NO_ENV);
         if stat.is_kernel_thread() || !needs_block {
             continue;
         }
