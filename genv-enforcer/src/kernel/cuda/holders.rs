@@ -4,6 +4,9 @@
 
 use crate::backends::procfs;
 
+/// The largest `/proc/<pid>/maps` read.
+const MAPS_LIMIT: u64 = 4 << 20;
+
 /// The processes that map `file` and whose address spaces do not answer now (the
 /// registration's walk would wait for them, holding `dup_mmap_sem`), with their owners.
 /// A process whose mappings cannot be read in time (kernels that read them under the
@@ -29,7 +32,12 @@ pub(super) fn held_mappers(file: &std::fs::File) -> Vec<(u32, u32)> {
         };
         let path = format!("/proc/{pid}/maps");
         let maps = address_space::read(process, SpaceFile::Maps, move || {
-            std::fs::read_to_string(path).unwrap_or_default()
+            use std::io::Read;
+            let mut text = String::new();
+            // As far as `maps::executable_files` reads one.
+            let _ = std::fs::File::open(path)
+                .and_then(|file| file.take(MAPS_LIMIT).read_to_string(&mut text));
+            text
         });
         let maps_it = match maps {
             Ok(maps) => maps.lines().any(|line| line.contains(&needle)),
