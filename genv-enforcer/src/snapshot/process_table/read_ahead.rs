@@ -25,6 +25,9 @@ pub(super) fn read_claims_ahead(
     table.ahead.clear();
     table.ahead_started.clear();
     table.claims_read_ahead = true;
+    // What exec'd or exited since the last assembly is forgotten first, so that its new
+    // image is read ahead here rather than left out under the lock.
+    table.apply_changes(inspector);
     for &pid in pids {
         if let Some(known) = table.known.get(&pid) {
             table.ahead_started.insert(pid, known.start_time);
