@@ -128,11 +128,7 @@ impl Copies {
             return; // gone
         };
         let started = stat.start_time;
-        let process = address_space::Process {
-            pid,
-            started,
-            image: stat.exec_fingerprint,
-        };
+        let process = stat.image_of(pid);
         let opened = match address_space::read(process, SpaceFile::Maps, move || open_mapped(pid)) {
             Ok(Ok(opened)) => opened,
             Ok(Err(e)) => {

@@ -123,7 +123,7 @@ pub fn read<R: Send + 'static>(
 }
 
 /// [`read`] with a deadline of its own.
-pub fn read_within<R: Send + 'static>(
+fn read_within<R: Send + 'static>(
     process: Process,
     file: SpaceFile,
     wait: Duration,

@@ -58,6 +58,15 @@ impl ProcStat {
     pub fn is_zombie(&self) -> bool {
         matches!(self.state, 'Z' | 'X')
     }
+
+    /// The image of process `pid` this was read of, for a read of its address space.
+    pub fn image_of(&self, pid: u32) -> address_space::Process {
+        address_space::Process {
+            pid,
+            started: self.start_time,
+            image: self.exec_fingerprint,
+        }
+    }
 }
 
 /// Whether process `pid` has a thread besides its leader: listed under
@@ -253,11 +262,7 @@ pub fn first_environment_vars<const N: usize>(
 fn environ(pid: u32) -> Result<Vec<u8>, EnvironError> {
     let stat = stat(pid).map_err(|_| EnvironError::Gone(pid))?;
     let path = format!("/proc/{pid}/environ");
-    let process = address_space::Process {
-        pid,
-        started: stat.start_time,
-        image: stat.exec_fingerprint,
-    };
+    let process = stat.image_of(pid);
     let read = address_space::read(process, SpaceFile::Environ, move || read_all(&path))
         .map_err(|e| EnvironError::NoAnswer(pid, e))?;
     read.map_err(|e| match e.kind() {

@@ -13,7 +13,7 @@ const MAPS_LIMIT: u64 = 4 << 20;
 /// lock) counts as one. What a user starts holding after this look is still waited for:
 /// the look narrows the window, it cannot close it (see SECURITY.md).
 pub(super) fn held_mappers(file: &std::fs::File) -> Vec<(u32, u32)> {
-    use crate::backends::address_space::{self, NoAnswer, Process, SpaceFile};
+    use crate::backends::address_space::{self, NoAnswer, SpaceFile};
     use std::os::unix::fs::MetadataExt;
     let Ok(meta) = file.metadata() else {
         return Vec::new();
@@ -25,11 +25,7 @@ pub(super) fn held_mappers(file: &std::fs::File) -> Vec<(u32, u32)> {
         let Ok(stat) = procfs::stat(pid) else {
             continue;
         };
-        let process = Process {
-            pid,
-            started: stat.start_time,
-            image: stat.exec_fingerprint,
-        };
+        let process = stat.image_of(pid);
         let path = format!("/proc/{pid}/maps");
         let maps = address_space::read(process, SpaceFile::Maps, move || {
             use std::io::Read;
