@@ -17,8 +17,10 @@ use genv_enforcer_tests::workspace_root;
 /// was done to their processes and why, sits low: it needs only the backends and the
 /// snapshot's index formatting, and the rules, the report, the executor and the kernel's
 /// side all report through it.
-const LAYERS: [&str; 17] = [
+const LAYERS: [&str; 20] = [
     "warn_once",
+    "clock",
+    "exit_code",
     "backends",
     "state",
     "snapshot",
@@ -32,6 +34,7 @@ const LAYERS: [&str; 17] = [
     "service",
     "alloc",
     "sync",
+    "react",
     "daemon",
     "remote",
     "cli",

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 
 use crate::backends::procfs;
-use crate::kernel::KernelPrograms;
+use crate::kernel::policy_maps::IdentityReader;
 
 use super::caps::Caps;
 
@@ -27,13 +27,12 @@ impl Capped {
     /// CUDA will read of it is to be read now), `None` otherwise.
     pub(super) fn placed(
         &mut self,
-        programs: &KernelPrograms,
+        identities: &IdentityReader,
         caps: &Caps,
         pid: u32,
     ) -> Option<u64> {
-        let capped = programs
-            .policy()
-            .identity(pid)
+        let capped = identities
+            .get(pid)
             .is_some_and(|identity| caps.holds(identity));
         if !capped {
             self.read.remove(&pid);
@@ -46,10 +45,13 @@ impl Capped {
 
     /// The processes of the capped environments not read yet, as the kernel knows
     /// them now, with their start times; the others are forgotten.
-    pub(super) fn caught_up(&mut self, programs: &KernelPrograms, caps: &Caps) -> Vec<(u32, u64)> {
-        let wanted: HashMap<u32, ()> = programs
-            .policy()
-            .identities()
+    pub(super) fn caught_up(
+        &mut self,
+        identities: &IdentityReader,
+        caps: &Caps,
+    ) -> Vec<(u32, u64)> {
+        let wanted: HashMap<u32, ()> = identities
+            .all()
             .into_iter()
             .filter(|&(_, identity)| caps.holds(identity))
             .map(|(pid, _)| (pid, ()))

@@ -17,8 +17,7 @@ use super::looks::Looks;
 use crate::backends::address_space::{self, SpaceFile};
 use crate::backends::maps::{self, Mapping};
 use crate::backends::procfs;
-use crate::kernel::KernelPrograms;
-use crate::kernel::cuda::{Attachment, FileVersion, Handle};
+use crate::kernel::cuda::{Attachment, FileVersion, Handle, Probes};
 use crate::state::MountTable;
 
 /// Files examined in one look at most; the rest at another look right after.
@@ -80,18 +79,18 @@ impl Copies {
 
     /// `pid` (running as `uid`) opened a GPU node: it is looked at now, or when its gap
     /// ends (see [`Looks`]).
-    pub(super) fn opened(&mut self, programs: &mut KernelPrograms, pid: u32, uid: u32) {
+    pub(super) fn opened(&mut self, probes: &mut Probes, pid: u32, uid: u32) {
         let now = Instant::now();
         if pid != std::process::id() && self.looks.opened(pid, uid, now) {
-            self.look(programs, pid, uid, now);
+            self.look(probes, pid, uid, now);
         }
     }
 
     /// The looks owed by now.
-    pub(super) fn run_due(&mut self, programs: &mut KernelPrograms) {
+    pub(super) fn run_due(&mut self, probes: &mut Probes) {
         let now = Instant::now();
         for (pid, uid) in self.looks.due(now) {
-            self.look(programs, pid, uid, now);
+            self.look(probes, pid, uid, now);
         }
     }
 
@@ -106,7 +105,7 @@ impl Copies {
 
     /// `pid` exec'ed or exited: its mappings are gone, and with the last process
     /// mapping a copy, the copy's probes.
-    pub(super) fn gone(&mut self, programs: &mut KernelPrograms, pid: u32) {
+    pub(super) fn gone(&mut self, probes: &mut Probes, pid: u32) {
         self.looks.forget(pid);
         self.held_said.remove(&pid);
         for id in self.mapped_by.remove(&pid).unwrap_or_default() {
@@ -115,7 +114,7 @@ impl Copies {
                 copy.mappers.is_empty()
             });
             if unmapped {
-                self.unprobe(programs, id);
+                self.unprobe(probes, id);
             }
         }
     }
@@ -123,7 +122,7 @@ impl Copies {
     /// Looks at the files `pid` maps executable: a libcuda copy not probed yet is
     /// probed, within the budget. What it maps is read on a worker with a deadline
     /// ([`open_mapped`]): its owner can keep its address space from answering.
-    fn look(&mut self, programs: &mut KernelPrograms, pid: u32, uid: u32, now: Instant) {
+    fn look(&mut self, probes: &mut Probes, pid: u32, uid: u32, now: Instant) {
         let Ok(stat) = procfs::stat(pid) else {
             return; // gone
         };
@@ -164,7 +163,7 @@ impl Copies {
                 return; // the rest at its next open
             }
             checked += 1;
-            self.examine(programs, handle, version, (pid, uid, started), now);
+            self.examine(probes, handle, version, (pid, uid, started), now);
         }
     }
 
@@ -190,7 +189,7 @@ impl Copies {
     /// Reads what a file exports; a libcuda is probed if the budget allows.
     fn examine(
         &mut self,
-        programs: &mut KernelPrograms,
+        probes: &mut Probes,
         handle: Handle,
         version: FileVersion,
         (pid, uid, started): (u32, u32, u64),
@@ -209,7 +208,7 @@ impl Copies {
             }
         };
         if let Err(why) = self.budget.may_probe(uid, now) {
-            self.prune_mappers(programs);
+            self.prune_mappers(probes);
             if self.said.get(&uid).is_none_or(|at| now >= *at + SAY_AGAIN) {
                 tracing::warn!(
                     "--memory-at-alloc: not probing the libcuda copy {} (uid {uid}) for now: {why}; give it with --cuda-lib",
@@ -223,7 +222,7 @@ impl Copies {
             "--memory-at-alloc: process {pid} maps a libcuda not probed yet ({}, device {}, inode {}); allocations through it are held to their environment's gpu_memory",
             library.name, id.0, id.1
         );
-        match programs.attach_cuda(&library, &exports, |_| line) {
+        match probes.attach(&library, &exports, |_| line) {
             Ok(attachment) => {
                 self.probed.push(pid);
                 let mappers = HashMap::from([(pid, started)]);
@@ -252,12 +251,12 @@ impl Copies {
     }
 
     /// Takes a copy's probes off; its place in the budget comes back.
-    fn unprobe(&mut self, programs: &mut KernelPrograms, id: (u64, u64)) {
+    fn unprobe(&mut self, probes: &mut Probes, id: (u64, u64)) {
         let Some(copy) = self.copies.remove(&id) else {
             return;
         };
         self.seen.remove(&id);
-        programs.detach_cuda(copy.attachment);
+        probes.detach(copy.attachment);
         self.budget.released(copy.paid_by);
         tracing::info!(
             "--memory-at-alloc: no live process maps the libcuda copy (device {}, inode {}) any more; its probes are off",
@@ -268,7 +267,7 @@ impl Copies {
 
     /// Mappers whose exits were not seen (events lost) are let go of, and their copies
     /// with them: done when the budget is short.
-    fn prune_mappers(&mut self, programs: &mut KernelPrograms) {
+    fn prune_mappers(&mut self, probes: &mut Probes) {
         let gone: Vec<u32> = self
             .copies
             .values()
@@ -279,7 +278,7 @@ impl Copies {
             .map(|(pid, _)| *pid)
             .collect();
         for pid in gone {
-            self.gone(programs, pid);
+            self.gone(probes, pid);
         }
     }
 }

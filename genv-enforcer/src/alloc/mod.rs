@@ -9,6 +9,7 @@ mod budget;
 mod capped;
 pub mod caps;
 mod copies;
+mod exiting;
 mod looks;
 pub mod started_cap;
 
@@ -21,32 +22,37 @@ use genv_ebpf_common::alloc::{Delta, EnvGpu};
 use crate::backends::nvml::GpuInfo;
 use crate::backends::procfs;
 use crate::intake::OverCap;
-use crate::kernel::KernelPrograms;
-use crate::kernel::alloc_maps::DeltasAround;
-use crate::kernel::cuda::Library;
+use crate::kernel::alloc_maps::{AllocMaps, DeltasAround};
+use crate::kernel::cuda::{CudaKernel, Library, Probes};
+use crate::kernel::policy_maps::IdentityReader;
 use caps::{Caps, names_a_uuid, ordinals};
+use exiting::Exiting;
 use started_cap::{GPU_MEMORY_VAR, SHELL_VAR, StartedWith};
 
-use crate::state::Env;
+use crate::state::{Device, Env};
 pub use caps::MemoryAtAlloc;
 
+/// The `alloc` stage: owns `--memory-at-alloc`'s maps and probes, and reads the
+/// identities the kernel recorded through a hold of its own.
 pub struct AllocSide {
+    maps: AllocMaps,
+    probes: Probes,
+    identities: IdentityReader,
     caps: Caps,
     /// The libraries given (or found by ldconfig and beside NVML) are known here too,
     /// so that a process mapping one is not looked into for it.
     copies: copies::Copies,
     /// Whether any library is attached.
     attached_any: bool,
+    /// The NVML library's directory the libcuda beside it was last looked for in.
+    beside_nvml: Option<PathBuf>,
     /// The caps processes that started CUDA were started with, for the line.
     started_caps: HashMap<u32, StartedWith>,
     /// Processes seen starting CUDA: only their exits have charges to take off.
     /// With the start time each had: a pid reused after a lost exit is another process.
     cuda_pids: HashMap<u32, u64>,
-    /// Processes that began exiting but are not gone yet, with their start times: the
-    /// driver frees a process's GPU memory as its descriptors close, late in its exit,
-    /// so its charges stay until then (taken off early, another process could be let
-    /// through while the memory is still held).
-    exiting: HashMap<u32, u64>,
+    /// Processes that began exiting but are not gone yet.
+    exiting: Exiting,
     /// Processes that named a GPU by UUID before NVML listed any device, with their
     /// start times: read again once it does (until then, those GPUs are charged nothing).
     unresolved: HashMap<u32, u64>,
@@ -58,24 +64,33 @@ pub struct AllocSide {
 impl AllocSide {
     /// Attaches the probes to the libraries found now; none is a warning (NVML's
     /// directory is looked in again once it loads).
-    pub fn start(programs: &mut KernelPrograms, given: &[PathBuf], verbose: bool) -> Self {
+    pub fn start(
+        kernel: CudaKernel,
+        identities: IdentityReader,
+        given: &[PathBuf],
+        verbose: bool,
+    ) -> Self {
         let mut side = Self {
+            maps: kernel.maps,
+            probes: kernel.probes,
+            identities,
             caps: Caps::default(),
             copies: copies::Copies::default(),
             attached_any: false,
+            beside_nvml: None,
             started_caps: HashMap::new(),
             cuda_pids: HashMap::new(),
-            exiting: HashMap::new(),
+            exiting: Exiting::default(),
             unresolved: HashMap::new(),
             verbose,
             capped: capped::Capped::default(),
         };
         // A given library that cannot be opened is said by name (never looked at by
         // path first: on a FUSE mount even a `stat` could wait for ever).
-        side.attach_found(programs, given, None);
+        side.attach_found(given, None);
         // Registered on a thread of their own; waited for here, within a bound, so that
         // the probes are in place once the daemon says it enforces.
-        if !programs.cuda_settle(std::time::Duration::from_secs(5)) {
+        if !side.probes.settle(std::time::Duration::from_secs(5)) {
             tracing::warn!(
                 "--memory-at-alloc: the libcuda probes are not registered after 5 s; the daemon goes on, and says when they are"
             );
@@ -89,16 +104,11 @@ impl AllocSide {
     }
 
     /// Attaches to each library not attached yet.
-    pub fn attach_found(
-        &mut self,
-        programs: &mut KernelPrograms,
-        given: &[PathBuf],
-        beside_nvml: Option<&Path>,
-    ) {
+    fn attach_found(&mut self, given: &[PathBuf], beside_nvml: Option<&Path>) {
         for path in crate::kernel::cuda::libraries(given, beside_nvml) {
             let name = path.display().to_string();
             match Library::open(&path, name.clone(), "/proc/thread-self/mountinfo") {
-                Ok(library) => self.attach(programs, &library),
+                Ok(library) => self.attach(&library),
                 Err(e) => tracing::warn!("--memory-at-alloc: not probing {e}"),
             }
         }
@@ -106,7 +116,7 @@ impl AllocSide {
 
     /// Probes `library` (given, or found by ldconfig or beside NVML) unless it is
     /// already, by its device and inode.
-    fn attach(&mut self, programs: &mut KernelPrograms, library: &Library) {
+    fn attach(&mut self, library: &Library) {
         let Some(version) = library.version() else {
             return;
         };
@@ -125,7 +135,7 @@ impl AllocSide {
         };
         let attached = library
             .exports()
-            .and_then(|exports| programs.attach_cuda(library, &exports, line));
+            .and_then(|exports| self.probes.attach(library, &exports, line));
         match attached {
             Ok(_) => {
                 self.copies.given(version);
@@ -135,23 +145,38 @@ impl AllocSide {
         }
     }
 
+    /// After a full cycle: the processes that named a GPU by UUID before NVML listed
+    /// any are read again, the caps follow the state it read (`None`: unreadable, the
+    /// kernel keeps the last), and once NVML is loaded the libcuda beside it is probed.
+    /// `gpus`: NVML's devices; `given`: `--cuda-lib`.
+    pub fn follow_cycle(
+        &mut self,
+        state: Option<&(Vec<Env>, Vec<Device>)>,
+        gpus: &[GpuInfo],
+        given: &[PathBuf],
+    ) {
+        self.devices_known(gpus);
+        let envs = state.map(|(envs, _)| envs.as_slice());
+        let count = state.map_or(0, |(_, devices)| devices.len() as u32);
+        self.follow_state(envs, (count, gpus));
+        let dir = crate::backends::nvml::loaded_library()
+            .and_then(|lib| lib.parent().map(Path::to_path_buf));
+        if dir.is_some() && dir != self.beside_nvml {
+            self.attach_found(given, dir.as_deref());
+            self.beside_nvml = dir;
+        }
+    }
+
     /// After a full cycle that read genv's state: the caps follow it (`None`:
     /// unreadable, the kernel keeps the last).
     /// `gpus`: genv's device count, and NVML's devices (for the processes made to carry
     /// the probes now, whose numbering is read).
-    pub fn follow_state(
-        &mut self,
-        programs: &mut KernelPrograms,
-        envs: Option<&[Env]>,
-        (count, gpus): (u32, &[GpuInfo]),
-    ) {
+    fn follow_state(&mut self, envs: Option<&[Env]>, (count, gpus): (u32, &[GpuInfo])) {
         let Some(envs) = envs else {
             return;
         };
         let caps = Caps::of(envs);
-        let Some(maps) = programs.alloc_mut() else {
-            return;
-        };
+        let maps = &mut self.maps;
         if let Err(e) = maps.set_gpus(count) {
             tracing::error!("Cannot tell the kernel the node's GPU count: {e}");
         }
@@ -164,8 +189,8 @@ impl AllocSide {
         // The processes of capped environments are read before the caps are said to be
         // held. Caught up at every full cycle, not only when the caps change: one whose
         // exec the kernel's ring buffer lost, or whose identity was settled since.
-        for process in self.capped.caught_up(programs, &self.caps) {
-            self.read_devices(programs, process, gpus, "is held at its allocations");
+        for process in self.capped.caught_up(&self.identities, &self.caps) {
+            self.read_devices(process, gpus, "is held at its allocations");
         }
         if changed {
             tracing::info!(
@@ -178,29 +203,27 @@ impl AllocSide {
     /// A process exec'ed or was forked (its identity in the kernel is final by now: read
     /// at the exec, or inherited): if its environment has a cap, what CUDA will read of
     /// it is read now (the probes, system-wide, hold it from its first call).
-    pub fn place_probes(&mut self, programs: &mut KernelPrograms, pid: u32, gpus: &[GpuInfo]) {
-        if let Some(started) = self.capped.placed(programs, &self.caps, pid) {
-            self.read_devices(programs, (pid, started), gpus, "is held at its allocations");
+    pub fn place_probes(&mut self, pid: u32, gpus: &[GpuInfo]) {
+        if let Some(started) = self.capped.placed(&self.identities, &self.caps, pid) {
+            self.read_devices((pid, started), gpus, "is held at its allocations");
         }
     }
 
     /// The deltas, read before NVML is asked (see `set_baselines`).
-    pub fn deltas(programs: &mut KernelPrograms) -> Option<HashMap<EnvGpu, Delta>> {
-        programs.alloc_mut().map(|maps| maps.deltas())
+    pub fn deltas(&self) -> HashMap<EnvGpu, Delta> {
+        self.maps.deltas()
     }
 
     /// NVML answered: its figures become the baselines, where no allocation or free
     /// was in flight meanwhile (see `AllocMaps::set_baselines`).
     pub fn rebase(
-        programs: &mut KernelPrograms,
+        &mut self,
         deltas: DeltasAround<'_>,
         measured: &HashMap<EnvGpu, u64>,
         listed: &HashSet<u32>,
     ) {
-        if let Some(maps) = programs.alloc_mut() {
-            if let Err(e) = maps.set_baselines(deltas, measured, listed) {
-                tracing::error!("Cannot update the memory baselines in the kernel: {e}");
-            }
+        if let Err(e) = self.maps.set_baselines(deltas, measured, listed) {
+            tracing::error!("Cannot update the memory baselines in the kernel: {e}");
         }
     }
 
@@ -208,33 +231,22 @@ impl AllocSide {
     /// its `CUDA_VISIBLE_DEVICES`, and the cap it was started with (`GENV_GPU_MEMORY`),
     /// below which it is never killed at the allocation (see
     /// [`crate::alloc::started_cap`]).
-    pub fn cuda_started(&mut self, programs: &mut KernelPrograms, pid: u32, gpus: &[GpuInfo]) {
-        if programs.alloc_mut().is_none() {
-            return;
-        }
+    pub fn cuda_started(&mut self, pid: u32, gpus: &[GpuInfo]) {
         let Ok(started) = procfs::stat(pid).map(|s| s.start_time) else {
             return; // gone already
         };
         if self.cuda_pids.insert(pid, started) == Some(started) {
             return; // read at its first CUDA call already
         }
-        self.read_devices(programs, (pid, started), gpus, "started CUDA");
+        self.read_devices((pid, started), gpus, "started CUDA");
     }
 
     /// What CUDA will read of `pid`'s environment, into the kernel: its device
     /// numbering, and the cap it was started with. Read at its CUDA start, and before,
     /// at its exec or fork into a capped environment (which may be too late for its
     /// `cuInit`).
-    fn read_devices(
-        &mut self,
-        programs: &mut KernelPrograms,
-        (pid, started): (u32, u64),
-        gpus: &[GpuInfo],
-        what: &str,
-    ) {
-        let Some(maps) = programs.alloc_mut() else {
-            return;
-        };
+    fn read_devices(&mut self, (pid, started): (u32, u64), gpus: &[GpuInfo], what: &str) {
+        let maps = &mut self.maps;
         // CUDA reads it with getenv: the first assignment wins.
         let names = ["CUDA_VISIBLE_DEVICES", GPU_MEMORY_VAR, SHELL_VAR];
         let [visible, gpu_memory, shell] = match procfs::first_environment_vars(pid, names) {
@@ -272,7 +284,7 @@ impl AllocSide {
 
     /// After a full cycle, with NVML's devices as it listed them: the processes that
     /// named a GPU by UUID before any was listed are read again.
-    pub fn devices_known(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
+    fn devices_known(&mut self, gpus: &[GpuInfo]) {
         if gpus.is_empty() {
             return;
         }
@@ -280,7 +292,7 @@ impl AllocSide {
             // The same process, still running CUDA (an exit or exec took it off).
             if self.cuda_pids.get(&pid) == Some(&started) {
                 self.cuda_pids.remove(&pid);
-                self.cuda_started(programs, pid, gpus);
+                self.cuda_started(pid, gpus);
             }
         }
     }
@@ -292,31 +304,26 @@ impl AllocSide {
     /// [`copies`]). Not for a process the kernel knows to be outside any environment
     /// (monitoring agents open GPU nodes all the time): its allocations are charged to
     /// nobody.
-    pub fn opened(
-        &mut self,
-        programs: &mut KernelPrograms,
-        (pid, uid): (u32, u32),
-        gpus: &[GpuInfo],
-    ) {
-        if programs.policy().identity(pid) == Some(genv_ebpf_common::identity::NO_ENV) {
+    pub fn opened(&mut self, (pid, uid): (u32, u32), gpus: &[GpuInfo]) {
+        if self.identities.get(pid) == Some(genv_ebpf_common::identity::NO_ENV) {
             return;
         }
-        self.copies.opened(programs, pid, uid);
-        self.probed(programs, gpus);
+        self.copies.opened(&mut self.probes, pid, uid);
+        self.probed(gpus);
     }
 
     /// The looks at processes owed by now (opens that came too soon after a look).
-    pub fn run_due(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
-        self.copies.run_due(programs);
-        self.probed(programs, gpus);
+    pub fn run_due(&mut self, gpus: &[GpuInfo]) {
+        self.copies.run_due(&mut self.probes);
+        self.probed(gpus);
     }
 
     /// Processes a copy was just probed for have started CUDA, or are about to (the
     /// probes may have missed their `cuInit`): they are read as at their first CUDA
     /// call, and only then is the copy said to be probed.
-    fn probed(&mut self, programs: &mut KernelPrograms, gpus: &[GpuInfo]) {
+    fn probed(&mut self, gpus: &[GpuInfo]) {
         for pid in self.copies.take_probed() {
-            self.cuda_started(programs, pid, gpus);
+            self.cuda_started(pid, gpus);
         }
     }
 
@@ -327,27 +334,25 @@ impl AllocSide {
 
     /// A process exec'ed: its old image's memory is gone with its address space, and
     /// its charges come off now.
-    pub fn execed(&mut self, programs: &mut KernelPrograms, pid: u32) {
-        if self.forget(programs, pid).is_some() {
-            if let Some(maps) = programs.alloc_mut() {
-                maps.process_exited(pid);
-            }
+    pub fn execed(&mut self, pid: u32) {
+        if self.forget(pid).is_some() {
+            self.maps.process_exited(pid);
         }
     }
 
     /// A process began exiting: its charges come off once it is gone
     /// ([`Self::settle_exits`], which the daemon calls after every batch of events).
-    pub fn exiting(&mut self, programs: &mut KernelPrograms, pid: u32) {
+    pub fn exiting(&mut self, pid: u32) {
         self.capped.forget(pid);
-        if let Some(started) = self.forget(programs, pid) {
+        if let Some(started) = self.forget(pid) {
             self.exiting.insert(pid, started);
         }
     }
 
     /// What is known of `pid`'s image goes (its mappings, numbering, started cap); the
     /// start time it had, if it ran CUDA (it then has charges to take off).
-    fn forget(&mut self, programs: &mut KernelPrograms, pid: u32) -> Option<u64> {
-        self.copies.gone(programs, pid);
+    fn forget(&mut self, pid: u32) -> Option<u64> {
+        self.copies.gone(&mut self.probes, pid);
         self.unresolved.remove(&pid);
         self.started_caps.remove(&pid);
         self.cuda_pids.remove(&pid)
@@ -355,15 +360,14 @@ impl AllocSide {
 
     /// The exiting processes now gone have their charges taken off; whether some are
     /// still exiting (the daemon looks again soon).
-    pub fn settle_exits(&mut self, programs: &mut KernelPrograms) -> bool {
-        self.exiting.retain(|&pid, &mut started| {
-            let gone = !still_exiting(pid, started);
-            if let (true, Some(maps)) = (gone, programs.alloc_mut()) {
-                maps.process_exited(pid);
-            }
-            !gone
-        });
-        !self.exiting.is_empty()
+    pub fn settle_exits(&mut self) -> bool {
+        self.exiting.settle(&mut self.maps)
+    }
+
+    /// Whether a registration of the probes has been waiting on the kernel for over a
+    /// second (see `kernel::cuda::registrar`).
+    pub fn registration_stalled(&self) -> bool {
+        self.probes.stalled()
     }
 
     /// The line for what the kernel decided about an allocation.
@@ -380,43 +384,5 @@ impl AllocSide {
             _ => cap.to_string(),
         };
         Some((eid.clone(), held))
-    }
-}
-
-/// Whether the process that started at `started` is still there with a thread that has
-/// not finished exiting (its descriptors, the GPU's among them, are closed by then). Its
-/// leader may be a zombie already: one that called `pthread_exit` exits first, and the
-/// exit event comes from the group's last thread, before that thread closes anything.
-fn still_exiting(pid: u32, started: u64) -> bool {
-    use crate::backends::procfs;
-    procfs::stat(pid).is_ok_and(|st| {
-        st.start_time == started && (!st.is_zombie() || procfs::has_other_threads(pid))
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::still_exiting;
-    use crate::backends::procfs;
-
-    /// Charges stay while any thread of the process may still hold the GPU's
-    /// descriptors, a zombie leader notwithstanding; they come off once it is gone, and
-    /// never for another process given its pid.
-    #[test]
-    fn a_process_is_exiting_until_its_last_thread_is_gone() {
-        let mut child = procfs::leader_exited_first();
-        let pid = child.id();
-        let started = procfs::stat(pid).unwrap().start_time;
-        assert!(
-            still_exiting(pid, started),
-            "a zombie leader with a live thread"
-        );
-        assert!(
-            !still_exiting(pid, started + 1),
-            "another process with that pid"
-        );
-        child.kill().unwrap();
-        child.wait().unwrap();
-        assert!(!still_exiting(pid, started));
     }
 }

@@ -7,11 +7,9 @@ use std::process::ExitCode;
 use anyhow::Result;
 
 use crate::backends::users;
+use crate::exit_code::NOT_RUNNING;
 use crate::notify::client::{self, WhyError};
 use crate::notify::journal::{CAPACITY, PER_UID, Query};
-
-/// As `status`: the daemon is not running.
-const NOT_RUNNING: u8 = 3;
 
 pub(super) fn why(
     pid: Option<u32>,

@@ -1,46 +1,37 @@
 //! The event-driven daemon. Triggers, and what each runs:
-//! - a GPU open reported by the kernel → the process is watched, and checked (non-env and
-//!   env-devices rules, memory for its environment) at once and at growing intervals
-//!   while its window lasts ([`super::watchlist`]);
+//! - a kernel event → [`crate::react`] says what it wants done (a GPU opener is watched
+//!   there, and checked here at once and at growing intervals while its window lasts;
+//!   an exec or exit drops what the snapshot knew; a CUDA start outside any environment
+//!   is judged at once);
 //! - a write to `envs.json` or `devices.json` → a full cycle at once;
 //! - every `--memory-interval` → the memory rule;
-//! - every `--interval`, and whenever the kernel lost events → a full cycle;
-//! - exec and exit events keep the process table current;
+//! - every `--interval`, and whenever the kernel lost events → a full cycle, after which
+//!   the mirror ([`crate::sync`]) and `alloc` bring their maps in step;
 //! - with `--deny`, the kernel refuses or kills at the open itself; its decisions arrive
-//!   as open events and are reported ([`crate::intake::decisions`]).
-//!
-//! What each kernel event does is in [`events`]; the checks it leads to in [`checks`].
-//! The maps the programs decide from follow each full cycle through [`crate::sync`].
+//!   as open events and are reported by the reactions.
 
-use std::collections::{HashMap, HashSet};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-mod checks;
-mod events;
-mod told;
-
+use super::checks::Checks;
 use super::schedule::Schedule;
 use super::settings::Settings;
-use super::state_watch::{StateWatch, Target};
-use super::watchlist::Watchlist;
+use super::start::{self, EventSide};
+use super::state_watch::StateWatch;
+use crate::clock::unix_now;
 use crate::cycle::Enforcer;
-use crate::intake::decisions::LineLimiter;
 use crate::intake::{BadRecord, EventIntake, KernelEvent};
-use crate::kernel::inspector::KernelInspector;
+use crate::react::{Around, Reactions, Wanted};
 use crate::service::instance::Instance;
 use crate::service::metrics::{self, Metrics};
 use crate::service::reload::reload;
 use crate::service::signals::{Hangup, StopSignals, notify};
 use crate::service::status::Status;
-use crate::sync::KernelSide;
 use crate::warn_once::WarnOnce;
 
-/// How long a process terminated by a narrow check is left out of the next ones.
-const SETTLE: Duration = Duration::from_secs(2);
 /// How often the daemon wakes at least, to read lifecycle events (which do not wake it),
 /// while they come; with none since the last look the period doubles up to
 /// [`DRAIN_IDLE`]. Nothing waits on them: a GPU open wakes the daemon at once and the
@@ -53,10 +44,10 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
     let mut stop = StopSignals::install()?;
     let mut hangup = Hangup::install()?;
     let instance = Instance::claim(&settings.run_dir)?;
-    let _why = serve_why(&enforcer, &settings.run_dir);
+    let _why = start::serve_why(&enforcer, &settings.run_dir);
     let (mut daemon, mut intake) = Daemon::start(enforcer, settings)?;
     instance.publish(&daemon.status);
-    release_startup_memory();
+    start::release_startup_memory();
 
     let settings = &daemon.settings;
     let mut schedule = Schedule::new(Instant::now(), settings.interval, settings.memory_interval);
@@ -68,10 +59,10 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
             notify("READY=1");
         }
         let wake = schedule.next_wake([
-            daemon.watchlist.next_wake(),
-            daemon.enforcer.executor.next_deadline(),
+            daemon.reactions.next_wake(),
+            daemon.checks.enforcer.executor.next_deadline(),
             intake.as_ref().map(|_| Instant::now() + daemon.drain_every),
-            daemon.kernel.as_ref().and_then(KernelSide::next_look),
+            daemon.alloc().and_then(|alloc| alloc.next_due()),
         ]);
         tokio::select! {
             biased;
@@ -99,61 +90,19 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Programs and maps go with the kernel side and the intake (pinned ones stay, without
+/// Programs and maps go with the event side and the intake (pinned ones stay, without
 /// this daemon's exemption); the status file with the instance.
 fn shut_down<I>(intake: Option<I>, mut daemon: Daemon, instance: Instance) {
     drop(intake);
     // What users were told last reaches their terminals and the log.
-    if let Some(notifier) = daemon.enforcer.executor.notifier() {
+    if let Some(notifier) = daemon.checks.enforcer.executor.notifier() {
         notifier.flush();
     }
-    if let Some(kernel) = daemon.kernel.take() {
-        kernel.release();
+    if let Some(side) = daemon.kernel.take() {
+        side.mirror.release();
     }
     drop(daemon);
     drop(instance);
-}
-
-/// `genv-enforcer why`'s socket, in the run directory this daemon now holds alone.
-fn serve_why(enforcer: &Enforcer, run_dir: &std::path::Path) -> Option<WhySocket> {
-    let notifier = enforcer.executor.notifier()?;
-    match notifier.serve_why(run_dir) {
-        Ok(()) => Some(WhySocket(run_dir.join(crate::notify::server::SOCKET))),
-        Err(e) => {
-            tracing::warn!("genv-enforcer why will not be answered: {e:#}");
-            None
-        }
-    }
-}
-
-/// The socket, removed when the daemon ends.
-struct WhySocket(std::path::PathBuf);
-
-impl Drop for WhySocket {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// Environments as the kernel read them at exec, not as /proc shows them now.
-fn read_identities_from(kernel: &KernelSide, enforcer: &mut Enforcer) {
-    match kernel.identity_reader() {
-        Ok(reader) => enforcer
-            .builder
-            .set_inspector(Box::new(KernelInspector::new(reader))),
-        Err(e) => tracing::warn!(
-            "Cannot read the kernel's identities ({e}); environments are read from /proc, which setproctitle can overwrite"
-        ),
-    }
-}
-
-/// Loading parsed the kernel's BTF (tens of MB, dropped since); glibc keeps freed heap
-/// mapped unless asked, and a daemon on every node should not carry it for its life
-/// (41 MB resident idle without this, 7 MB with it).
-fn release_startup_memory() {
-    // SAFETY: malloc_trim only returns free memory to the kernel; it takes no pointer
-    // and leaves every live allocation where it is.
-    unsafe { libc::malloc_trim(0) };
 }
 
 /// Events read from the ring buffer and not yet handled.
@@ -164,35 +113,51 @@ struct Batch {
 }
 
 struct Daemon {
-    enforcer: Enforcer,
+    /// The enforcer, and the checks it runs.
+    checks: Checks,
     settings: Settings,
     status: Status,
     /// `None`: no kernel programs (full cycle alone).
-    kernel: Option<KernelSide>,
+    kernel: Option<EventSide>,
+    reactions: Reactions,
     /// inotify on genv's state directory; `None` until it can be set up.
     state_watch: Option<StateWatch>,
     /// Why the state directory could not be watched, as last warned.
     unwatched: WarnOnce<String>,
-    watchlist: Watchlist,
-    /// Processes a narrow check terminated, and when.
-    settled: HashMap<u32, Instant>,
     /// An undecodable event was reported (once for the daemon's life).
     undecodable: WarnOnce,
-    /// GPUs the kernel killed an opener of since the last sweep for other holders.
-    to_sweep: HashSet<u32>,
-    decision_lines: LineLimiter,
     /// The ring buffer's current look period ([`DRAIN_EVERY`] to [`DRAIN_IDLE`]).
     drain_every: Duration,
-    /// Whether an environment had a memory cap at the last full cycle (or the state was
-    /// unreadable).
-    memory_capped: bool,
     /// `--metrics-addr`.
     metrics: Option<Arc<Metrics>>,
 }
 
 impl Daemon {
-    /// The kernel side started (or none, as `--bpf-tier` allows), the snapshot reading
-    /// identities from it, the metrics endpoint listening.
+    /// After a full cycle, the mirror and `alloc` bring their maps in step with what it
+    /// read.
+    fn full_cycle(&mut self) {
+        let mut summary = self.checks.full_cycle(&mut self.status);
+        if let Some(side) = self.kernel.as_mut() {
+            let builder = &self.checks.enforcer.builder;
+            let state = summary.state.take();
+            if let Some(alloc) = side.alloc.as_mut() {
+                let given = &self.settings.kernel.cuda_libs;
+                alloc.follow_cycle(state.as_ref(), builder.devices(), given);
+                self.status.probes_registration_stalled = alloc.registration_stalled();
+            }
+            let settings = &self.settings.kernel;
+            let dropped = summary.dropped_envs.as_slice();
+            let status = &mut self.status;
+            let device_map = builder.device_map();
+            side.mirror
+                .follow_cycle(settings, status, device_map, state, dropped);
+            status.address_spaces_held = crate::backends::address_space::held_now();
+        }
+        self.status.orphans = std::mem::take(&mut summary.orphans);
+    }
+
+    /// The event side started (or none, as `--bpf-tier` allows), the metrics endpoint
+    /// listening.
     fn start(mut enforcer: Enforcer, settings: Settings) -> Result<(Self, Option<EventIntake>)> {
         let mut status = Status {
             pid: std::process::id(),
@@ -202,28 +167,26 @@ impl Daemon {
             ..Status::default()
         };
         let metrics = settings.metrics_addr.map(metrics::serve).transpose()?;
-        let started = KernelSide::start(&settings.kernel, settings.interval, &mut status)?;
+        let kernel = &settings.kernel;
+        let started = start::event_side(kernel, settings.interval, &mut status, &mut enforcer)?;
         let (kernel, intake) = started.unzip();
-        if let Some(kernel) = &kernel {
-            read_identities_from(kernel, &mut enforcer);
-        }
         let daemon = Self {
-            enforcer,
+            reactions: Reactions::new(settings.kernel.verbose, settings.kernel.deny.root),
+            checks: Checks::new(enforcer, metrics.clone()),
             settings,
             status,
             kernel,
             state_watch: None,
             unwatched: WarnOnce::default(),
-            watchlist: Watchlist::default(),
-            settled: HashMap::new(),
             undecodable: WarnOnce::default(),
-            to_sweep: HashSet::new(),
-            decision_lines: LineLimiter::default(),
             drain_every: DRAIN_EVERY,
-            memory_capped: true,
             metrics,
         };
         Ok((daemon, intake))
+    }
+
+    fn alloc(&self) -> Option<&crate::alloc::AllocSide> {
+        self.kernel.as_ref()?.alloc.as_ref()
     }
 
     /// Runs whatever is due: the full cycle, the checks of newly opened GPUs, the
@@ -233,19 +196,22 @@ impl Daemon {
             // Watch first: a state change during the cycle then triggers another one,
             // where watching after it would miss a change made while it ran.
             if self.state_watch.as_ref().is_none_or(StateWatch::is_lost) {
-                self.state_watch = watch_state(&self.enforcer, &mut self.unwatched);
+                self.state_watch = start::watch_state(&self.checks.enforcer, &mut self.unwatched);
             }
             self.full_cycle();
             schedule.full_done(Instant::now());
         }
-        if let Some(pids) = self.watchlist.due(Instant::now()) {
-            self.opened_check(&pids);
+        if let Some(pids) = self.reactions.due(Instant::now()) {
+            let status = &mut self.status;
+            self.checks.opened(&pids, status, &mut self.reactions);
         }
         if schedule.memory_due(Instant::now()) {
-            self.memory_check();
+            let watched = self.state_watch.as_ref().is_some_and(|w| !w.is_lost());
+            let alloc = self.kernel.as_mut().and_then(|side| side.alloc.as_mut());
+            self.checks.memory(&mut self.status, alloc, watched);
             schedule.memory_done(Instant::now());
         }
-        self.enforcer.executor.escalate(Instant::now());
+        self.checks.enforcer.executor.escalate(Instant::now());
         if schedule.status_due(Instant::now()) {
             self.publish(schedule, instance);
             schedule.status_done(Instant::now());
@@ -256,9 +222,10 @@ impl Daemon {
     /// once where the kernel could not record identities since the last.
     fn publish(&mut self, schedule: &mut Schedule, instance: &Instance) {
         self.status.updated = unix_now();
-        if let Some(kernel) = &self.kernel {
-            kernel.report(&mut self.status);
-            if kernel.identities_lost(&self.status) {
+        if let Some(side) = &self.kernel {
+            self.status.programs = side.programs.stats();
+            side.mirror.report(&mut self.status);
+            if side.mirror.identities_lost(&self.status) {
                 schedule.full_now(Instant::now());
             }
         }
@@ -271,14 +238,18 @@ impl Daemon {
             .state_watch
             .as_ref()
             .and_then(StateWatch::target)
-            .map(|t| t.describe(self.enforcer.builder.state().root()));
-        if let Some(notifier) = self.enforcer.executor.notifier() {
+            .map(|t| t.describe(self.checks.enforcer.builder.state().root()));
+        if let Some(notifier) = self.checks.enforcer.executor.notifier() {
             self.status.told = notifier.counts();
         }
         instance.publish(&self.status);
         if let Some(metrics) = &self.metrics {
             let tier = self.status.tier.as_deref();
-            metrics.follow(&self.status.counts, tier, self.enforcer.builder.nvml_errors);
+            metrics.follow(
+                &self.status.counts,
+                tier,
+                self.checks.enforcer.builder.nvml_errors,
+            );
         }
     }
 
@@ -303,7 +274,7 @@ impl Daemon {
     /// SIGHUP: the rules, intervals and execution settings read again and put in force,
     /// the kernel programs left attached (see [`crate::service::reload`]).
     fn reload(&mut self, schedule: &mut Schedule) {
-        let Some(new) = reload(self.settings.reload.as_mut(), &mut self.enforcer) else {
+        let Some(new) = reload(self.settings.reload.as_mut(), &mut self.checks.enforcer) else {
             return;
         };
         let memory = new.memory_interval.unwrap_or(self.settings.memory_interval);
@@ -315,37 +286,72 @@ impl Daemon {
         schedule.set_periods(Instant::now(), new.interval, memory);
         tracing::info!(
             "SIGHUP: settings read again and in force ({:?}, every {:?}); the kernel programs stay attached",
-            self.enforcer.rules,
+            self.checks.enforcer.rules,
             new.interval
         );
     }
-}
 
-/// The state directory's watch; a failure is warned about once per distinct reason
-/// (the daemon tries again at every full cycle).
-fn watch_state(enforcer: &Enforcer, unwatched: &mut WarnOnce<String>) -> Option<StateWatch> {
-    let state = enforcer.builder.state();
-    match StateWatch::new(state) {
-        Ok(watch) => {
-            if let Some(Target::Ancestor { dir, .. }) = watch.target() {
-                tracing::info!(
-                    "genv's state directory {} does not exist yet; watching {} for it",
-                    state.root().display(),
-                    dir.display()
-                );
+    /// Handles what the intake holds: every event, then any undecodable record or loss,
+    /// either of which means the daemon's view may be stale, so a full cycle resyncs it.
+    fn take_in(&mut self, intake: &mut EventIntake, batch: &mut Batch, schedule: &mut Schedule) {
+        let now = Instant::now();
+        intake.drain_now(&mut batch.events, &mut batch.unknown);
+        self.drain_every = match batch.events.is_empty() {
+            true => (self.drain_every * 2).min(DRAIN_IDLE),
+            false => DRAIN_EVERY,
+        };
+        for event in batch.events.drain(..) {
+            if let Some(wanted) = self.react(Some(event), now) {
+                self.checks.act(wanted, now, &mut self.status);
             }
-            unwatched.clear();
-            Some(watch)
         }
-        Err(e) => {
-            let why = e.to_string();
-            if unwatched.first(why.clone()) {
-                tracing::warn!(
-                    "Cannot watch {} ({why}); state changes wait for the full cycle",
-                    state.root().display()
-                );
+        self.react(None, now);
+        let devices = self.checks.enforcer.builder.devices();
+        if let Some(alloc) = self.kernel.as_mut().and_then(|side| side.alloc.as_mut()) {
+            // Exits waiting for their processes to be gone: looked at again soon.
+            if alloc.settle_exits() {
+                self.drain_every = DRAIN_EVERY;
             }
-            None
+            alloc.run_due(devices);
+        }
+        if let Some(first) = batch.unknown.first() {
+            if self.undecodable.first(()) {
+                tracing::warn!("{first}; treating it as a lost event");
+            }
+            batch.unknown.clear();
+            schedule.full_now(now);
+        }
+        let lost = intake.newly_lost();
+        if lost > 0 {
+            self.status.counts.lost_events += lost;
+            if let Some(metrics) = &self.metrics {
+                metrics.resynced();
+            }
+            tracing::warn!(
+                "The kernel lost {lost} events (its ring buffer was full); running a full cycle to resynchronise"
+            );
+            schedule.full_now(now);
+        }
+    }
+
+    /// One event handed to the reactions, with the stages they may use (`None`: the
+    /// batch is done).
+    fn react(&mut self, event: Option<KernelEvent>, now: Instant) -> Option<Wanted> {
+        let side = self.kernel.as_mut()?;
+        let mut around = Around {
+            mirror: &mut side.mirror,
+            alloc: side.alloc.as_mut(),
+            devices: self.checks.enforcer.builder.devices(),
+            notifier: self.checks.enforcer.executor.notifier().map(Arc::as_ref),
+            counts: &mut self.status.counts,
+            non_env_rule: self.checks.enforcer.rules.non_env_processes,
+        };
+        match event {
+            Some(event) => self.reactions.on(event, now, &mut around),
+            None => {
+                self.reactions.after_batch(&mut around);
+                None
+            }
         }
     }
 }
@@ -366,16 +372,4 @@ async fn state_changed(watch: Option<&mut StateWatch>) -> std::io::Result<bool> 
         Some(watch) => watch.changed().await,
         None => std::future::pending().await,
     }
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
-/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
-fn monotonic_ns() -> u64 {
-    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }

@@ -3,7 +3,6 @@
 //! account of each decision ([`decision_log`]).
 
 pub mod decision_log;
-pub mod decisions;
 mod event;
 mod ring;
 mod subject;

@@ -88,35 +88,68 @@ pub(super) fn size_maps(loader: &mut aya::EbpfLoader<'_>, memory_at_alloc: bool)
     }
 }
 
-/// With `--memory-at-alloc`, the probes loaded (not attached yet) and their maps.
+/// With `--memory-at-alloc`, the probes loaded (not attached yet), their maps, and
+/// their registrar: what the `alloc` stage owns from then on.
 pub(super) fn load_if(
     memory_at_alloc: bool,
     ebpf: &mut Ebpf,
     programs: &mut Vec<Attached>,
-) -> Result<Option<AllocMaps>, LoadError> {
+) -> Result<Option<CudaKernel>, LoadError> {
     if !memory_at_alloc {
         return Ok(None);
     }
     let wrap = |e: LoadError| LoadError::MemoryAtAlloc(e.to_string());
-    load(ebpf, programs).map_err(wrap)?;
-    Ok(Some(AllocMaps::take(ebpf).map_err(wrap)?))
+    let loaded = load(ebpf, programs).map_err(wrap)?;
+    let maps = AllocMaps::take(ebpf).map_err(wrap)?;
+    let probes = Probes::new(super::tracefs::ensure_mounted()?, loaded);
+    Ok(Some(CudaKernel { maps, probes }))
+}
+
+/// `--memory-at-alloc`'s part of the kernel, handed whole to the `alloc` stage at
+/// start-up: the accounting maps, and the probes with their registrar.
+pub struct CudaKernel {
+    pub maps: AllocMaps,
+    pub probes: Probes,
+}
+
+/// A loaded probe program: its name in the object, whether it runs at the call or at
+/// its return, and a hold on it (attaching needs only its descriptor).
+struct ProbeProgram {
+    name: &'static str,
+    side: Side,
+    fd: std::sync::Arc<std::os::fd::OwnedFd>,
 }
 
 /// Loads every probe program (once; attaching comes per library).
-fn load(ebpf: &mut Ebpf, programs: &mut Vec<Attached>) -> Result<(), LoadError> {
+fn load(ebpf: &mut Ebpf, programs: &mut Vec<Attached>) -> Result<Vec<ProbeProgram>, LoadError> {
+    use std::os::fd::AsFd;
+    let mut loaded = Vec::new();
     for &(name, _) in PROBES {
-        let probe: &mut UProbe = program_mut(ebpf, name)?
-            .try_into()
-            .map_err(program_error(name))?;
+        let probe = probe_mut(ebpf, name)?;
         probe.load().map_err(program_error(name))?;
         let id = probe.info().map_err(program_error(name))?.id();
+        let side = match probe.kind() {
+            ProbeKind::Entry => Side::Entry,
+            ProbeKind::Return => Side::Return,
+        };
+        let fd = probe
+            .fd()
+            .map_err(program_error(name))?
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| LoadError::Object(format!("{name}: {e}")))?;
+        loaded.push(ProbeProgram {
+            name,
+            side,
+            fd: std::sync::Arc::new(fd),
+        });
         programs.push(Attached {
             name,
             id,
             link: None,
         });
     }
-    Ok(())
+    Ok(loaded)
 }
 
 /// What attaching to one library gave: a handle on its probes, for [`detach`].
@@ -142,17 +175,18 @@ impl Exports {
 
 /// The probes of every library attached: registered and removed by a thread of their
 /// own (see [`registrar`]).
-#[derive(Default)]
 pub struct Probes {
-    registrar: Option<Registrar>,
+    registrar: Registrar,
+    programs: Vec<ProbeProgram>,
     next_key: u64,
 }
 
 impl Probes {
-    pub(super) fn new(tracefs: PathBuf) -> Self {
+    fn new(tracefs: PathBuf, programs: Vec<ProbeProgram>) -> Self {
         uprobe_events::remove_stale(&tracefs);
         Self {
-            registrar: Some(Registrar::start(tracefs)),
+            registrar: Registrar::start(tracefs),
+            programs,
             next_key: 0,
         }
     }
@@ -160,104 +194,78 @@ impl Probes {
     /// Waits, at most `within`, until the registrations sent so far were made or put
     /// off; whether they were.
     pub fn settle(&self, within: std::time::Duration) -> bool {
-        self.registrar.as_ref().is_none_or(|r| r.settle(within))
+        self.registrar.settle(within)
     }
 
     /// Whether a registration has been waiting on the kernel past
     /// [`registrar::SAY_AFTER`].
     pub fn stalled(&self) -> bool {
-        self.registrar.as_ref().is_some_and(Registrar::stalled)
+        self.registrar.stalled()
     }
 
-    fn registrar(&self) -> Result<&Registrar, LoadError> {
-        self.registrar
-            .as_ref()
-            .ok_or_else(|| LoadError::Object("the libcuda probes are not loaded".into()))
-    }
-}
-
-/// Has every probe attached to `library` at `exports`, system-wide, by the registrar;
-/// `line(missing)` is said once they are in place. A library without the required
-/// symbols is refused whole here; one a probe cannot be attached to is refused (and
-/// said) by the registrar, which then removes those it made. The other symbols missing
-/// are listed.
-pub(super) fn attach(
-    ebpf: &mut Ebpf,
-    probes: &mut Probes,
-    library: &Library,
-    exports: &Exports,
-    line: impl FnOnce(&[&'static str]) -> String,
-) -> Result<Attachment, LoadError> {
-    if let Some(absent) = REQUIRED.iter().find(|s| !exports.0.contains_key(**s)) {
-        return Err(LoadError::Library(format!(
-            "{}: no {absent} (not a libcuda)",
-            library.name
-        )));
-    }
-    let key = probes.next_key;
-    let (definitions, missing) = definitions(ebpf, exports, key)?;
-    let file = library
-        .file
-        .try_clone()
-        .map_err(|e| LoadError::Library(format!("{}: {e}", library.name)))?;
-    probes.registrar()?;
-    probes.next_key += 1;
-    probes.registrar()?.register(Registration {
-        key,
-        file,
-        name: library.name.clone(),
-        definitions,
-        line: line(&missing),
-    });
-    Ok(Attachment { missing, key })
-}
-
-/// The uprobes to make for a library at `exports`, under the library's `key`, and the
-/// calls it does not have.
-fn definitions(
-    ebpf: &mut Ebpf,
-    exports: &Exports,
-    key: u64,
-) -> Result<(Vec<Definition>, Vec<&'static str>), LoadError> {
-    use std::os::fd::AsFd;
-    let mut missing = Vec::new();
-    let mut definitions = Vec::new();
-    for &(name, wanted) in PROBES {
-        let probe = probe_mut(ebpf, name)?;
-        let side = match probe.kind() {
-            ProbeKind::Entry => Side::Entry,
-            ProbeKind::Return => Side::Return,
-        };
-        let program = probe.fd().map_err(program_error(name))?;
-        let program = std::sync::Arc::new(
-            program
-                .as_fd()
-                .try_clone_to_owned()
-                .map_err(|e| LoadError::Object(format!("{name}: {e}")))?,
-        );
-        for (index, &symbol) in wanted.iter().enumerate() {
-            let Some(&offset) = exports.0.get(symbol) else {
-                if !missing.contains(&symbol) {
-                    missing.push(symbol);
-                }
-                continue;
-            };
-            definitions.push(Definition {
-                name: format!("{name}_{key}_{index}"),
-                side,
-                offset,
-                program: std::sync::Arc::clone(&program),
-                what: format!("{name} at {symbol}"),
-            });
+    /// Has every probe attached to `library` at `exports`, system-wide, by the
+    /// registrar; `line(missing)` is said once they are in place. A library without the
+    /// required symbols is refused whole here; one a probe cannot be attached to is
+    /// refused (and said) by the registrar, which then removes those it made. The other
+    /// symbols missing are listed.
+    pub fn attach(
+        &mut self,
+        library: &Library,
+        exports: &Exports,
+        line: impl FnOnce(&[&'static str]) -> String,
+    ) -> Result<Attachment, LoadError> {
+        if let Some(absent) = REQUIRED.iter().find(|s| !exports.0.contains_key(**s)) {
+            return Err(LoadError::Library(format!(
+                "{}: no {absent} (not a libcuda)",
+                library.name
+            )));
         }
+        let key = self.next_key;
+        let (definitions, missing) = self.definitions(exports, key);
+        let file = library
+            .file
+            .try_clone()
+            .map_err(|e| LoadError::Library(format!("{}: {e}", library.name)))?;
+        self.next_key += 1;
+        self.registrar.register(Registration {
+            key,
+            file,
+            name: library.name.clone(),
+            definitions,
+            line: line(&missing),
+        });
+        Ok(Attachment { missing, key })
     }
-    Ok((definitions, missing))
-}
 
-/// Takes the probes of one [`attach`] off again, in the background.
-pub(super) fn detach(probes: &mut Probes, attachment: Attachment) {
-    if let Ok(registrar) = probes.registrar() {
-        registrar.remove(attachment.key);
+    /// The uprobes to make for a library at `exports`, under the library's `key`, and
+    /// the calls it does not have.
+    fn definitions(&self, exports: &Exports, key: u64) -> (Vec<Definition>, Vec<&'static str>) {
+        let mut missing = Vec::new();
+        let mut definitions = Vec::new();
+        for (program, &(name, wanted)) in self.programs.iter().zip(PROBES) {
+            debug_assert_eq!(program.name, name);
+            for (index, &symbol) in wanted.iter().enumerate() {
+                let Some(&offset) = exports.0.get(symbol) else {
+                    if !missing.contains(&symbol) {
+                        missing.push(symbol);
+                    }
+                    continue;
+                };
+                definitions.push(Definition {
+                    name: format!("{name}_{key}_{index}"),
+                    side: program.side,
+                    offset,
+                    program: std::sync::Arc::clone(&program.fd),
+                    what: format!("{name} at {symbol}"),
+                });
+            }
+        }
+        (definitions, missing)
+    }
+
+    /// Takes the probes of one [`Self::attach`] off again, in the background.
+    pub fn detach(&mut self, attachment: Attachment) {
+        self.registrar.remove(attachment.key);
     }
 }
 

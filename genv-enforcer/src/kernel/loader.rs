@@ -1,20 +1,20 @@
 //! Loading the kernel programs: offsets into the object, lifecycle tracepoints attached,
-//! then the best open tier the kernel accepts (or the one forced). Dropping
+//! then the best open tier the kernel accepts (or the one forced). What loading gives is
+//! split by owner at once ([`Loaded`]): the programs themselves (their lifetime and
+//! counters), the event maps (read by the intake), the policy maps (kept by the mirror)
+//! and `--memory-at-alloc`'s maps and probes (kept by `alloc`). Dropping
 //! [`KernelPrograms`] detaches and unloads everything: nothing outlives the daemon
-//! (unless pinned). The event maps are handed out raw: reading them is the intake's job.
+//! (unless pinned).
 
 use aya::Ebpf;
-use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
-use genv_ebpf_common::{
-    EVENTS_MAP, GPU_NODES_MAP, LOST_MAP, MAX_GPU_NODES, OFFSETS_GLOBAL, PROC_ENV_MAP,
-};
+use aya::maps::{MapData, PerCpuArray, RingBuf};
+use genv_ebpf_common::{EVENTS_MAP, LOST_MAP, OFFSETS_GLOBAL, PROC_ENV_MAP};
 
-use super::alloc_maps::AllocMaps;
 use super::attached::Attached;
 use super::btf::Btf;
-use super::cuda::{self, Attachment};
+use super::cuda::{self, CudaKernel};
 use super::ebpf_loader;
-use super::error::{LoadError, chain, map_error, take_map};
+use super::error::{LoadError, chain, take_map};
 use super::lifecycle::{self, EnvScan};
 use super::object::{self, OBJECT};
 use super::offsets::{self, OffsetsError};
@@ -24,7 +24,6 @@ use super::policy_maps::PolicyMaps;
 use super::tier::{Tier, TierChoice};
 use super::tracefs;
 use super::trampoline::{self, Targets};
-use crate::backends::devmap::DeviceMap;
 
 pub struct LoadOptions {
     pub choice: TierChoice,
@@ -41,7 +40,7 @@ pub struct LoadOptions {
     /// logging code as dead: nothing of it runs, or is even loaded.
     pub log_decisions: bool,
     /// `--memory-at-alloc`: load the libcuda probes (attached per library, by
-    /// [`KernelPrograms::attach_cuda`]) and take their accounting maps.
+    /// [`cuda::Probes::attach`]) and take their accounting maps.
     pub memory_at_alloc: bool,
 }
 
@@ -56,26 +55,30 @@ pub struct EventMaps {
     pub lost: PerCpuArray<MapData, u64>,
 }
 
-/// The loaded programs; the open tier in use; the map of watched nodes.
+/// What loading gives, split by owner: nothing of it is reached through another's.
+pub struct Loaded {
+    /// The programs: kept by the daemon for its life, for their counters and the log.
+    pub programs: KernelPrograms,
+    /// Where their events come out: the intake's.
+    pub events: EventMaps,
+    /// What they decide from: the mirror's.
+    pub policy: PolicyMaps,
+    /// `--memory-at-alloc`'s maps and probes: `alloc`'s.
+    pub cuda: Option<CudaKernel>,
+}
+
+/// The loaded programs and the open tier in use.
 pub struct KernelPrograms {
     /// Owns the programs and their links.
     ebpf: Ebpf,
     tier: Tier,
     /// Why each better tier was not used.
     refused: Vec<(Tier, String)>,
-    nodes: BpfHashMap<MapData, u32, u32>,
-    /// Identities, environments, allow-list, `--deny`, decisions.
-    policy: PolicyMaps,
     /// Loaded and attached programs.
     programs: Vec<Attached>,
     env_scan: EnvScan,
     /// `PROC_ENV`'s capacity.
     processes: u32,
-    /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.
-    alloc: Option<AllocMaps>,
-    /// `--memory-at-alloc`'s probes: the libraries' uprobes and the processes carrying
-    /// them.
-    cuda: cuda::Probes,
 }
 
 /// One program's counters, as the kernel keeps them while `kernel.bpf_stats_enabled`
@@ -97,7 +100,7 @@ pub struct ProgramStats {
 
 impl KernelPrograms {
     /// Loads everything; `options.choice` must not be `None`.
-    pub fn load(options: &LoadOptions) -> Result<(Self, EventMaps), LoadError> {
+    pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         let tracefs_root = tracefs::ensure_mounted()?;
         // All the programs need of the kernel's BTF, read once and freed before aya
         // loads the object (aya itself is kept from reading it: `ebpf_loader`).
@@ -145,7 +148,7 @@ impl KernelPrograms {
         object: (&[u8], &Targets),
         options: &LoadOptions,
         processes: u32,
-    ) -> Result<(Self, EventMaps), LoadError> {
+    ) -> Result<Loaded, LoadError> {
         let mut programs = Vec::new();
         let env_scan = lifecycle::attach(&mut ebpf, &mut programs)?;
         let (tier, refused) = open_tiers::attach_best(
@@ -154,11 +157,7 @@ impl KernelPrograms {
             (options.choice, options.compat_opens),
             &mut programs,
         )?;
-        let alloc = cuda::load_if(options.memory_at_alloc, &mut ebpf, &mut programs)?;
-        let cuda = match alloc {
-            Some(_) => cuda::Probes::new(tracefs::ensure_mounted()?),
-            None => cuda::Probes::default(),
-        };
+        let cuda = cuda::load_if(options.memory_at_alloc, &mut ebpf, &mut programs)?;
         if let Some(dir) = &options.pin_dir {
             pins::pin_all(&mut ebpf, &mut programs, dir)?;
         }
@@ -166,21 +165,21 @@ impl KernelPrograms {
             ring: take_map(&mut ebpf, EVENTS_MAP)?,
             lost: take_map(&mut ebpf, LOST_MAP)?,
         };
-        let nodes = take_map(&mut ebpf, GPU_NODES_MAP)?;
         let policy = PolicyMaps::take(&mut ebpf)?;
-        let kernel = Self {
+        let programs = Self {
             ebpf,
             tier,
             refused,
-            nodes,
-            policy,
             programs,
             env_scan,
             processes,
-            alloc,
-            cuda,
         };
-        Ok((kernel, events))
+        Ok(Loaded {
+            programs,
+            events,
+            policy,
+            cuda,
+        })
     }
 
     /// `--bpf-log`'s reader: the programs' log ring buffer, printed through `logger`.
@@ -235,57 +234,5 @@ impl KernelPrograms {
                 }
             })
             .collect()
-    }
-
-    /// Attaches the libcuda probes to `library`, at its `exports` (`--memory-at-alloc`),
-    /// in the background: `line(missing)` is said once they are in place.
-    pub fn attach_cuda(
-        &mut self,
-        library: &cuda::Library,
-        exports: &cuda::Exports,
-        line: impl FnOnce(&[&'static str]) -> String,
-    ) -> Result<Attachment, LoadError> {
-        if self.alloc.is_none() {
-            return Err(LoadError::Object(
-                "the libcuda probes are not loaded".into(),
-            ));
-        }
-        cuda::attach(&mut self.ebpf, &mut self.cuda, library, exports, line)
-    }
-
-    /// Takes the probes of one [`Self::attach_cuda`] off again.
-    pub fn detach_cuda(&mut self, attachment: Attachment) {
-        cuda::detach(&mut self.cuda, attachment);
-    }
-
-    /// Waits, at most `within`, until the libcuda probes sent for registration were
-    /// registered or put off (see `cuda::registrar`); whether they were.
-    pub fn cuda_settle(&self, within: std::time::Duration) -> bool {
-        self.cuda.settle(within)
-    }
-
-    /// Whether a registration of the libcuda probes has been waiting on the kernel
-    /// for over a second (`--memory-at-alloc`; see `cuda::registrar`).
-    pub fn cuda_registration_stalled(&self) -> bool {
-        self.cuda.stalled()
-    }
-
-    /// `--memory-at-alloc`'s accounting maps, when its probes are loaded.
-    pub fn alloc_mut(&mut self) -> Option<&mut AllocMaps> {
-        self.alloc.as_mut()
-    }
-
-    pub fn policy(&self) -> &PolicyMaps {
-        &self.policy
-    }
-
-    pub fn policy_mut(&mut self) -> &mut PolicyMaps {
-        &mut self.policy
-    }
-
-    /// Makes the kernel watch exactly the nodes of `map`.
-    pub fn watch_nodes(&mut self, map: &DeviceMap) -> Result<(), LoadError> {
-        let wanted = map.kernel_entries().take(MAX_GPU_NODES as usize).collect();
-        super::policy_maps::sync_map(&mut self.nodes, wanted).map_err(map_error(GPU_NODES_MAP))
     }
 }

@@ -33,5 +33,5 @@ mod trampoline;
 mod verifier_log;
 
 pub use error::LoadError;
-pub use loader::{EventMaps, KernelPrograms, LoadOptions, ProgramStats};
+pub use loader::{EventMaps, KernelPrograms, LoadOptions, Loaded, ProgramStats};
 pub use tier::{Tier, TierChoice};

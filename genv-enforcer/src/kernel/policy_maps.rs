@@ -9,16 +9,19 @@ use std::os::fd::AsFd;
 use aya::Ebpf;
 use aya::maps::{Array, HashMap as BpfHashMap, IterableMap, Map, MapData, MapError, PerCpuArray};
 use genv_ebpf_common::{
-    ALLOWED_EXES_MAP, DECISIONS_MAP, ENVS_MAP, EXEMPT_PIDS_MAP, EnvEntry, ExeKey, MAX_ALLOWED_EXES,
-    MAX_ENVS, POLICY_MAP, PROC_ENV_MAP, decision, policy,
+    ALLOWED_EXES_MAP, DECISIONS_MAP, ENVS_MAP, EXEMPT_PIDS_MAP, EnvEntry, ExeKey, GPU_NODES_MAP,
+    MAX_ALLOWED_EXES, MAX_ENVS, MAX_GPU_NODES, POLICY_MAP, PROC_ENV_MAP, decision, policy,
 };
 
 use super::error::{LoadError, map_error, take_map};
+use crate::backends::devmap::DeviceMap;
 
 /// `BPF_NOEXIST`: insert only if absent.
 const NOEXIST: u64 = 1;
 
 pub struct PolicyMaps {
+    /// The GPU nodes watched, by device number.
+    nodes: BpfHashMap<MapData, u32, u32>,
     proc_env: BpfHashMap<MapData, u32, u64>,
     envs: BpfHashMap<MapData, u64, EnvEntry>,
     allowed: BpfHashMap<MapData, ExeKey, u8>,
@@ -35,6 +38,11 @@ pub struct IdentityReader(BpfHashMap<MapData, u32, u64>);
 impl IdentityReader {
     pub fn get(&self, pid: u32) -> Option<u64> {
         self.0.get(&pid, 0).ok()
+    }
+
+    /// Every process the kernel holds an identity for, with it.
+    pub fn all(&self) -> Vec<(u32, u64)> {
+        self.0.iter().filter_map(Result::ok).collect()
     }
 }
 
@@ -107,6 +115,7 @@ where
 impl PolicyMaps {
     pub(super) fn take(ebpf: &mut Ebpf) -> Result<Self, LoadError> {
         Ok(Self {
+            nodes: take_map(ebpf, GPU_NODES_MAP)?,
             proc_env: take_map(ebpf, PROC_ENV_MAP)?,
             envs: take_map(ebpf, ENVS_MAP)?,
             allowed: take_map(ebpf, ALLOWED_EXES_MAP)?,
@@ -114,6 +123,12 @@ impl PolicyMaps {
             policy: take_map(ebpf, POLICY_MAP)?,
             decisions: take_map(ebpf, DECISIONS_MAP)?,
         })
+    }
+
+    /// Makes the kernel watch exactly the nodes of `map`.
+    pub fn watch_nodes(&mut self, map: &DeviceMap) -> Result<(), LoadError> {
+        let wanted = map.kernel_entries().take(MAX_GPU_NODES as usize).collect();
+        sync_map(&mut self.nodes, wanted).map_err(map_error(GPU_NODES_MAP))
     }
 
     /// Records the identity of a process that existed before the programs, unless the

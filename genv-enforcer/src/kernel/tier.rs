@@ -4,6 +4,8 @@ use std::fmt;
 
 use genv_ebpf_common::hook;
 
+use super::policy_maps::DenyPolicy;
+
 /// Which program sees GPU opens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Tier {
@@ -126,6 +128,28 @@ impl TierChoice {
     }
 }
 
+/// What the kernel guarantees about GPU opens by processes outside any environment,
+/// on `tier` (`None`: no programs) with `deny`.
+pub fn guarantee(tier: Option<Tier>, deny: DenyPolicy) -> String {
+    let whose = match deny.root {
+        true => "",
+        false => "; root's processes are let through (--deny-root to include them)",
+    };
+    match (tier, deny.deny) {
+        (Some(tier), true) if tier.refuses() => {
+            format!("refused in the kernel: the open fails with EPERM (--deny, {tier} tier){whose}")
+        }
+        (Some(tier), true) => format!(
+            "killed in the syscall: SIGKILL from the {tier} program, before open() returns \
+             (--deny; no refusing tier, BPF LSM or fmod_ret, is loaded){whose}"
+        ),
+        (Some(_), false) => {
+            "reacted to in userspace, milliseconds after the open (no --deny)".into()
+        }
+        (None, _) => "reacted to in userspace by the full cycle (no kernel programs)".into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,5 +175,28 @@ mod tests {
             .collect();
         assert_eq!(refusing, ["lsm", "fmod_ret"]);
         assert!(Tier::BEST_FIRST[..2].iter().all(|t| t.refuses()));
+    }
+
+    #[test]
+    fn the_guarantee_names_what_the_kernel_does() {
+        let deny = DenyPolicy {
+            deny: true,
+            root: false,
+        };
+        let everyone = DenyPolicy { root: true, ..deny };
+        assert!(guarantee(Some(Tier::Lsm), deny).starts_with("refused in the kernel"));
+        let fmod_ret = guarantee(Some(Tier::FmodRet), deny);
+        assert!(
+            fmod_ret.starts_with("refused in the kernel: the open fails with EPERM")
+                && fmod_ret.contains("fmod_ret tier"),
+            "{fmod_ret}"
+        );
+        assert!(guarantee(Some(Tier::Lsm), deny).contains("--deny-root"));
+        assert!(!guarantee(Some(Tier::Lsm), everyone).contains("root"));
+        assert!(guarantee(Some(Tier::Fentry), deny).starts_with("killed in the syscall"));
+        assert!(guarantee(Some(Tier::Tracepoint), deny).contains("tracepoint program"));
+        let off = DenyPolicy::default();
+        assert!(guarantee(Some(Tier::Lsm), off).starts_with("reacted to in userspace"));
+        assert!(guarantee(None, deny).contains("full cycle"));
     }
 }

@@ -34,8 +34,9 @@ pub mod writer;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
+use crate::clock::unix_now;
 pub use decision::{Decision, Facts};
 use journal::Journal;
 use logger::Logger;
@@ -210,12 +211,6 @@ impl Notifier {
 
 /// How long a one-shot run waits for its notices and decision records at most.
 const FLUSH_WAIT: Duration = Duration::from_secs(5);
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
 
 #[cfg(test)]
 pub(crate) mod tests {

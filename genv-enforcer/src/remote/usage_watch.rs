@@ -22,13 +22,16 @@ use anyhow::Result;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, sleep_until};
 
-use crate::backends::procfs;
 use crate::cycle::LockPolicy;
 use crate::daemon::state_watch::StateWatch;
-use crate::intake::{EventIntake, KernelEvent};
-use crate::kernel::{KernelPrograms, LoadOptions, TierChoice};
+use crate::intake::KernelEvent;
+use crate::kernel::TierChoice;
+use crate::kernel::policy_maps::PolicyMaps;
 use crate::service::StopSignals;
 use crate::snapshot::{Snapshot, SnapshotBuilder};
+use watch_programs::{WatchPrograms, load_programs, next_events};
+
+mod watch_programs;
 
 /// After a GPU open, when to look again: the process makes its compute context (and
 /// appears in NVML's list) some time after it opens the device.
@@ -42,8 +45,6 @@ const AFTER_OPEN: [Duration; 4] = [
 /// process begins to exit, and NVML lists its context until its descriptors are
 /// closed, later in that exit (the snapshot the event itself calls for can be early).
 const AFTER_EXIT: [Duration; 2] = [Duration::from_millis(100), Duration::from_secs(1)];
-/// How often exit events are read (they do not wake the reader).
-const DRAIN_EVERY: Duration = Duration::from_millis(100);
 /// Snapshots are rate-limited: any user can open a GPU node, or write genv's world-
 /// writable state files, in a loop, and each must not cost this root process a
 /// snapshot. A burst of this many passes at once (genv writing both files, an open and
@@ -104,7 +105,7 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
         if due {
             match limit.take(now) {
                 Ok(()) => {
-                    if !watcher.emit(&mut builder, kernel.as_mut().map(|(p, _)| p)) {
+                    if !watcher.emit(&mut builder, kernel.as_mut().map(|w| &mut w.policy)) {
                         return Ok(ExitCode::SUCCESS);
                     }
                     next_poll = Instant::now() + settings.poll;
@@ -142,7 +143,7 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
             changed = watch_changed(&mut state_watch) => due = changed,
             _ = next_events(&mut kernel, &mut events) => {}
         }
-        if let Some((_, intake)) = &mut kernel {
+        if let Some(WatchPrograms { intake, .. }) = &mut kernel {
             intake.drain_now(&mut events, &mut Vec::new());
         }
         due |= recheck_after(watcher.relevant(&events), &mut rechecks);
@@ -214,11 +215,7 @@ impl Watcher {
     }
 
     /// Takes a snapshot and prints it if it changed; `false` once stdout is closed.
-    fn emit(
-        &mut self,
-        builder: &mut SnapshotBuilder,
-        programs: Option<&mut KernelPrograms>,
-    ) -> bool {
+    fn emit(&mut self, builder: &mut SnapshotBuilder, policy: Option<&mut PolicyMaps>) -> bool {
         // Any other error taking it (the state directory unreadable) is the snapshot's
         // to report: it reads without the lock, as before.
         builder.read_ahead(None);
@@ -231,8 +228,8 @@ impl Watcher {
             tracing::warn!("{}", warning.trim_start_matches("[WARNING] "));
         }
         self.warned = warnings;
-        if let Some(programs) = programs {
-            if let Err(e) = programs.watch_nodes(builder.device_map()) {
+        if let Some(policy) = policy {
+            if let Err(e) = policy.watch_nodes(builder.device_map()) {
                 tracing::warn!("Cannot update the watched GPU nodes: {e}");
             }
         }
@@ -291,48 +288,6 @@ fn known_pids(snapshot: &Snapshot) -> HashSet<u32> {
         .collect()
 }
 
-/// The kernel programs, reporting only (no `--deny`), where they load; otherwise the
-/// poll alone, said once.
-fn load_programs(tier: TierChoice) -> Option<(KernelPrograms, EventIntake)> {
-    if tier == TierChoice::None {
-        return None;
-    }
-    if let Some(namespace) = procfs::nested_pid_namespace() {
-        tracing::info!(
-            "usage watch: in a pid namespace of its own ({namespace}), the kernel's pids are not this one's; polling"
-        );
-        return None;
-    }
-    let options = LoadOptions {
-        choice: tier,
-        ring_bytes: None,
-        pin_dir: None,
-        compat_opens: false,
-        log_decisions: false,
-        memory_at_alloc: false,
-    };
-    let loaded = KernelPrograms::load(&options)
-        .map_err(|e| e.to_string())
-        .and_then(|(programs, events)| {
-            let intake = EventIntake::new(events.ring, events.lost)
-                .map_err(|e| format!("reading its events: {e}"))?;
-            Ok((programs, intake))
-        });
-    match loaded {
-        Ok(loaded) => {
-            tracing::info!(
-                "usage watch: kernel programs on the {} tier report GPU opens and exits",
-                loaded.0.tier().name()
-            );
-            Some(loaded)
-        }
-        Err(e) => {
-            tracing::info!("usage watch: no kernel programs ({e}); polling");
-            None
-        }
-    }
-}
-
 async fn watch_changed(watch: &mut Option<StateWatch>) -> bool {
     match watch {
         Some(w) => match w.changed().await {
@@ -343,23 +298,6 @@ async fn watch_changed(watch: &mut Option<StateWatch>) -> bool {
                 false
             }
         },
-        None => std::future::pending().await,
-    }
-}
-
-async fn next_events(
-    kernel: &mut Option<(KernelPrograms, EventIntake)>,
-    events: &mut Vec<KernelEvent>,
-) {
-    match kernel {
-        Some((_, intake)) => {
-            let mut unknown = Vec::new();
-            let waited = tokio::time::timeout(DRAIN_EVERY, intake.next_batch(events, &mut unknown));
-            if let Ok(Err(e)) = waited.await {
-                tracing::warn!("Reading the kernel's events: {e}; polling");
-                *kernel = None;
-            }
-        }
         None => std::future::pending().await,
     }
 }

@@ -8,6 +8,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::clock::unix_now;
+use crate::exit_code::{NOT_RUNNING, STUCK};
 use crate::kernel::ProgramStats;
 use crate::snapshot::Orphan;
 
@@ -16,10 +18,6 @@ pub const FILE: &str = "status.json";
 /// daemon rewrites it this often instead of every second (a write and a rename per
 /// second is most of an idle daemon's cost).
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
-/// `status`'s exit codes, as an LSB init script's `status`: not running, and running
-/// but stuck (its status not written for longer than `--max-age`).
-const NOT_RUNNING: u8 = 3;
-const STUCK: u8 = 4;
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Status {
@@ -164,12 +162,6 @@ pub fn show(run_dir: &Path, max_age: Option<u64>) -> Result<ExitCode> {
     }
     print(&status);
     Ok(ExitCode::SUCCESS)
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 fn print(status: &Status) {

@@ -378,7 +378,7 @@ mod tests {
 
     /// The kernel's entry for an id's key, as the mirror would write it.
     fn kernel_owner(envs: &[Env], eid: &str) -> Option<u32> {
-        let mirror = crate::sync::mirror::env_entries(envs, &[], &[]);
+        let mirror = crate::sync::environments::env_entries(envs, &[], &[]);
         mirror
             .entries
             .get(&env_id_hash(eid.as_bytes()))

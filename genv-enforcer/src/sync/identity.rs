@@ -12,7 +12,7 @@ use crate::kernel::policy_maps::PolicyMaps;
 pub fn identity_of(id: Option<&str>) -> u64 {
     match id {
         // The programs read at most MAX_ENV_ID bytes of a value; a longer one is no
-        // environment's (see `mirror::env_entries`).
+        // environment's (see `environments::env_entries`).
         Some(id) if id.len() <= MAX_ENV_ID => env_id_hash(id.as_bytes()),
         _ => identity::NO_ENV,
     }

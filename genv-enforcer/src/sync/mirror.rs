@@ -1,196 +1,306 @@
-//! genv's active environments mirrored into the kernel: what the `ENVS` map should hold
-//! ([`env_entries`], pure, tested without a kernel) and the sync that puts it there.
+//! The mirror: the one owner of the maps the programs decide from (watched nodes,
+//! identities, genv's environments, the allow-list, `--deny`, the exemption). Seeded at
+//! start-up, brought in step after each full cycle, asked by the reactions to resolve an
+//! identity the exec hook could not read, and released when the daemon exits.
 
-use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
-use genv_ebpf_common::{EnvEntry, MAX_ENV_ID, MAX_ENVS, env_id_hash};
+use anyhow::Result;
 
-use crate::kernel::policy_maps::PolicyMaps;
+use super::{KernelSettings, allowlist, environments, identity};
+use crate::alloc::MemoryAtAlloc;
+use crate::backends::devmap::DeviceMap;
+use crate::backends::{nvml, procfs};
+use crate::intake::decision_log::EnvNames;
+use crate::kernel::policy_maps::{IdentityReader, PolicyMaps};
+use crate::kernel::{Tier, pins, tier::guarantee};
+use crate::service::status::Status;
 use crate::snapshot::DroppedEnv;
-use crate::state::model::{Device, Env};
+use crate::state::{Device, Env};
 
-/// What the kernel's `ENVS` map should hold, and what it cannot.
-#[derive(Debug, Default)]
+/// What the mirror is told of the programs it keeps the maps of, at start-up.
+pub struct ProgramFacts {
+    pub tier: Tier,
+    /// The identity map's capacity.
+    pub capacity: u32,
+    /// This run's pin directory (`--keep-pinned`).
+    pub pin_generation: Option<PathBuf>,
+    /// `--bpf-log`: the names the decision log puts on identities.
+    pub env_names: Option<EnvNames>,
+}
+
 pub struct Mirror {
-    pub entries: HashMap<u64, EnvEntry>,
-    /// Ids longer than the programs read: their processes count as outside.
-    pub too_long: Vec<String>,
-    /// Environments past the map's capacity (unconfirmed ones go first).
-    pub over_capacity: Vec<String>,
+    policy: PolicyMaps,
+    /// The open tier loaded, for the guarantee said once armed.
+    tier: Tier,
+    /// How many processes the identity map holds.
+    capacity: u32,
+    device_map: Option<DeviceMap>,
+    /// The environments were mirrored into the kernel once and the policy (`--deny` or
+    /// not) put in force and announced.
+    armed: bool,
+    /// This run's pin directory (`--keep-pinned`).
+    pin_generation: Option<PathBuf>,
+    /// The NVML library's directory the allow-list was last looked for beside.
+    tools_beside: Option<PathBuf>,
+    /// `--bpf-log`: the environments' names by identity, for the `[BPF]` lines.
+    env_names: Option<EnvNames>,
 }
 
-/// Every active environment, keyed as the programs look it up: its owner's uid and the
-/// GPUs attached to it. The map holds `MAX_ENVS`: environments whose owner the kernel
-/// confirmed go first, so that a flood of forged entries cannot push real ones out.
-/// Environments genv dropped whose processes are left running (`--orphans leave`) come
-/// last, with the GPUs they had.
-pub fn env_entries(envs: &[Env], devices: &[Device], dropped: &[DroppedEnv]) -> Mirror {
-    let mut mirror = Mirror::default();
-    let confirmed = envs.iter().filter(|e| e.verified);
-    let others = envs.iter().filter(|e| !e.verified);
-    for env in confirmed.chain(others) {
-        if env.key_lost {
-            continue; // another environment has its key (`snapshot::owners` said so)
-        }
-        if env.eid.len() > MAX_ENV_ID {
-            mirror.too_long.push(env.eid.clone());
-            continue;
-        }
-        if mirror.entries.len() >= MAX_ENVS as usize {
-            mirror.over_capacity.push(env.eid.clone());
-            continue;
-        }
-        let attached = devices
-            .iter()
-            .filter(|d| d.index < 64 && d.is_attached_to(&env.eid))
-            .fold(0u64, |mask, d| mask | (1 << d.index));
-        mirror.entries.insert(
-            env_id_hash(env.eid.as_bytes()),
-            EnvEntry {
-                uid: env.uid,
-                _pad: 0,
-                attached,
-            },
-        );
-    }
-    for env in dropped {
-        let key = env_id_hash(env.eid.as_bytes());
-        if env.eid.len() > MAX_ENV_ID || mirror.entries.contains_key(&key) {
-            continue;
-        }
-        if mirror.entries.len() >= MAX_ENVS as usize {
-            break; // dropped ones are the first to do without
-        }
-        let attached = env
-            .attached
-            .iter()
-            .filter(|&&i| i < 64)
-            .fold(0u64, |mask, i| mask | (1 << i));
-        mirror.entries.insert(
-            key,
-            EnvEntry {
-                uid: env.uid,
-                _pad: 0,
-                attached,
-            },
-        );
-    }
-    mirror
-}
-
-/// Mirrors the active environments, as the full cycle just read them, into the kernel.
-/// When a state file could not be read (`None`; the cycle said why), the kernel keeps
-/// what it had: a malformed file never turns environments' processes into outsiders.
-/// `true` if the mirror is current.
-pub fn sync_environments(
-    maps: &mut PolicyMaps,
-    state: Option<(Vec<Env>, Vec<Device>)>,
-    dropped: &[DroppedEnv],
-) -> bool {
-    let Some((envs, devices)) = state else {
-        tracing::warn!("The kernel keeps its previous list of environments");
-        return false;
-    };
-    let mirror = env_entries(&envs, &devices, dropped);
-    for eid in &mirror.too_long {
-        tracing::warn!(
-            "Environment id {eid:?} is longer than {MAX_ENV_ID} bytes: the kernel \
-             cannot match it, and its processes count as outside any environment"
-        );
-    }
-    if let Some(first) = mirror.over_capacity.first() {
-        tracing::warn!(
-            "envs.json holds more than {MAX_ENVS} active environments: {} of them \
-             (first {first:?}; environments whose owner is not confirmed go first) are not \
-             known to the kernel, and their processes count as outside any environment",
-            mirror.over_capacity.len()
-        );
-    }
-    match maps.sync_envs(&mirror.entries) {
-        Ok(()) => true,
-        Err(e) => {
-            tracing::error!("Cannot update the kernel's environments: {e}");
-            false
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn env(eid: &str, uid: u32) -> Env {
-        serde_json::from_value(serde_json::json!({
-            "eid": eid, "uid": uid, "creation": "22/11/2026 02:28:47", "username": null,
-            "config": {}, "pids": [], "kernel_ids": []
-        }))
-        .unwrap()
-    }
-
-    fn device(index: u32, eids: &[&str]) -> Device {
-        serde_json::from_value(serde_json::json!({
-            "index": index, "total_memory": "16g",
-            "attachments": eids.iter().map(|e| serde_json::json!({
-                "eid": e, "gpu_memory": null, "time": "22/11/2026 02:28:47"
-            })).collect::<Vec<_>>()
-        }))
-        .unwrap()
-    }
-
-    #[test]
-    fn dropped_environments_come_last_with_the_gpus_they_had() {
-        let dropped = |eid: &str| DroppedEnv {
-            eid: eid.into(),
-            uid: 1002,
-            attached: vec![2, 3],
+impl Mirror {
+    /// Takes the policy maps, exempts this daemon (in an earlier run's pins too),
+    /// installs the allow-list (said in `status`) and seeds the identities of the
+    /// processes already running.
+    pub fn start(
+        policy: PolicyMaps,
+        facts: ProgramFacts,
+        settings: &KernelSettings,
+        status: &mut Status,
+    ) -> Result<Self> {
+        let ProgramFacts {
+            tier,
+            capacity,
+            pin_generation,
+            env_names,
+        } = facts;
+        let mut mirror = Self {
+            policy,
+            tier,
+            capacity,
+            device_map: None,
+            armed: false,
+            pin_generation,
+            tools_beside: None,
+            env_names,
         };
-        let mirror = env_entries(
-            &[env("a", 1000)],
-            &[device(0, &["a"])],
-            &[dropped("gone"), dropped("a")],
+        mirror.exempt_self(settings)?;
+        status.allowed = mirror.install_allow_list(settings, None)?;
+        let seeded = identity::seed_identities(&mut mirror.policy);
+        tracing::info!(
+            "Environment identities of {} running processes recorded in the kernel",
+            seeded.seeded
         );
-        let gone = mirror.entries[&env_id_hash(b"gone")];
-        assert_eq!((gone.uid, gone.attached), (1002, 0b1100));
-        // Active again: genv's current state wins.
-        assert_eq!(mirror.entries[&env_id_hash(b"a")].uid, 1000);
+        seeded.say_unresolved();
+        Ok(mirror)
     }
 
-    #[test]
-    fn environments_carry_their_owner_and_attached_gpus() {
-        let Mirror {
-            entries, too_long, ..
-        } = env_entries(
-            &[env("a", 1000), env("b", 1001)],
-            &[device(0, &["a"]), device(1, &["a", "b"]), device(2, &[])],
-            &[],
-        );
-        assert!(too_long.is_empty());
-        let a = entries[&env_id_hash(b"a")];
-        assert_eq!((a.uid, a.attached), (1000, 0b011));
-        let b = entries[&env_id_hash(b"b")];
-        assert_eq!((b.uid, b.attached), (1001, 0b010));
-        assert_eq!(entries.len(), 2);
+    /// The daemon opens GPU nodes itself (NVML): its process is exempt, by id, in its
+    /// own maps and in those of an earlier run still pinned, whose programs decide until
+    /// this run takes over.
+    fn exempt_self(&mut self, settings: &KernelSettings) -> Result<()> {
+        let pid = std::process::id();
+        let start_time = procfs::stat(pid)?.start_time;
+        self.policy.exempt(pid, start_time)?;
+        let own = self.pin_generation.as_deref();
+        let exe = allowlist::exe_key(Path::new("/proc/self/exe"))?;
+        for old in pins::other_generations(&settings.pin_dir, own) {
+            if let Err(e) = pins::exempt_in_generation(&old, pid, start_time, exe) {
+                tracing::warn!(
+                    "Cannot exempt this daemon in the pinned programs under {}: {e}; their --deny may stop its NVML calls until it takes over",
+                    old.display()
+                );
+            }
+        }
+        Ok(())
     }
 
-    #[test]
-    fn an_eid_longer_than_the_programs_read_is_left_out_and_named() {
-        let long = "x".repeat(MAX_ENV_ID + 1);
-        let mirror = env_entries(&[env(&long, 0)], &[], &[]);
-        assert!(mirror.entries.is_empty());
-        assert_eq!(mirror.too_long, [long]);
+    /// A reader of the identities the kernel recorded, for the snapshot and `alloc`.
+    pub fn identity_reader(&self) -> Result<IdentityReader> {
+        Ok(self.policy.identity_reader()?)
     }
 
-    #[test]
-    fn past_the_kernels_capacity_confirmed_environments_are_kept() {
-        let mut envs: Vec<Env> = (0..MAX_ENVS + 10)
-            .map(|i| env(&format!("forged-{i}"), 1000))
-            .collect();
-        let mut real = env("real", 1001);
-        real.verified = true;
-        envs.push(real);
-        let mirror = env_entries(&envs, &[], &[]);
-        assert_eq!(mirror.entries.len(), MAX_ENVS as usize);
-        assert!(mirror.entries.contains_key(&env_id_hash(b"real")));
-        assert_eq!(mirror.over_capacity.len(), 11);
+    /// A process whose environment block the exec hook could not read in full.
+    pub fn resolve_identity(&mut self, pid: u32, verbose: bool) {
+        identity::resolve_identity(&mut self.policy, pid, verbose);
+    }
+
+    /// Whether the kernel recorded, at `pid`'s exec, that it has no environment id at
+    /// all: not one still being resolved, not one naming an environment not mirrored yet.
+    pub fn definitely_outside(&self, pid: u32) -> bool {
+        self.policy.identity(pid) == Some(genv_ebpf_common::identity::NO_ENV)
+    }
+
+    /// The maps and the watched nodes, for the sweep of a killed opener's GPUs; `None`
+    /// before the first full cycle gave the nodes.
+    pub fn holders_view(&self) -> Option<(&PolicyMaps, &DeviceMap)> {
+        Some((&self.policy, self.device_map.as_ref()?))
+    }
+
+    /// After a full cycle: the watched nodes follow the snapshot's device map, and the
+    /// kernel's environments follow the state the cycle read (`None`: unreadable, keep
+    /// the last); every identity is made whole, and the allow-list follows NVML.
+    pub fn follow_cycle(
+        &mut self,
+        settings: &KernelSettings,
+        status: &mut Status,
+        device_map: &DeviceMap,
+        state: Option<(Vec<Env>, Vec<Device>)>,
+        dropped: &[DroppedEnv],
+    ) {
+        self.watch_nodes(status, device_map);
+        self.mirror_state(settings, status, state, dropped);
+        self.resync_identities(settings, status);
+        self.follow_nvml(settings, status);
+    }
+
+    /// Once NVML is loaded, its tools may sit beside it (`/usr/local/nvidia/lib64` and
+    /// `bin`): the allow-list is looked for again there.
+    fn follow_nvml(&mut self, settings: &KernelSettings, status: &mut Status) {
+        let dir = nvml::loaded_library().and_then(|lib| lib.parent().map(Path::to_path_buf));
+        if dir.is_none() || dir == self.tools_beside {
+            return;
+        }
+        match self.install_allow_list(settings, dir.as_deref()) {
+            Ok(allowed) => status.allowed = allowed,
+            Err(e) => tracing::warn!("Cannot update the allow-list: {e}"),
+        }
+        self.tools_beside = dir;
+    }
+
+    /// The tools allowed outside environments, looked for in `PATH`, beside the NVML
+    /// library (once known) and in the usual places, and those given.
+    fn install_allow_list(
+        &mut self,
+        settings: &KernelSettings,
+        nvml_dir: Option<&Path>,
+    ) -> Result<String> {
+        let dirs = allowlist::tool_dirs(std::env::var_os("PATH"), nvml_dir);
+        let allowed = allowlist::install(&mut self.policy, &dirs, &settings.allow_exes)?;
+        tracing::info!("Allowed to open GPU nodes outside environments: {allowed}");
+        Ok(allowed)
+    }
+
+    /// Every full cycle (and so after every loss of events): no identity stays
+    /// unresolved or missing. When the kernel could not record some (its map was full),
+    /// the identities of processes gone unseen are dropped first.
+    fn resync_identities(&mut self, settings: &KernelSettings, status: &mut Status) {
+        let lost = self.policy.decisions().identity_lost;
+        let prune = lost > status.counts.identity_lost_in_kernel;
+        if prune {
+            tracing::warn!(
+                "The kernel could not record {} process identities (its map of {} is full); dropping those of processes gone and recording them again",
+                lost - status.counts.identity_lost_in_kernel,
+                self.capacity
+            );
+            status.counts.identity_lost_in_kernel = lost;
+        }
+        let done = identity::resync_identities(&mut self.policy, prune, settings.verbose);
+        status.counts.identities_resolved += done.resolved as u64;
+        status.counts.identities_seeded += done.seeded as u64;
+        if done != Default::default() && settings.verbose {
+            tracing::info!(
+                "Identities resynchronised: {} read from /proc, {} recorded anew, {} of processes gone dropped, {} whose blocks did not answer in time",
+                done.resolved,
+                done.seeded,
+                done.pruned,
+                done.unresolved
+            );
+        }
+    }
+
+    fn watch_nodes(&mut self, status: &mut Status, map: &DeviceMap) {
+        if self.device_map.as_ref() == Some(map) {
+            return;
+        }
+        match self.policy.watch_nodes(map) {
+            Ok(()) => {
+                tracing::info!("Watching GPU nodes: {map}");
+                status.gpu_nodes = map.to_string();
+                self.device_map = Some(map.clone());
+            }
+            Err(e) => tracing::error!("Cannot update the watched GPU nodes: {e}"),
+        }
+    }
+
+    /// Mirrors genv's environments into the kernel, and arms `--deny` the first time
+    /// that succeeds: before it, every environment's processes would count as outside.
+    fn mirror_state(
+        &mut self,
+        settings: &KernelSettings,
+        status: &mut Status,
+        state: Option<(Vec<Env>, Vec<Device>)>,
+        dropped: &[DroppedEnv],
+    ) {
+        if let (Some(names), Some((envs, _))) = (&self.env_names, &state) {
+            let mut names = names.lock().unwrap_or_else(|e| e.into_inner());
+            names.clear();
+            names.extend(
+                envs.iter()
+                    .map(|env| (identity::identity_of(Some(&env.eid)), env.eid.clone())),
+            );
+        }
+        let current = environments::sync_environments(&mut self.policy, state, dropped);
+        if !current || self.armed {
+            return;
+        }
+        let deny = settings.deny;
+        let memory = settings.memory_at_alloc.policy_flags();
+        if deny.deny || memory != 0 {
+            if let Err(e) = self.policy.set_policy(deny, memory) {
+                tracing::error!("Cannot turn on --deny or --memory-at-alloc in the kernel: {e}");
+                return;
+            }
+        }
+        match settings.memory_at_alloc {
+            MemoryAtAlloc::Off => {}
+            MemoryAtAlloc::Report => tracing::info!(
+                "Allocations past an environment's gpu_memory are reported at the call (--memory-at-alloc report)"
+            ),
+            MemoryAtAlloc::Kill => tracing::info!(
+                "Allocations past an environment's gpu_memory kill their process in the call (--memory-at-alloc kill)"
+            ),
+        }
+        let guarantee = guarantee(Some(self.tier), deny);
+        tracing::info!("GPU opens outside any environment are {guarantee}");
+        status.guarantee = guarantee;
+        self.armed = true;
+        self.take_over_pins(settings);
+    }
+
+    /// Our programs decide now: an earlier run's pinned programs can go. With
+    /// `--keep-pinned`, ours stay after we exit.
+    fn take_over_pins(&mut self, settings: &KernelSettings) {
+        let own = self.pin_generation.as_deref();
+        for old in pins::other_generations(&settings.pin_dir, own) {
+            match pins::remove_generation(&old) {
+                Ok(removed) => tracing::info!(
+                    "Took over from an earlier run's pinned programs: removed {} links and {} maps under {}",
+                    removed.links,
+                    removed.maps,
+                    old.display()
+                ),
+                Err(e) => tracing::warn!("Cannot remove {}: {e}", old.display()),
+            }
+        }
+        if let Some(own) = own {
+            tracing::info!(
+                "Programs and maps pinned under {}: they keep deciding after this daemon exits (genv-enforcer unpin removes them)",
+                own.display()
+            );
+        }
+    }
+
+    /// The kernel's own decision counts, into `status`.
+    pub fn report(&self, status: &mut Status) {
+        let decided = self.policy.decisions();
+        status.counts.refused_in_kernel = decided.refused;
+        status.counts.killed_in_kernel = decided.killed;
+        status.counts.kill_failed_in_kernel = decided.kill_failed;
+    }
+
+    /// Whether the kernel could not record identities (its map was full) since the last
+    /// resynchronisation, which `status` counts: one is then due at once.
+    pub fn identities_lost(&self, status: &Status) -> bool {
+        let lost = self.policy.decisions().identity_lost;
+        lost > status.counts.identity_lost_in_kernel
+    }
+
+    /// Before the daemon exits: its process id leaves the exemptions, which pinned maps
+    /// would otherwise keep for whichever process gets that id next. (A daemon killed
+    /// outright leaves it until the next daemon takes over and removes its pins.)
+    pub fn release(mut self) {
+        if let Err(e) = self.policy.unexempt(std::process::id()) {
+            tracing::warn!("Cannot remove this daemon's exemption from the kernel: {e}");
+        }
     }
 }

@@ -1,31 +1,8 @@
-//! What the kernel decided, said the way genv says things: the guarantee the running
-//! tier gives, and a genv-style line for each refusal or kill.
+//! What the kernel decided about a GPU open, said the way genv says things: a
+//! genv-style line for each refusal or kill, at most so many a user and second.
 
 use crate::backends::users;
 use crate::intake::{GpuOpen, Verdict};
-use crate::kernel::Tier;
-use crate::kernel::policy_maps::DenyPolicy;
-
-/// What the kernel guarantees about GPU opens by processes outside any environment.
-pub fn guarantee(tier: Option<Tier>, deny: DenyPolicy) -> String {
-    let whose = match deny.root {
-        true => "",
-        false => "; root's processes are let through (--deny-root to include them)",
-    };
-    match (tier, deny.deny) {
-        (Some(tier), true) if tier.refuses() => {
-            format!("refused in the kernel: the open fails with EPERM (--deny, {tier} tier){whose}")
-        }
-        (Some(tier), true) => format!(
-            "killed in the syscall: SIGKILL from the {tier} program, before open() returns \
-             (--deny; no refusing tier, BPF LSM or fmod_ret, is loaded){whose}"
-        ),
-        (Some(_), false) => {
-            "reacted to in userspace, milliseconds after the open (no --deny)".into()
-        }
-        (None, _) => "reacted to in userspace by the full cycle (no kernel programs)".into(),
-    }
-}
 
 /// genv-style line for an in-kernel decision (stdout, like genv's own lines).
 pub fn decision_line(open: &GpuOpen) -> Option<String> {
@@ -95,6 +72,7 @@ impl LineLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernel::Tier;
 
     #[test]
     fn decisions_are_reported_with_pid_user_and_gpu() {
@@ -167,28 +145,5 @@ mod tests {
             ..open
         };
         assert_eq!(limiter.line(&seen, start), None, "only decisions are said");
-    }
-
-    #[test]
-    fn the_guarantee_names_what_the_kernel_does() {
-        let deny = DenyPolicy {
-            deny: true,
-            root: false,
-        };
-        let everyone = DenyPolicy { root: true, ..deny };
-        assert!(guarantee(Some(Tier::Lsm), deny).starts_with("refused in the kernel"));
-        let fmod_ret = guarantee(Some(Tier::FmodRet), deny);
-        assert!(
-            fmod_ret.starts_with("refused in the kernel: the open fails with EPERM")
-                && fmod_ret.contains("fmod_ret tier"),
-            "{fmod_ret}"
-        );
-        assert!(guarantee(Some(Tier::Lsm), deny).contains("--deny-root"));
-        assert!(!guarantee(Some(Tier::Lsm), everyone).contains("root"));
-        assert!(guarantee(Some(Tier::Fentry), deny).starts_with("killed in the syscall"));
-        assert!(guarantee(Some(Tier::Tracepoint), deny).contains("tracepoint program"));
-        let off = DenyPolicy::default();
-        assert!(guarantee(Some(Tier::Lsm), off).starts_with("reacted to in userspace"));
-        assert!(guarantee(None, deny).contains("full cycle"));
     }
 }

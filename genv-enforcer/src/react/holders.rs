@@ -13,12 +13,12 @@ use std::path::Path;
 
 use rustix::process::Signal;
 
-use super::allowlist;
 use crate::actions::kill::{self, Protected};
 use crate::backends::devmap::DeviceMap;
 use crate::backends::{procfs, users};
 use crate::kernel::policy_maps::PolicyMaps;
 use crate::notify::Subject;
+use crate::sync::allowlist;
 
 /// A holder the sweep killed: its pid, uid and the GPUs it held, and (read before the
 /// kill, for the user told of it) its name and terminal.

@@ -1,0 +1,85 @@
+//! A GPU open, with what the kernel decided about it: said (`--verbose`, and a
+//! genv-style line for a refusal or kill), told to its user, counted; what was let
+//! through is watched, and checked against genv's rules as the watch falls due
+//! ([`super::watchlist`]); after a kill in the kernel, the GPU is swept of other
+//! holders ([`super::holders`]).
+
+use std::collections::HashSet;
+use std::time::Instant;
+
+use super::lines::LineLimiter;
+use super::watchlist::Watchlist;
+use super::{Around, holders, told};
+use crate::intake::{GpuOpen, Verdict};
+
+/// The open reaction's state.
+#[derive(Default)]
+pub struct Opens {
+    pub watchlist: Watchlist,
+    lines: LineLimiter,
+    /// GPUs the kernel killed an opener of since the last sweep for other holders.
+    to_sweep: HashSet<u32>,
+}
+
+impl Opens {
+    pub fn on_open(&mut self, open: GpuOpen, now: Instant, verbose: bool, around: &mut Around<'_>) {
+        around.counts.open_events += 1;
+        if let Some(alloc) = around.alloc.as_deref_mut() {
+            alloc.opened((open.pid, open.uid), around.devices);
+        }
+        if verbose {
+            tracing::info!(
+                target: "event", "Process {} (thread {}) {} GPU {} (node {}:{}) [{}; {}]",
+                open.pid,
+                open.tid,
+                open.tier.open_verb(),
+                open.index,
+                open.major,
+                open.minor,
+                open.tier,
+                open.verdict.describe()
+            );
+        }
+        if let Some(line) = self.lines.line(&open, now) {
+            println!("{line}");
+        }
+        told::open(around.notifier, &open);
+        let counts = &mut *around.counts;
+        match open.verdict {
+            Verdict::Refused => counts.refused += 1,
+            Verdict::Killed => {
+                counts.killed += 1;
+                self.to_sweep.insert(open.index);
+            }
+            Verdict::KillFailed => {
+                self.to_sweep.insert(open.index);
+                tracing::error!(
+                    "The kernel could not kill process {} when it opened GPU {}: the open returned; the daemon kills the holders now",
+                    open.pid,
+                    open.index
+                );
+                self.watchlist.add(open, now);
+            }
+            // Let through: watched, and checked against genv's rules.
+            _ => self.watchlist.add(open, now),
+        }
+    }
+
+    /// After the kernel killed openers: whoever still holds those GPUs outside any
+    /// environment (a process sharing the opener's file table) is killed too. One sweep
+    /// of `/proc` per batch of events, however many kills it held.
+    pub fn sweep_holders(&mut self, deny_root: bool, around: &mut Around<'_>) {
+        if self.to_sweep.is_empty() {
+            return;
+        }
+        let gpus = std::mem::take(&mut self.to_sweep);
+        let Some((policy, device_map)) = around.mirror.holders_view() else {
+            return;
+        };
+        for killed in holders::sweep(policy, device_map, &gpus, deny_root) {
+            println!("{}", killed.line());
+            told::holder(around.notifier, &killed);
+            around.counts.killed_holders += 1;
+        }
+    }
+}
