@@ -17,10 +17,11 @@ use genv_enforcer_tests::workspace_root;
 /// was done to their processes and why, sits low: it needs only the backends and the
 /// snapshot's index formatting, and the rules, the report, the executor and the kernel's
 /// side all report through it.
-const LAYERS: [&str; 20] = [
+const LAYERS: [&str; 21] = [
     "warn_once",
     "clock",
     "exit_code",
+    "limits",
     "backends",
     "state",
     "snapshot",
@@ -600,12 +601,24 @@ fn no_folder_has_a_circle() {
     );
 }
 
-/// The suites whose tests run on every BPF tier in the VM (xtask's `TIER_SUITES`).
-const TIER_SUITES: [&str; 3] = [
-    "tests/event_driven.rs",
-    "tests/prevention.rs",
-    "tests/notify.rs",
-];
+/// The suites whose tests run on every BPF tier in the VM: `xtask-vm`'s `TIER_SUITES`,
+/// read from its source (one list, kept there).
+fn tier_suites() -> Vec<String> {
+    let source = std::fs::read_to_string(workspace_root().join("xtask-vm/src/lib.rs")).unwrap();
+    let line = source
+        .lines()
+        .find(|l| l.starts_with("pub const TIER_SUITES"))
+        .expect("xtask-vm/src/lib.rs defines TIER_SUITES on one line");
+    let list = line.split('=').nth(1).unwrap();
+    let suites: Vec<String> = list
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .map(|name| format!("tests/{name}.rs"))
+        .collect();
+    assert!(suites.len() >= 3, "TIER_SUITES read as {suites:?}");
+    suites
+}
 
 /// The `#[test]` functions of a suite's source, by name.
 fn test_names(source: &str) -> Vec<String> {
@@ -647,8 +660,8 @@ fn ungrouped(source: &str) -> Vec<String> {
 /// can then never run once when it needed every tier, nor every tier by accident.
 #[test]
 fn every_test_of_a_tier_suite_names_its_group() {
-    for suite in TIER_SUITES {
-        let source = std::fs::read_to_string(workspace_root().join(suite)).unwrap();
+    for suite in tier_suites() {
+        let source = std::fs::read_to_string(workspace_root().join(&suite)).unwrap();
         let names = test_names(&source);
         assert!(names.len() > 5, "{suite}: read {names:?}");
         let loose = ungrouped(&source);

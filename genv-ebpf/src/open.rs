@@ -234,7 +234,7 @@ pub fn open_lsm(ctx: LsmContext) -> i32 {
 /// aya 0.14 has no fmod_ret programs, and aya-obj refuses an object holding an
 /// `fmod_ret/` section, so this is written without a macro in a section aya-obj reads
 /// as fexit and never loads: the daemon loads it itself as `BPF_MODIFY_RETURN`
-/// (`kernel/fmod_ret.rs`). The context is the function's arguments followed by the return
+/// (`kernel/trampoline.rs`). The context is the function's arguments followed by the return
 /// value so far: `file`, then 0 (the trampoline runs no fmod_ret program after a nonzero
 /// one). Its only subprogram is `memcpy` (aya-log's copies, dead unless `--bpf-log`),
 /// which the loader links in as aya does; the kernel takes static subprograms without

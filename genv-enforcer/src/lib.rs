@@ -29,6 +29,7 @@ pub mod daemon;
 pub mod exit_code;
 pub mod intake;
 pub mod kernel;
+pub mod limits;
 pub mod notify;
 pub mod react;
 pub mod remote;

@@ -211,8 +211,8 @@ mod fuzz_tests {
 
     use super::*;
     use crate::snapshot::fuzz_tests::{mutated, mutations, shape_of, wire_gpu_process};
-    use crate::state::arbitrary::{self, check};
-    use crate::state::genv_shape::{self, REPORT};
+    use crate::state::test_support::arbitrary::{self, check};
+    use crate::state::test_support::genv_shape::{self, REPORT};
 
     fn report() -> impl Strategy<Value = Report> {
         let detach = vec((any::<u32>(), vec(arbitrary::env(), 0..3)), 0..3);

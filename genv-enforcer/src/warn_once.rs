@@ -31,11 +31,6 @@ impl<K: PartialEq> WarnOnce<K> {
     pub fn clear(&mut self) -> bool {
         self.said.take().is_some()
     }
-
-    /// Whether a warning is standing.
-    pub fn is_said(&self) -> bool {
-        self.said.is_some()
-    }
 }
 
 #[cfg(test)]
@@ -47,7 +42,6 @@ mod tests {
         let mut once = WarnOnce::default();
         assert!(once.first(()));
         assert!(!once.first(()));
-        assert!(once.is_said());
         assert!(once.clear());
         assert!(!once.clear());
         assert!(once.first(()));

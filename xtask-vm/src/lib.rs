@@ -95,8 +95,7 @@ const PER_TIER: Duration = Duration::from_secs(15 * 60);
 
 /// The work needs root: apt-get, and the tests inside make nodes and signal.
 fn require_root(what: &str) -> anyhow::Result<()> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         anyhow::bail!("{what} needs root (apt-get, and the tests inside make nodes and signal)");
     }
     Ok(())

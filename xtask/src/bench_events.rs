@@ -33,8 +33,7 @@ const ATTEMPTS: u32 = 10_000;
 const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
 pub fn run(target: &Path) -> Result<String> {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         bail!("the event-driven benchmark loads kernel programs: run it as root");
     }
     let before = std::fs::read_to_string(STATS_SYSCTL).unwrap_or_else(|_| "0".into());

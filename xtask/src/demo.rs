@@ -22,8 +22,7 @@ const GPU1_NODE: &str = "1:7=1";
 const SAID: &str = "  | ";
 
 pub fn run() -> Result<()> {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         bail!(
             "the demo loads kernel programs and makes a device node: run `sudo -E cargo xtask demo`"
         );
@@ -71,8 +70,7 @@ pub fn run() -> Result<()> {
 /// open GPU 1 when told (each listed on it just before: see [`intrude`]).
 fn set_up(node: &mut Node, gpu1: &str) -> [u32; 3] {
     let shell = node.shell();
-    // SAFETY: getuid(2) takes nothing and cannot fail.
-    let uid = unsafe { libc::getuid() };
+    let uid = rustix::process::getuid().as_raw();
     node.write_state(
         json!([env_record("demo", uid, "demo-user", None, shell)]),
         json!([device_record(0, &["demo"]), device_record(1, &[])]),

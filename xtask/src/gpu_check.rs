@@ -11,8 +11,7 @@ use anyhow::{Result, bail};
 use crate::{cargo, ensure_python_venv, root, run, target_dir, toolchain};
 
 pub fn run_check(args: &[String]) -> Result<()> {
-    // SAFETY: geteuid(2) takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         bail!("gpu-check needs root (the daemon loads kernel programs)");
     }
     toolchain::ensure_ebpf_toolchain()?;

@@ -29,8 +29,7 @@ use crate::{cargo, ensure_apt, ensure_openssh, ensure_python_venv, root, run, to
 pub fn test(cargo_args: &[String]) -> Result<()> {
     // The end-to-end tests make device nodes (mknod), run processes as other users and
     // signal them: the enforcer's own privileges.
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         bail!("the test suite needs root (mknod, other uids): run `sudo -E cargo xtask test`");
     }
     let result = phases(cargo_args);

@@ -60,8 +60,7 @@ fn ensure_bpf_linker() -> Result<()> {
         return Ok(());
     }
     if !std::path::Path::new(LLVM_BIN).join("llvm-config").exists() {
-        // SAFETY: geteuid(2) takes nothing and cannot fail.
-        if unsafe { libc::geteuid() } != 0 {
+        if !rustix::process::geteuid().is_root() {
             bail!(
                 "bpf-linker needs LLVM 22: run as root, or `apt-get install -y {}`",
                 LLVM_PACKAGES.join(" ")

@@ -142,8 +142,8 @@ impl Executor {
             Ok(pidfd) => {
                 if let Some(told) = &told {
                     let action = match told.why.detached {
-                        true => notify::Action::Detached,
-                        false => notify::Action::Terminated,
+                        true => notify::Done::Detached,
+                        false => notify::Done::Terminated,
                     };
                     self.tell(pid, eid, told, action);
                 }
@@ -169,7 +169,7 @@ impl Executor {
     }
 
     /// Tells process `pid`'s user what was done to it, and why.
-    fn tell(&self, pid: u32, eid: Option<&str>, told: &Told, action: notify::Action) {
+    fn tell(&self, pid: u32, eid: Option<&str>, told: &Told, action: notify::Done) {
         let Some(notifier) = &self.notifier else {
             return;
         };
@@ -211,7 +211,7 @@ impl Executor {
             false
         });
         for (pid, eid, told) in killed {
-            self.tell(pid, eid.as_deref(), &told, notify::Action::Killed);
+            self.tell(pid, eid.as_deref(), &told, notify::Done::Killed);
         }
     }
 

@@ -8,7 +8,7 @@ use super::{Executor, ExecutorConfig};
 use crate::backends::procfs;
 use crate::notify::journal::Query;
 use crate::notify::tty::tests::{Pty, child_on, pty, shown};
-use crate::notify::{Action, Notifier, NotifyMode, Rule};
+use crate::notify::{Done, Notifier, NotifyMode, Rule};
 use crate::report::{Report, Why};
 use crate::state::StateDir;
 
@@ -78,7 +78,7 @@ fn a_terminated_process_is_told_why_on_its_own_terminal() {
     assert_eq!(journal.len(), 1);
     assert_eq!(
         (journal[0].pid, journal[0].uid, journal[0].action),
-        (pid, me, Action::Terminated)
+        (pid, me, Done::Terminated)
     );
 }
 

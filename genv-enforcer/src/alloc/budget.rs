@@ -13,85 +13,37 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use crate::limits::{Rate, TokenBucket};
+
 /// Examinations: a uid's at once, and one more every so often; all uids' likewise.
-const CHECKS_PER_UID: Bucket = Bucket::full(512, Duration::from_millis(100));
-const CHECKS_ALL: Bucket = Bucket::full(2048, Duration::from_millis(20));
+const CHECKS_PER_UID: Rate = rate(512, Duration::from_millis(100));
+const CHECKS_ALL: Rate = rate(2048, Duration::from_millis(20));
 /// Copies probed at once, for one uid's processes and for all of them.
 const LIVE_PER_UID: usize = 4;
 const LIVE_ALL: usize = 64;
 /// New copies probed: a uid's at once, and one more every so often; all likewise.
-const PROBES_PER_UID: Bucket = Bucket::full(8, Duration::from_secs(30));
-const PROBES_ALL: Bucket = Bucket::full(64, Duration::from_secs(1));
+const PROBES_PER_UID: Rate = rate(8, Duration::from_secs(30));
+const PROBES_ALL: Rate = rate(64, Duration::from_secs(1));
 /// Uids kept track of at most; beyond, those with nothing owed are forgotten.
 const MAX_UIDS: usize = 4096;
 
-/// Tokens: up to `capacity`, one more every `every`.
-#[derive(Clone, Copy, Debug)]
-struct Bucket {
-    tokens: u32,
-    capacity: u32,
-    every: Duration,
-    /// When the last token was credited (`None`: full since it was made).
-    since: Option<Instant>,
-}
-
-impl Bucket {
-    const fn full(capacity: u32, every: Duration) -> Self {
-        Self {
-            tokens: capacity,
-            capacity,
-            every,
-            since: None,
-        }
-    }
-
-    fn refill(&mut self, now: Instant) {
-        let Some(since) = self.since else {
-            return;
-        };
-        let earned = now.saturating_duration_since(since).as_nanos() / self.every.as_nanos();
-        let earned = u32::try_from(earned).unwrap_or(u32::MAX);
-        self.tokens = self.tokens.saturating_add(earned).min(self.capacity);
-        self.since = match self.tokens == self.capacity {
-            true => None,
-            false => Some(since + self.every * earned),
-        };
-    }
-
-    fn take(&mut self, now: Instant) -> bool {
-        self.refill(now);
-        if self.tokens == 0 {
-            return false;
-        }
-        self.tokens -= 1;
-        self.since.get_or_insert(now);
-        true
-    }
-
-    /// A token taken that was not used after all.
-    fn give_back(&mut self) {
-        self.tokens = (self.tokens + 1).min(self.capacity);
-    }
-
-    fn is_full(&mut self, now: Instant) -> bool {
-        self.refill(now);
-        self.tokens == self.capacity
-    }
+const fn rate(burst: u32, every: Duration) -> Rate {
+    Rate { burst, every }
 }
 
 /// What one uid (or all of them) has used.
 #[derive(Clone, Copy, Debug)]
 struct Allowance {
-    checks: Bucket,
-    probes: Bucket,
+    checks: TokenBucket,
+    probes: TokenBucket,
     live: usize,
 }
 
 impl Allowance {
     const fn uid() -> Self {
         Self {
-            checks: CHECKS_PER_UID,
-            probes: PROBES_PER_UID,
+            checks: TokenBucket::full(CHECKS_PER_UID),
+            probes: TokenBucket::full(PROBES_PER_UID),
             live: 0,
         }
     }
@@ -121,8 +73,8 @@ impl Default for Budget {
         Self {
             uids: HashMap::new(),
             all: Allowance {
-                checks: CHECKS_ALL,
-                probes: PROBES_ALL,
+                checks: TokenBucket::full(CHECKS_ALL),
+                probes: TokenBucket::full(PROBES_ALL),
                 live: 0,
             },
         }
@@ -157,14 +109,14 @@ impl Budget {
                 return Err(Refusal::LiveForUid(LIVE_PER_UID, uid));
             }
             if !mine.probes.take(now) {
-                return Err(Refusal::RateForUid(uid, PROBES_PER_UID.capacity));
+                return Err(Refusal::RateForUid(uid, PROBES_PER_UID.burst));
             }
         }
         if !self.all.probes.take(now) {
             if uid != 0 {
                 self.uid_mut(uid, now).probes.give_back();
             }
-            return Err(Refusal::Rate(PROBES_ALL.capacity));
+            return Err(Refusal::Rate(PROBES_ALL.burst));
         }
         self.all.live += 1;
         if uid != 0 {

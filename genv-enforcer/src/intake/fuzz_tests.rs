@@ -1,5 +1,5 @@
 //! Property tests of the ring buffer records' decoding (how they run, and how to run
-//! them longer: `state::arbitrary`): any bytes, of any length and alignment, decode
+//! them longer: `state::test_support::arbitrary`): any bytes, of any length and alignment, decode
 //! without a panic; only exactly one `RawEvent` (or one `AllocEvent`) of a known kind,
 //! hook and verdict is an event, and it is the event the programs meant.
 
@@ -10,7 +10,7 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 
 use super::{BadRecord, KernelEvent, UnknownEvent};
-use crate::state::arbitrary::check;
+use crate::state::test_support::arbitrary::check;
 
 const SIZE: usize = size_of::<RawEvent>();
 const ALLOC_SIZE: usize = size_of::<AllocEvent>();

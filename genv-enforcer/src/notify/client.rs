@@ -108,7 +108,7 @@ fn local_time(secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::notify::{Action, Facts, Rule};
+    use crate::notify::{Done, Facts, Rule};
 
     #[test]
     fn no_daemon_is_said_naming_the_socket() {
@@ -133,7 +133,7 @@ mod tests {
                 env: None,
                 gpus: vec![1],
                 rule: Rule::NonEnvProcesses,
-                action: Action::Terminated,
+                action: Done::Terminated,
             },
             1_700_000_000,
         );

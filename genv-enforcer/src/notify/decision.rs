@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::message::{self, Said};
-use super::rule::{Action, Rule};
+use super::rule::{Done, Rule};
 use super::sanitize::{NAME_CHARS, clean, clean_str};
 
 /// The facts of a decision as the daemon has them: names still raw.
@@ -21,7 +21,7 @@ pub struct Facts<'a> {
     pub env: Option<(&'a str, Option<&'a str>)>,
     pub gpus: Vec<u32>,
     pub rule: Rule,
-    pub action: Action,
+    pub action: Done,
 }
 
 /// A decision, sanitised, with the line its user sees.
@@ -37,7 +37,7 @@ pub struct Decision {
     pub gpus: Vec<u32>,
     #[serde(flatten)]
     pub rule: Rule,
-    pub action: Action,
+    pub action: Done,
     /// What the process's terminal is told.
     pub line: String,
 }

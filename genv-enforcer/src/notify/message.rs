@@ -7,7 +7,7 @@
 //! command that fixes it. Every name in it was sanitised when its
 //! [`Decision`](super::Decision) was made.
 
-use super::rule::{Action, Rule};
+use super::rule::{Done, Rule};
 use crate::snapshot::join_indices;
 
 /// What a line says, its names already sanitised.
@@ -18,7 +18,7 @@ pub struct Said<'a> {
     /// The environment as its user knows it (its name, else its id).
     pub env: Option<&'a str>,
     pub rule: &'a Rule,
-    pub action: Action,
+    pub action: Done,
 }
 
 /// The whole line, without a line break.
@@ -39,11 +39,11 @@ fn what(d: &Said<'_>) -> String {
     let who = format!("{} (pid {})", d.comm, d.pid);
     let on = gpus(d);
     match d.action {
-        Action::Terminated => format!("stopped {who} on {on}"),
-        Action::Killed => format!("killed {who} on {on}"),
-        Action::Refused => format!("refused {on} to {who}"),
-        Action::KilledAtAllocation => format!("killed {who} in a memory allocation on {on}"),
-        Action::Detached => format!("detached {on} from {} and stopped {who}", env_phrase(d)),
+        Done::Terminated => format!("stopped {who} on {on}"),
+        Done::Killed => format!("killed {who} on {on}"),
+        Done::Refused => format!("refused {on} to {who}"),
+        Done::KilledAtAllocation => format!("killed {who} in a memory allocation on {on}"),
+        Done::Detached => format!("detached {on} from {} and stopped {who}", env_phrase(d)),
     }
 }
 
@@ -93,7 +93,7 @@ mod tests {
     use super::*;
     use crate::notify::decision::{Decision, Facts};
 
-    fn decision(rule: Rule, action: Action, gpus: Vec<u32>) -> Decision {
+    fn decision(rule: Rule, action: Done, gpus: Vec<u32>) -> Decision {
         Decision::new(
             Facts {
                 pid: 1234,
@@ -110,7 +110,7 @@ mod tests {
 
     #[test]
     fn the_issues_example_reads_as_written() {
-        let d = decision(Rule::NonEnvProcesses, Action::Terminated, vec![1]);
+        let d = decision(Rule::NonEnvProcesses, Done::Terminated, vec![1]);
         let said = Said {
             env: None,
             comm: &d.comm,
@@ -129,7 +129,7 @@ mod tests {
     fn each_rule_names_its_fix() {
         let cases = [
             (
-                decision(Rule::EnvDevices, Action::Terminated, vec![2, 3]),
+                decision(Rule::EnvDevices, Done::Terminated, vec![2, 3]),
                 "stopped python (pid 1234) on GPUs 2,3: environment 'train' is not attached to GPUs 2,3; run 'genv attach --index 2' first",
             ),
             (
@@ -138,7 +138,7 @@ mod tests {
                         used_mb: 2097,
                         capacity: "1g".into(),
                     },
-                    Action::Terminated,
+                    Done::Terminated,
                     vec![0],
                 ),
                 "environment 'train' used 2097m on GPU 0, over its gpu_memory of 1g; use less GPU memory, or set a larger cap with 'genv config gpu-memory SIZE'",
@@ -150,7 +150,7 @@ mod tests {
                         devices: 3,
                         maximum: 2,
                     },
-                    Action::Detached,
+                    Done::Detached,
                     vec![1],
                 ),
                 "detached GPU 1 from environment 'train' and stopped python (pid 1234): user alice had 3 GPUs attached, 2 allowed; run 'genv detach'",
@@ -161,13 +161,13 @@ mod tests {
                         would_use_mb: 3000,
                         capacity: "2g".into(),
                     },
-                    Action::KilledAtAllocation,
+                    Done::KilledAtAllocation,
                     vec![0],
                 ),
                 "killed python (pid 1234) in a memory allocation on GPU 0: the allocation would take environment 'train' to 3000m, over its gpu_memory of 2g",
             ),
             (
-                decision(Rule::NonEnvProcesses, Action::Refused, vec![0]),
+                decision(Rule::NonEnvProcesses, Done::Refused, vec![0]),
                 "refused GPU 0 to python (pid 1234): not in a genv environment; run 'genv activate --gpus 1' first",
             ),
         ];
@@ -186,7 +186,7 @@ mod tests {
                 env: Some(("e", Some("\x1b[2J\x1b[1;1Hroot's env\r\n$ "))),
                 gpus: vec![0],
                 rule: Rule::EnvDevices,
-                action: Action::Terminated,
+                action: Done::Terminated,
             },
             0,
         );

@@ -40,7 +40,7 @@ use crate::clock::unix_now;
 pub use decision::{Decision, Facts};
 use journal::Journal;
 use logger::Logger;
-pub use rule::{Action, Rule};
+pub use rule::{Done, Rule};
 pub use subject::Subject;
 pub use tty::Rdev;
 use writer::{Line, TtyWriter};
@@ -257,7 +257,7 @@ pub(crate) mod tests {
             env: None,
             gpus: vec![0],
             rule: Rule::NonEnvProcesses,
-            action: Action::Refused,
+            action: Done::Refused,
         }
     }
 

@@ -8,12 +8,8 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
-/// A bucket's size and how fast it refills.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Rate {
-    pub burst: u32,
-    pub every: Duration,
-}
+pub use crate::limits::Rate;
+use crate::limits::TokenBucket;
 
 /// Per terminal: 3 lines at once, then one every 10 s.
 pub const PER_TERMINAL: Rate = Rate {
@@ -29,26 +25,11 @@ pub const PER_USER: Rate = Rate {
 /// buckets that are full again (as good as new) are forgotten first.
 const MAX_KEYS: usize = 4096;
 
-#[derive(Clone, Copy, Debug)]
-struct Bucket {
-    tokens: f64,
-    at: Instant,
-}
-
-impl Bucket {
-    /// Its tokens at `now`.
-    fn refilled(self, rate: Rate, now: Instant) -> f64 {
-        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
-        let per_second = 1.0 / rate.every.as_secs_f64().max(f64::MIN_POSITIVE);
-        (self.tokens + elapsed * per_second).min(f64::from(rate.burst))
-    }
-}
-
 /// Token buckets by key.
 #[derive(Debug)]
 pub struct Buckets<K> {
     rate: Rate,
-    buckets: HashMap<K, Bucket>,
+    buckets: HashMap<K, TokenBucket>,
 }
 
 impl<K: Eq + Hash + Copy> Buckets<K> {
@@ -61,9 +42,7 @@ impl<K: Eq + Hash + Copy> Buckets<K> {
 
     /// Whether `key` has a token now (without taking it).
     pub fn has(&self, key: K, now: Instant) -> bool {
-        self.buckets
-            .get(&key)
-            .is_none_or(|b| b.refilled(self.rate, now) >= 1.0)
+        self.buckets.get(&key).is_none_or(|b| b.has(now))
     }
 
     /// Takes a token from `key`'s bucket (the caller checked [`Self::has`]).
@@ -71,22 +50,16 @@ impl<K: Eq + Hash + Copy> Buckets<K> {
         if !self.buckets.contains_key(&key) && self.buckets.len() >= MAX_KEYS {
             self.forget_full(now);
         }
-        let full = Bucket {
-            tokens: f64::from(self.rate.burst),
-            at: now,
-        };
-        let bucket = self.buckets.get(&key).copied().unwrap_or(full);
-        let tokens = bucket.refilled(self.rate, now) - 1.0;
-        self.buckets.insert(key, Bucket { tokens, at: now });
+        let rate = self.rate;
+        let bucket = self.buckets.entry(key).or_insert(TokenBucket::full(rate));
+        bucket.take(now);
     }
 
     /// Drops buckets that have refilled (nothing to remember), or all of them when
     /// none has: a flood of new keys then costs its own keys their history, not memory.
     fn forget_full(&mut self, now: Instant) {
-        let burst = f64::from(self.rate.burst);
         let before = self.buckets.len();
-        let rate = self.rate;
-        self.buckets.retain(|_, b| b.refilled(rate, now) < burst);
+        self.buckets.retain(|_, b| !b.is_full(now));
         if self.buckets.len() == before {
             self.buckets.clear();
         }

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 /// What was done to the process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Action {
+pub enum Done {
     /// SIGTERM, from a rule.
     Terminated,
     /// SIGKILL: the kill after `--kill-after`, or the kernel's at the open (`--deny` on
@@ -23,14 +23,14 @@ pub enum Action {
     Detached,
 }
 
-impl Action {
+impl Done {
     pub fn word(self) -> &'static str {
         match self {
-            Action::Terminated => "terminated",
-            Action::Killed => "killed",
-            Action::Refused => "refused",
-            Action::KilledAtAllocation => "killed-at-allocation",
-            Action::Detached => "detached",
+            Done::Terminated => "terminated",
+            Done::Killed => "killed",
+            Done::Refused => "refused",
+            Done::KilledAtAllocation => "killed-at-allocation",
+            Done::Detached => "detached",
         }
     }
 }

@@ -11,7 +11,6 @@
 //! uid and [`CONNECTIONS`] in all are open (past either, the oldest it counts against
 //! is closed); and a uid's requests are rate-limited ([`REQUESTS`]).
 
-use std::collections::VecDeque;
 use std::io;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -21,12 +20,12 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
-use tokio::task::AbortHandle;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::decision::Decision;
 use super::journal::{CAPACITY, Journal, Query};
 use super::ratelimit::{Buckets, Rate};
+use crate::limits::Connections;
 
 /// The socket's name in the run directory.
 pub const SOCKET: &str = "why.sock";
@@ -118,7 +117,7 @@ pub fn start(
 }
 
 async fn accept_loop(listener: tokio::net::UnixListener, journal: Arc<Mutex<Journal>>) {
-    let mut open = Connections::default();
+    let mut open = Connections::new(PER_UID, CONNECTIONS);
     let mut requests = Buckets::new(REQUESTS);
     loop {
         let Ok((stream, _)) = listener.accept().await else {
@@ -139,32 +138,6 @@ async fn accept_loop(listener: tokio::net::UnixListener, journal: Arc<Mutex<Jour
         }
         let task = tokio::spawn(serve(stream, accepted, uid, allowed, Arc::clone(&journal)));
         open.add(uid, task.abort_handle());
-    }
-}
-
-/// The connections being served, oldest first, by uid.
-#[derive(Default)]
-struct Connections(VecDeque<(u32, AbortHandle)>);
-
-impl Connections {
-    /// Before a connection of `uid` is added: forgets those that ended, and takes out
-    /// the one to close, if any: `uid`'s oldest when it has [`PER_UID`], else the
-    /// oldest of all when there are [`CONNECTIONS`].
-    fn make_room(&mut self, uid: u32) -> Option<AbortHandle> {
-        self.0.retain(|(_, task)| !task.is_finished());
-        let own = self.0.iter().filter(|(u, _)| *u == uid).count();
-        let index = if own >= PER_UID {
-            self.0.iter().position(|(u, _)| *u == uid)
-        } else if self.0.len() >= CONNECTIONS {
-            Some(0)
-        } else {
-            None
-        };
-        index.and_then(|i| self.0.remove(i)).map(|(_, task)| task)
-    }
-
-    fn add(&mut self, uid: u32, task: AbortHandle) {
-        self.0.push_back((uid, task));
     }
 }
 

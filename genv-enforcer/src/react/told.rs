@@ -6,13 +6,13 @@
 
 use super::holders::Killed;
 use crate::intake::{AllocOutcome, GpuOpen, KernelSubject, OverCap, Verdict};
-use crate::notify::{Action, Facts, Notifier, Rule, Terminal};
+use crate::notify::{Done, Facts, Notifier, Rule, Terminal};
 
 /// A process the kernel refused a GPU, or killed in its open.
 pub fn open(notifier: Option<&Notifier>, open: &GpuOpen) {
     let action = match open.verdict {
-        Verdict::Refused => Action::Refused,
-        Verdict::Killed => Action::Killed,
+        Verdict::Refused => Done::Refused,
+        Verdict::Killed => Done::Killed,
         _ => return,
     };
     let Some(notifier) = notifier else {
@@ -44,7 +44,7 @@ pub fn holder(notifier: Option<&Notifier>, killed: &Killed) {
         env: None,
         gpus: killed.gpus.clone(),
         rule: Rule::NonEnvProcesses,
-        action: Action::Killed,
+        action: Done::Killed,
     };
     notifier.decided(facts, subject.terminal);
 }
@@ -70,7 +70,7 @@ pub fn alloc(notifier: Option<&Notifier>, held_to: Option<(String, String)>, ove
             would_use_mb: over.would_use / 1_000_000,
             capacity,
         },
-        action: Action::KilledAtAllocation,
+        action: Done::KilledAtAllocation,
     };
     notifier.decided(facts, terminal(&over.subject, over.uid));
 }

@@ -27,6 +27,7 @@ use crate::daemon::state_watch::StateWatch;
 use crate::intake::KernelEvent;
 use crate::kernel::TierChoice;
 use crate::kernel::policy_maps::PolicyMaps;
+use crate::limits::{Rate, TokenBucket};
 use crate::service::StopSignals;
 use crate::snapshot::{Snapshot, SnapshotBuilder};
 use watch_programs::{WatchPrograms, load_programs, next_events};
@@ -47,37 +48,12 @@ const AFTER_OPEN: [Duration; 4] = [
 const AFTER_EXIT: [Duration; 2] = [Duration::from_millis(100), Duration::from_secs(1)];
 /// Snapshots are rate-limited: any user can open a GPU node, or write genv's world-
 /// writable state files, in a loop, and each must not cost this root process a
-/// snapshot. A burst of this many passes at once (genv writing both files, an open and
-/// its rechecks), then this many a second.
-const BURST: f64 = 5.0;
-const PER_SECOND: f64 = 10.0;
-
-/// A token bucket: when the next snapshot may be taken.
-struct RateLimit {
-    tokens: f64,
-    at: Instant,
-}
-
-impl RateLimit {
-    fn new() -> Self {
-        Self {
-            tokens: BURST,
-            at: Instant::now(),
-        }
-    }
-
-    /// Takes a token now, or says when one will be there.
-    fn take(&mut self, now: Instant) -> Result<(), Instant> {
-        let refill = (now - self.at).as_secs_f64() * PER_SECOND;
-        self.tokens = (self.tokens + refill).min(BURST);
-        self.at = now;
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            return Ok(());
-        }
-        Err(now + Duration::from_secs_f64((1.0 - self.tokens) / PER_SECOND))
-    }
-}
+/// snapshot. A burst of 5 passes at once (genv writing both files, an open and its
+/// rechecks), then one every 100 ms.
+const SNAPSHOTS: Rate = Rate {
+    burst: 5,
+    every: Duration::from_millis(100),
+};
 
 pub struct WatchSettings {
     pub poll: Duration,
@@ -99,18 +75,19 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
     let mut rechecks: Vec<Instant> = Vec::new();
     let mut due = true;
     let mut next_poll = Instant::now();
-    let mut limit = RateLimit::new();
+    let mut limit = TokenBucket::full(SNAPSHOTS);
     loop {
         let now = Instant::now();
         if due {
-            match limit.take(now) {
-                Ok(()) => {
+            match limit.take(now.into_std()) {
+                true => {
                     if !watcher.emit(&mut builder, kernel.as_mut().map(|w| &mut w.policy)) {
                         return Ok(ExitCode::SUCCESS);
                     }
                     next_poll = Instant::now() + settings.poll;
                 }
-                Err(at) => {
+                false => {
+                    let at = Instant::from_std(limit.next_at(now.into_std()));
                     // One look is enough while one is due no later: a storm of changes
                     // adds no more.
                     if !rechecks.iter().any(|r| *r <= at) {

@@ -1,7 +1,7 @@
 //! Property tests of `genv usage snapshot`'s wire format (how they run, and how to run
-//! them longer: `state::arbitrary`). A snapshot reads back as it was printed; any text
+//! them longer: `state::test_support::arbitrary`). A snapshot reads back as it was printed; any text
 //! is read without a panic, and a document reads exactly where it has genv's shape
-//! (`state::genv_shape`), failing otherwise at a place where it departs from it.
+//! (`state::test_support::genv_shape`), failing otherwise at a place where it departs from it.
 
 use proptest::collection::vec;
 use proptest::option;
@@ -10,9 +10,9 @@ use proptest::sample::Index;
 use serde_json::{Value, json};
 
 use super::{GpuProcess, Snapshot, SnapshotJson, Usage, WireError, parse_wire_process};
-use crate::state::arbitrary::{self, check};
-use crate::state::genv_shape::{self, SNAPSHOT};
 use crate::state::model::{self, ShapeError};
+use crate::state::test_support::arbitrary::{self, check};
+use crate::state::test_support::genv_shape::{self, SNAPSHOT};
 
 const MIB: u64 = 1024 * 1024;
 

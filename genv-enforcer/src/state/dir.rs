@@ -45,14 +45,6 @@ impl StateDir {
         &self.root
     }
 
-    pub fn envs_path(&self) -> PathBuf {
-        self.root.join(ENVS_FILE)
-    }
-
-    pub fn devices_path(&self) -> PathBuf {
-        self.root.join(DEVICES_FILE)
-    }
-
     /// genv's global lock, waiting as long as it takes ([`GlobalLock::acquire`]).
     pub fn lock(&self) -> Result<GlobalLock, LockError> {
         GlobalLock::acquire(&self.root)

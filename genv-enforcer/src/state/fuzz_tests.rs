@@ -14,9 +14,9 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use serde_json::{Value, json};
 
-use super::arbitrary::{self, Mutation, check};
-use super::genv_shape::{self, DEVICES_JSON, ENVS_JSON};
 use super::model::{self, Device, Env};
+use super::test_support::arbitrary::{self, Mutation, check};
+use super::test_support::genv_shape::{self, DEVICES_JSON, ENVS_JSON};
 use super::{StateDir, StateErrorKind, to_python_json};
 
 fn parse_both(document: &Value) -> Result<(), TestCaseError> {
@@ -307,7 +307,7 @@ fn damaged_state_files_are_refused_naming_the_file() {
         match (&loaded, expected_failure(&envs, &ENVS_JSON)) {
             (Ok(_), None) => {}
             (Err(e), Some(expected)) => {
-                prop_assert_eq!(&e.path, &dir.envs_path());
+                prop_assert_eq!(&e.path, &dir.root().join("envs.json"));
                 let named = format!("{}: ", e.path.display());
                 prop_assert!(e.to_string().starts_with(&named), "{}", e);
                 prop_assert_eq!(kind(&e.kind), expected, "{}", e);
@@ -324,7 +324,7 @@ fn damaged_state_files_are_refused_naming_the_file() {
         ) {
             (Ok(_), None) => {}
             (Err(e), expected) => {
-                prop_assert_eq!(&e.path, &dir.devices_path());
+                prop_assert_eq!(&e.path, &dir.root().join("devices.json"));
                 let named = format!("{}: ", e.path.display());
                 prop_assert!(e.to_string().starts_with(&named), "{}", e);
                 // A file of genv's shape is still refused if two devices share an index.

@@ -22,13 +22,11 @@ mod hostile_tests;
 mod mount_tests;
 
 #[cfg(test)]
-pub(crate) mod arbitrary;
-#[cfg(test)]
 mod fuzz_tests;
 #[cfg(test)]
-pub(crate) mod genv_shape;
-#[cfg(test)]
 mod python_tests;
+#[cfg(test)]
+pub(crate) mod test_support;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -38,7 +36,7 @@ pub use json::to_python_json;
 pub use lock::{GlobalLock, LockError, LockErrorKind};
 pub use memory::MemorySpec;
 pub use model::{Attachment, Device, Env, EnvConfig};
-pub use mounts::{MountTable, served_by_fuse};
+pub use mounts::MountTable;
 pub use refusal::{FileKind, MountKind, Refusal};
 
 #[derive(Debug, thiserror::Error)]

@@ -38,14 +38,6 @@ pub(super) fn of(fd: impl AsFd) -> io::Result<Mount> {
     of_in(fd, "/proc/thread-self/mountinfo")
 }
 
-/// Whether `fd` (an `O_PATH` descriptor is enough) lies on a FUSE mount, looked up in
-/// `mountinfo`: the table of the mount namespace it was reached through (a file another
-/// process maps: `/proc/<pid>/mountinfo`). Mount ids are the kernel's, across
-/// namespaces.
-pub fn served_by_fuse(fd: impl AsFd, mountinfo: &str) -> io::Result<bool> {
-    MountTable::read(mountinfo)?.serves_fuse(fd)
-}
-
 /// The largest `mountinfo` read: a namespace with more mounts than this is refused.
 const MOUNTINFO_LIMIT: u64 = 8 << 20;
 

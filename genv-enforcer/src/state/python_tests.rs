@@ -4,8 +4,8 @@
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
-use super::arbitrary;
 use super::fuzz_tests::genv_document;
+use super::test_support::arbitrary;
 use super::to_python_json;
 
 /// genv 1.4.3's `genv.utils.memory_to_bytes`, verbatim, over JSON strings one a line.

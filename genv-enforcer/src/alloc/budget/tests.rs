@@ -1,23 +1,6 @@
 use super::*;
 
 #[test]
-fn a_bucket_refills_one_token_per_period_up_to_its_capacity() {
-    let t0 = Instant::now();
-    let second = Duration::from_secs(1);
-    let mut bucket = Bucket::full(2, second);
-    assert!(bucket.take(t0) && bucket.take(t0));
-    assert!(!bucket.take(t0 + second / 2), "empty");
-    assert!(bucket.take(t0 + second), "one back after a period");
-    assert!(!bucket.take(t0 + second));
-    assert!(
-        bucket.is_full(t0 + 10 * second),
-        "never more than its capacity"
-    );
-    assert!(bucket.take(t0 + 10 * second) && bucket.take(t0 + 10 * second));
-    assert!(!bucket.take(t0 + 10 * second));
-}
-
-#[test]
 fn copies_probed_at_once_come_back_as_their_processes_exit() {
     let now = Instant::now();
     let mut budget = Budget::default();
@@ -37,13 +20,13 @@ fn copies_probed_at_once_come_back_as_their_processes_exit() {
 fn new_copies_are_bounded_over_time_even_as_processes_exit() {
     let t0 = Instant::now();
     let mut budget = Budget::default();
-    for _ in 0..PROBES_PER_UID.capacity {
+    for _ in 0..PROBES_PER_UID.burst {
         budget.may_probe(1000, t0).unwrap();
         budget.released(1000);
     }
     assert_eq!(
         budget.may_probe(1000, t0),
-        Err(Refusal::RateForUid(1000, PROBES_PER_UID.capacity))
+        Err(Refusal::RateForUid(1000, PROBES_PER_UID.burst))
     );
     assert_eq!(budget.may_probe(1000, t0 + PROBES_PER_UID.every), Ok(()));
 }
@@ -70,7 +53,7 @@ fn root_counts_to_the_total_only() {
 fn examinations_are_bounded_per_uid_and_in_all() {
     let t0 = Instant::now();
     let mut budget = Budget::default();
-    let per_uid = CHECKS_PER_UID.capacity;
+    let per_uid = CHECKS_PER_UID.burst;
     assert!((0..per_uid).all(|_| budget.may_check(1000, t0)));
     assert!(!budget.may_check(1000, t0));
     assert!(budget.may_check(1001, t0), "another uid's own");

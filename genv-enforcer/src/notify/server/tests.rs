@@ -117,7 +117,7 @@ fn connections_past_a_uids_bound_close_its_oldest() {
         .unwrap();
     runtime.block_on(async {
         let pending = || tokio::spawn(std::future::pending::<()>()).abort_handle();
-        let mut open = Connections::default();
+        let mut open = Connections::new(PER_UID, CONNECTIONS);
         let other = pending();
         open.add(7, other.clone());
         let first = pending();

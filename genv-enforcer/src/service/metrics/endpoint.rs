@@ -12,17 +12,16 @@
 //! So keeping a scrape out takes opening [`PER_PEER`] connections from the scraper's own
 //! address, or [`CONNECTIONS`] in all, between its connect and its request: a flood.
 
-use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::task::AbortHandle;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::Exposition;
+use crate::limits::Connections;
 
 /// Connections open at once, in all.
 const CONNECTIONS: usize = 64;
@@ -43,7 +42,7 @@ pub(super) fn start(
     listener.set_nonblocking(true)?;
     let listener = tokio::net::TcpListener::from_std(listener)?;
     tokio::spawn(async move {
-        let mut open = Connections::default();
+        let mut open = Connections::new(PER_PEER, CONNECTIONS);
         loop {
             let (stream, peer) = match listener.accept().await {
                 Ok(accepted) => accepted,
@@ -82,32 +81,6 @@ fn peer_of(addr: SocketAddr) -> IpAddr {
     match ip.is_loopback() || addr.ip().is_loopback() {
         true => IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
         false => ip,
-    }
-}
-
-/// The connections being served, oldest first.
-#[derive(Default)]
-struct Connections(VecDeque<(IpAddr, AbortHandle)>);
-
-impl Connections {
-    /// Before a connection from `peer` is added: forgets those that ended, and takes
-    /// out the one to close, if any: `peer`'s oldest when it has [`PER_PEER`], else the
-    /// oldest of all when there are [`CONNECTIONS`].
-    fn make_room(&mut self, peer: IpAddr) -> Option<AbortHandle> {
-        self.0.retain(|(_, task)| !task.is_finished());
-        let from_peer = self.0.iter().filter(|(p, _)| *p == peer).count();
-        let index = if from_peer >= PER_PEER {
-            self.0.iter().position(|(p, _)| *p == peer)
-        } else if self.0.len() >= CONNECTIONS {
-            Some(0)
-        } else {
-            None
-        };
-        index.and_then(|i| self.0.remove(i)).map(|(_, task)| task)
-    }
-
-    fn add(&mut self, peer: IpAddr, task: AbortHandle) {
-        self.0.push_back((peer, task));
     }
 }
 

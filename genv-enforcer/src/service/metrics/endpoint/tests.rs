@@ -3,6 +3,7 @@ use std::net::{Ipv4Addr, TcpStream as StdStream};
 
 use super::*;
 use crate::service::metrics::Metrics;
+use tokio::task::AbortHandle;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -23,7 +24,7 @@ fn pending() -> AbortHandle {
 #[test]
 fn a_peer_past_its_bound_closes_its_own_oldest_not_anothers() {
     runtime().block_on(async {
-        let mut open = Connections::default();
+        let mut open = Connections::new(PER_PEER, CONNECTIONS);
         let scraper = pending();
         open.add(peer(1), scraper.clone());
         let mut first = None;
@@ -35,7 +36,7 @@ fn a_peer_past_its_bound_closes_its_own_oldest_not_anothers() {
         }
         let closed = open.make_room(peer(2)).expect("peer 2 is at its bound");
         assert_eq!(closed.id(), first.unwrap().id());
-        assert!(open.0.iter().any(|(_, t)| t.id() == scraper.id()));
+        assert!(open.holds(&scraper));
         // Another peer is not at its bound, nor are all connections open.
         assert!(open.make_room(peer(3)).is_none());
     });
@@ -44,7 +45,7 @@ fn a_peer_past_its_bound_closes_its_own_oldest_not_anothers() {
 #[test]
 fn past_the_bound_in_all_the_oldest_is_closed() {
     runtime().block_on(async {
-        let mut open = Connections::default();
+        let mut open = Connections::new(PER_PEER, CONNECTIONS);
         let oldest = pending();
         open.add(peer(0), oldest.clone());
         for i in 1..CONNECTIONS {
@@ -60,7 +61,7 @@ fn past_the_bound_in_all_the_oldest_is_closed() {
 #[test]
 fn connections_that_ended_free_their_room() {
     runtime().block_on(async {
-        let mut open = Connections::default();
+        let mut open = Connections::new(PER_PEER, CONNECTIONS);
         let mut ended = Vec::new();
         for _ in 0..PER_PEER {
             let task = tokio::spawn(async {});
@@ -71,7 +72,7 @@ fn connections_that_ended_free_their_room() {
             task.await.unwrap();
         }
         assert!(open.make_room(peer(1)).is_none());
-        assert!(open.0.is_empty());
+        assert!(open.is_empty());
     });
 }
 

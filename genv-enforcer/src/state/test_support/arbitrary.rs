@@ -15,8 +15,8 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, TestError, TestRunner};
 use serde_json::{Number, Value, json};
 
-use super::memory::MemorySpec;
-use super::model::{Attachment, Device, Env, EnvConfig};
+use crate::state::memory::MemorySpec;
+use crate::state::model::{Attachment, Device, Env, EnvConfig};
 
 /// Runs `test` on values of `strategy` (see the module's comment).
 pub(crate) fn check<S>(strategy: S, test: impl Fn(S::Value) -> Result<(), TestCaseError>)

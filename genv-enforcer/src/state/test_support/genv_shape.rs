@@ -9,8 +9,8 @@
 use proptest::prelude::*;
 use serde_json::Value;
 
-use super::memory::MemorySpec;
-use super::model::ShapeError;
+use crate::state::memory::MemorySpec;
+use crate::state::model::ShapeError;
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Shape {
