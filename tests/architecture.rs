@@ -69,18 +69,60 @@ fn rust_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-/// The file's lines up to its `#[cfg(test)]` module, and without `tests.rs` files
-/// (unit tests kept beside their module).
+/// The file's product code: every line but its unit tests, read to the end. An item
+/// under `#[cfg(test)]` (a `mod tests;` line, or an item to its last brace) is left out
+/// wherever it is, and so are files of unit tests whole (`tests.rs`, `*_tests.rs`, and
+/// the helpers under a `test_support` folder).
 fn code_lines(path: &Path) -> Vec<String> {
-    if path.file_name().is_some_and(|n| n == "tests.rs") {
+    let name = path.file_name().unwrap().to_str().unwrap();
+    let helper = path.iter().any(|part| part == "test_support");
+    if name == "tests.rs" || name.ends_with("_tests.rs") || helper {
         return Vec::new();
     }
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .take_while(|line| !line.starts_with("#[cfg(test)]"))
-        .map(str::to_owned)
-        .collect()
+    without_tests(&std::fs::read_to_string(path).unwrap())
+}
+
+/// `text`'s lines without the items under `#[cfg(test)]`.
+fn without_tests(text: &str) -> Vec<String> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut kept = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        if lines[i].trim_start().starts_with("#[cfg(test)]") {
+            i = after_item(&lines, i + 1);
+        } else {
+            kept.push(lines[i].to_owned());
+            i += 1;
+        }
+    }
+    kept
+}
+
+/// The line after the item that starts at `start` (its attributes first): after its
+/// `;`, or after the brace that closes its first one.
+fn after_item(lines: &[&str], start: usize) -> usize {
+    let mut depth = 0i32;
+    let mut opened = false;
+    for (i, line) in lines.iter().enumerate().skip(start) {
+        let code = line.split("//").next().unwrap();
+        if !opened && code.trim_start().starts_with("#[") {
+            continue;
+        }
+        for c in code.chars() {
+            match c {
+                '{' => {
+                    depth += 1;
+                    opened = true;
+                }
+                '}' => depth -= 1,
+                _ => {}
+            }
+        }
+        if (opened && depth <= 0) || (!opened && code.trim_end().ends_with(';')) {
+            return i + 1;
+        }
+    }
+    lines.len()
 }
 
 /// The `crate::<module>` paths a file's code (not its comments) names.
@@ -674,4 +716,172 @@ fn every_test_of_a_tier_suite_names_its_group() {
     // The check sees an ungrouped test, behind other attributes too.
     let planted = "#[test]\n#[ignore]\nfn a_new_test() {}\n#[test]\nfn tier_x() {}\n";
     assert_eq!(ungrouped(planted), ["a_new_test"]);
+}
+
+/// The crates whose product code must keep one name to one type, and each type's
+/// inherent `impl` in one file.
+const PRODUCT_CRATES: [&str; 3] = ["genv-enforcer/src", "genv-ebpf/src", "genv-ebpf-common/src"];
+
+/// The type a line defines (`struct`, `enum`, `union`, `trait`), if it defines one.
+fn defined_type(line: &str) -> Option<String> {
+    let mut rest = line.trim_start();
+    for visibility in ["pub(crate) ", "pub(super) ", "pub "] {
+        rest = rest.strip_prefix(visibility).unwrap_or(rest);
+    }
+    let rest = ["struct ", "enum ", "union ", "trait "]
+        .iter()
+        .find_map(|kind| rest.strip_prefix(kind))?;
+    let name: String = rest
+        .chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '_')
+        .collect();
+    (!name.is_empty()).then_some(name)
+}
+
+/// The type an inherent `impl` block is for (`impl<T> Name<T> {`), if the line opens
+/// one; trait impls (`impl Trait for Name`) are not inherent.
+fn inherent_impl(line: &str) -> Option<String> {
+    let rest = line.trim_start().strip_prefix("impl")?;
+    let rest = match rest.strip_prefix('<') {
+        Some(generics) => {
+            let mut depth = 1;
+            let end = generics.char_indices().find_map(|(i, c)| {
+                match c {
+                    '<' => depth += 1,
+                    '>' => depth -= 1,
+                    _ => {}
+                }
+                (depth == 0).then_some(i + 1)
+            })?;
+            &generics[end..]
+        }
+        None => rest,
+    };
+    if !rest.starts_with(' ') {
+        return None; // `implement…`, not `impl`
+    }
+    let header = rest.split('{').next().unwrap();
+    if header.contains(" for ") {
+        return None;
+    }
+    let name: String = header
+        .trim_start()
+        .chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '_')
+        .collect();
+    (!name.is_empty()).then_some(name)
+}
+
+/// Each name's files, for what `find` finds in each file's product code.
+fn by_name(
+    files: &[(String, Vec<String>)],
+    find: fn(&str) -> Option<String>,
+) -> BTreeMap<String, BTreeSet<String>> {
+    let mut found: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (file, lines) in files {
+        for name in lines.iter().filter_map(|l| find(l)) {
+            found.entry(name).or_default().insert(file.clone());
+        }
+    }
+    found
+}
+
+/// Names defined in more than one file (`defines`: every definition, with repeats).
+fn shared_names(defines: &[(String, String)]) -> Vec<String> {
+    let mut files: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (file, name) in defines {
+        files.entry(name).or_default().push(file);
+    }
+    files
+        .into_iter()
+        .filter(|(_, places)| places.len() > 1)
+        .map(|(name, places)| format!("{name}: {}", places.join(", ")))
+        .collect()
+}
+
+fn product_files(dir: &str) -> Vec<(String, Vec<String>)> {
+    let root = workspace_root().join(dir);
+    rust_files(&root)
+        .into_iter()
+        .map(|file| {
+            let name = file
+                .strip_prefix(workspace_root())
+                .unwrap()
+                .display()
+                .to_string();
+            (name, code_lines(&file))
+        })
+        .collect()
+}
+
+/// What breaks "one name, one type, one file for its inherent `impl`" in `files`.
+fn one_name_one_type(files: &[(String, Vec<String>)]) -> Vec<String> {
+    let defines: Vec<(String, String)> = files
+        .iter()
+        .flat_map(|(file, lines)| {
+            lines
+                .iter()
+                .filter_map(|l| defined_type(l))
+                .map(move |name| (file.clone(), name))
+        })
+        .collect();
+    let mut broken: Vec<String> = shared_names(&defines)
+        .into_iter()
+        .map(|line| format!("two types share a name: {line}"))
+        .collect();
+    for (name, places) in by_name(files, inherent_impl) {
+        if places.len() > 1 {
+            let places: Vec<&str> = places.iter().map(String::as_str).collect();
+            broken.push(format!(
+                "{name}'s inherent impl spans files: {}",
+                places.join(", ")
+            ));
+        }
+    }
+    broken
+}
+
+/// A type's methods are found in one file, under one name: a reader who finds `Mirror`
+/// finds all it does, and no other `Mirror`.
+#[test]
+fn one_name_one_type_and_one_file_for_its_impl() {
+    let mut broken = Vec::new();
+    for dir in PRODUCT_CRATES {
+        broken.extend(one_name_one_type(&product_files(dir)));
+    }
+    assert!(broken.is_empty(), "{broken:#?}");
+}
+
+#[test]
+fn a_second_type_of_one_name_or_a_split_impl_fails() {
+    let file = |name: &str, text: &str| (name.to_owned(), without_tests(text));
+    let planted = [
+        file("a.rs", "pub struct Item;\nimpl Item {\n    fn f() {}\n}\n"),
+        file(
+            "b.rs",
+            "pub(crate) enum Item {}\nimpl<T: Copy> Holder<T> {}\n",
+        ),
+        file("c.rs", "impl<T> Holder<T> {\n}\nimpl Clone for Item {}\n"),
+        file(
+            "d.rs",
+            "#[cfg(test)]\nmod tests {\n    struct Item;\n}\nstruct Other;\n",
+        ),
+    ];
+    assert_eq!(
+        one_name_one_type(&planted),
+        [
+            "two types share a name: Item: a.rs, b.rs",
+            "Holder's inherent impl spans files: b.rs, c.rs",
+        ]
+    );
+}
+
+/// The product code after a `#[cfg(test)]` item is read: a `mod tests;` line, or a test
+/// module in the middle of a file, hides nothing after it.
+#[test]
+fn code_after_a_test_item_is_read() {
+    let text = "mod a;\n#[cfg(test)]\nmod tests;\nuse crate::cli::x;\n#[cfg(test)]\n#[allow(dead_code)]\nfn helper() {\n    if x {\n    }\n}\nfn after() {}\n";
+    let lines = without_tests(text);
+    assert_eq!(lines, ["mod a;", "use crate::cli::x;", "fn after() {}"]);
+    assert_eq!(crate_modules(&lines), ["cli"]);
 }

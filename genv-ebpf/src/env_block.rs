@@ -293,6 +293,7 @@ fn hash_value(s: &EnvScratch, at: usize, valid: usize) -> u64 {
     for j in 0..=MAX_ENV_ID {
         // SAFETY: as above.
         let b = if at + j < valid {
+            // SAFETY: as above.
             unsafe { *value.add(j) }
         } else {
             0

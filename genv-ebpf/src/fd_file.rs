@@ -58,21 +58,25 @@ pub fn rdev_at(fd: u32) -> Slot {
     let (f_inode, i_rdev) = (offset!(file_f_inode), offset!(inode_i_rdev));
     // SAFETY: a helper without arguments.
     let task = unsafe { bpf_get_current_task_btf() } as *const u8;
-    // SAFETY (each `load` below): a BTF-typed pointer at a constant offset of one of its
-    // members, which the verifier checks and which cannot fault (`PROBE_MEM`).
+    // SAFETY: a BTF-typed pointer at a constant offset of one of its members, which
+    // the verifier checks and which cannot fault (`PROBE_MEM`); likewise each `load` below.
     let files: *const u8 = unsafe { load(task, task_files) };
     if files.is_null() {
         return Slot::Empty; // an exiting task
     }
+    // SAFETY: as above.
     let fdt: *const u8 = unsafe { load(files, files_fdt) };
     if fdt != files.wrapping_add(fdtab as usize) || fd >= INLINE_FDS {
         return grown(fdt, fd);
     }
+    // SAFETY: as above.
     let file: *const u8 = unsafe { load(files, fd_array + slot_offset(fd)) };
     if file.is_null() {
         return Slot::Empty;
     }
+    // SAFETY: as above.
     let inode: *const u8 = unsafe { load(file, f_inode) };
+    // SAFETY: as above.
     Slot::Rdev(unsafe { load(inode, i_rdev) })
 }
 

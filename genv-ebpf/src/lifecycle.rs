@@ -74,7 +74,7 @@ pub fn proc_fork(ctx: RawTracePointContext) -> i32 {
         // The child runs the parent's image with the parent's environment block until
         // it execs: it inherits the parent's identity. It has not run yet.
         // SAFETY: a plain lookup; the value is copied out at once.
-        let inherited = unsafe { PROC_ENV.get(&parent) }.copied();
+        let inherited = unsafe { PROC_ENV.get(parent) }.copied();
         if let Some(identity) = inherited {
             record(tgid as u32, identity);
         }
@@ -107,7 +107,7 @@ pub fn proc_fork(ctx: RawTracePointContext) -> i32 {
 #[inline(always)]
 fn capped(identity: u64) -> bool {
     // SAFETY: a plain lookup; nothing is kept of it.
-    identity != identity::NO_ENV && unsafe { crate::cuda::ENV_MEMORY.get(&identity) }.is_some()
+    identity != identity::NO_ENV && unsafe { crate::cuda::ENV_MEMORY.get(identity) }.is_some()
 }
 
 /// Records the identity of process `pid` found at its exec. The process is almost
@@ -117,7 +117,7 @@ fn capped(identity: u64) -> bool {
 /// An aligned 8-byte store: a reader sees the old identity or the new one.
 #[inline(always)]
 fn overwrite(pid: u32, identity: u64) {
-    match PROC_ENV.get_ptr_mut(&pid) {
+    match PROC_ENV.get_ptr_mut(pid) {
         // SAFETY: the element's value, valid while this program runs (RCU).
         Some(slot) => unsafe { core::ptr::write_volatile(slot, identity) },
         None => record(pid, identity),
@@ -137,7 +137,7 @@ fn lifecycle_event(event: RawEvent, wake: Wake) {
 /// have), and is counted: the daemon then resynchronises.
 #[inline(always)]
 fn record(pid: u32, identity: u64) {
-    if PROC_ENV.insert(&pid, &identity, 0).is_err() {
+    if PROC_ENV.insert(pid, identity, 0).is_err() {
         count_decision(decision::IDENTITY_LOST);
     }
 }
@@ -158,7 +158,7 @@ pub fn proc_exit(_ctx: TracePointContext) -> u32 {
     // Unreadable: fall back to the leader's exit standing for the group's.
     let group_dead = live.map_or(pid == tid, |live| live == 0);
     if group_dead {
-        let _ = PROC_ENV.remove(&pid);
+        let _ = PROC_ENV.remove(pid);
         crate::cuda::forget_image(pid);
         lifecycle_event(
             RawEvent {

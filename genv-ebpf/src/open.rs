@@ -42,7 +42,7 @@ fn gpu_of(file: *const u8) -> Option<(u32, u32)> {
         return None;
     }
     // SAFETY: a plain lookup; the value is copied out at once.
-    let index = unsafe { GPU_NODES.get(&rdev) }.copied()?;
+    let index = unsafe { GPU_NODES.get(rdev) }.copied()?;
     let mode: u16 = read(inode, offset!(inode_i_mode))?;
     if mode & S_IFMT != S_IFCHR {
         return None; // a block device with the same number
@@ -74,8 +74,9 @@ pub(crate) fn decide<C: EbpfContext>(ctx: &C, file: *const u8, tier: u32) -> u32
     let uid = bpf_get_current_uid_gid() as u32;
     let flags = policy();
     // SAFETY: plain lookups; the values are copied out at once.
-    let identity = unsafe { PROC_ENV.get(&pid) }.copied();
-    let env = identity.and_then(|identity| unsafe { ENVS.get(&identity) }.copied());
+    let identity = unsafe { PROC_ENV.get(pid) }.copied();
+    // SAFETY: as above.
+    let env = identity.and_then(|identity| unsafe { ENVS.get(identity) }.copied());
     let verdict = match environment_of(env, uid) {
         Some(attached) if index < 64 && attached & (1 << index) != 0 => verdict::ATTACHED,
         Some(_) => verdict::NOT_ATTACHED,
@@ -179,7 +180,7 @@ fn log_decision<C: EbpfContext>(
 #[inline(always)]
 fn exempt(pid: u32, o: &Offsets) -> bool {
     // SAFETY: a plain lookup; the value is copied out at once.
-    let Some(ticks) = (unsafe { EXEMPT_PIDS.get(&pid) }).copied() else {
+    let Some(ticks) = (unsafe { EXEMPT_PIDS.get(pid) }).copied() else {
         return false;
     };
     // SAFETY: a helper without arguments; the task is read only through probe reads.
@@ -207,7 +208,7 @@ fn exe_allowed(o: &Offsets) -> bool {
         })
     };
     // SAFETY: a plain lookup.
-    key().is_some_and(|key| unsafe { ALLOWED_EXES.get(&key) }.is_some())
+    key().is_some_and(|key| unsafe { ALLOWED_EXES.get(key) }.is_some())
 }
 
 /// Tier 1, BPF LSM `file_open`: runs for every open attempt, before the driver's

@@ -49,7 +49,7 @@ fn on_open_returned<C: EbpfContext>(ctx: &C, ret: i64) {
     match rdev_at(fd) {
         Slot::Empty | Slot::Rdev(0) => return,
         // SAFETY: a plain lookup.
-        Slot::Rdev(rdev) if unsafe { GPU_NODES.get(&rdev) }.is_none() => return,
+        Slot::Rdev(rdev) if unsafe { GPU_NODES.get(rdev) }.is_none() => return,
         Slot::Rdev(_) | Slot::Walk => {}
     }
     // A watched node (or a kernel without the members the filter reads): the walk again,

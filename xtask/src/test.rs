@@ -49,6 +49,7 @@ fn phases(cargo_args: &[String]) -> Result<()> {
     timings::phase("clippy", || {
         run(cargo(&["clippy", "--workspace", "--all-targets"]).args(["--", "-D", "warnings"]))
     })?;
+    timings::phase("clippy (bpf)", clippy_bpf)?;
     timings::phase("build", || {
         run(&mut cargo(&["build", "--workspace"]))?;
         run(&mut host_tests_command(cargo_args, &["--no-run"]))
@@ -93,6 +94,24 @@ fn phases(cargo_args: &[String]) -> Result<()> {
     let failures = timings::lanes("host tests and vm (side by side)", lanes);
     let outcome = outcome.into_inner().unwrap();
     summary(&outcome, &failures)
+}
+
+/// The kernel programs' code is `cfg(target_arch = "bpf")`: the host's clippy sees none
+/// of it, so it is linted for its own target too, with the nightly toolchain that builds
+/// it (in a target directory of its own: its `core` is built for BPF).
+fn clippy_bpf() -> Result<()> {
+    let target = crate::target_dir()?.join("bpf-clippy");
+    let mut clippy = std::process::Command::new("rustup");
+    clippy
+        .current_dir(root().join("genv-ebpf"))
+        .args(["run", "nightly", "cargo", "clippy", "--release"])
+        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+        .args(["--", "-D", "warnings"])
+        .env("CARGO_TARGET_DIR", target)
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC")
+        .env_remove("CARGO");
+    run(&mut clippy)
 }
 
 /// What the suites need on this machine, installed where missing.

@@ -38,14 +38,18 @@ pub fn ensure_ebpf_toolchain() -> Result<()> {
         "rustup",
         &["component", "list", "--toolchain", "nightly", "--installed"],
     )?;
-    if !components.lines().any(|c| c.starts_with("rust-src")) {
-        run(Command::new("rustup").args([
-            "component",
-            "add",
-            "rust-src",
-            "--toolchain",
-            "nightly",
-        ]))?;
+    // rust-src to build `core` for the BPF target; clippy to lint the programs there
+    // (`cargo xtask test`'s lints: on the host their code is compiled out).
+    for component in ["rust-src", "clippy"] {
+        if !components.lines().any(|c| c.starts_with(component)) {
+            run(Command::new("rustup").args([
+                "component",
+                "add",
+                component,
+                "--toolchain",
+                "nightly",
+            ]))?;
+        }
     }
     ensure_bpf_linker()
 }

@@ -55,7 +55,7 @@ pub fn cu_ctx_made(ctx: RetProbeContext) -> u32 {
     let Some(context) = read_user_u64(p.out) else {
         return 0;
     };
-    let _ = CTX_DEVICE.insert(&handle(pid, context), &p.gpu, 0);
+    let _ = CTX_DEVICE.insert(handle(pid, context), p.gpu, 0);
     if p.call == CALL_CTX_CREATE {
         push_context(tid, context);
         started(cuda_call::CTX_CREATE);
@@ -132,10 +132,10 @@ pub fn cu_ctx_destroy(ctx: ProbeContext) -> u32 {
 pub fn cu_ctx_switched(ctx: RetProbeContext) -> u32 {
     let (_, tid) = current();
     // SAFETY: a plain lookup; the value is copied out at once.
-    let Some(switch) = (unsafe { SWITCHES.get(&tid) }).copied() else {
+    let Some(switch) = (unsafe { SWITCHES.get(tid) }).copied() else {
         return 0;
     };
-    let _ = SWITCHES.remove(&tid);
+    let _ = SWITCHES.remove(tid);
     if ctx.ret::<i32>() != 0 {
         return 0;
     }
@@ -146,13 +146,13 @@ pub fn cu_ctx_switched(ctx: RetProbeContext) -> u32 {
             if stack.depth == 0 {
                 stack.depth = 1;
             }
-            let _ = THREAD_CTX.insert(&tid, &stack, 0);
+            let _ = THREAD_CTX.insert(tid, stack, 0);
         }
         SWITCH_PUSH => push_context(tid, switch.context),
         SWITCH_POP => pop_context(tid),
         SWITCH_DESTROY => {
             let (pid, _) = current();
-            let _ = CTX_DEVICE.remove(&handle(pid, switch.context));
+            let _ = CTX_DEVICE.remove(handle(pid, switch.context));
             let stack = thread_stack(tid);
             if stack.depth > 0 && stack.ctx[0] == switch.context {
                 pop_context(tid);
@@ -168,7 +168,7 @@ fn pop_context(tid: u32) {
     let mut stack = thread_stack(tid);
     stack.ctx = [stack.ctx[1], stack.ctx[2], stack.ctx[3], 0];
     stack.depth = stack.depth.saturating_sub(1);
-    let _ = THREAD_CTX.insert(&tid, &stack, 0);
+    let _ = THREAD_CTX.insert(tid, stack, 0);
 }
 
 #[inline(always)]
@@ -179,14 +179,14 @@ fn switch_called(call: u32, context: u64) {
         call,
         _pad: 0,
     };
-    let _ = SWITCHES.insert(&tid, &switch, 0);
+    let _ = SWITCHES.insert(tid, switch, 0);
 }
 
 /// The NVML index of the process's CUDA device `device`.
 #[inline(always)]
 pub(super) fn nvml_index(pid: u32, device: u32) -> Option<u32> {
     // SAFETY: a plain lookup; the value is copied out at once.
-    let Some(map) = (unsafe { PROC_ORDINALS.get(&pid) }).copied() else {
+    let Some(map) = (unsafe { PROC_ORDINALS.get(pid) }).copied() else {
         return Some(device);
     };
     // Compared slot by slot (constant offsets): an index computed from `device` would
@@ -205,17 +205,18 @@ pub(super) fn nvml_index(pid: u32, device: u32) -> Option<u32> {
 #[inline(always)]
 pub(super) fn current_device(pid: u32, tid: u32) -> Option<u32> {
     // SAFETY: plain lookups; the values are copied out at once.
-    let stack = unsafe { THREAD_CTX.get(&tid) }.copied()?;
+    let stack = unsafe { THREAD_CTX.get(tid) }.copied()?;
     if stack.depth == 0 {
         return None;
     }
-    unsafe { CTX_DEVICE.get(&handle(pid, stack.ctx[0])) }.copied()
+    // SAFETY: as above.
+    unsafe { CTX_DEVICE.get(handle(pid, stack.ctx[0])) }.copied()
 }
 
 #[inline(always)]
 fn thread_stack(tid: u32) -> CtxStack {
     // SAFETY: a plain lookup; the value is copied out at once.
-    unsafe { THREAD_CTX.get(&tid) }.copied().unwrap_or_default()
+    unsafe { THREAD_CTX.get(tid) }.copied().unwrap_or_default()
 }
 
 #[inline(always)]
@@ -223,7 +224,7 @@ fn push_context(tid: u32, context: u64) {
     let mut stack = thread_stack(tid);
     stack.ctx = [context, stack.ctx[0], stack.ctx[1], stack.ctx[2]];
     stack.depth = (stack.depth + 1).min(4);
-    let _ = THREAD_CTX.insert(&tid, &stack, 0);
+    let _ = THREAD_CTX.insert(tid, stack, 0);
 }
 
 /// A context-making call's entry: where it writes the context, and the device argument.
@@ -242,5 +243,5 @@ fn context_made(ctx: &ProbeContext, device_arg: usize, call: u32) {
         pitch_out: 0,
         rows: 0,
     };
-    let _ = PENDING.insert(&tid, &pending, 0);
+    let _ = PENDING.insert(tid, pending, 0);
 }

@@ -88,7 +88,7 @@ pub fn cu_mem_create(ctx: ProbeContext) -> u32 {
         // Host or NUMA memory: not a GPU's. The return probe must still find this
         // call's own record, not an outer call's.
         let (_, tid) = current();
-        let _ = PENDING.insert(&tid, &uncharged(out, size), 0);
+        let _ = PENDING.insert(tid, uncharged(out, size), 0);
     }
     0
 }
@@ -137,7 +137,7 @@ pub fn cu_mem_alloc_ret(ctx: RetProbeContext) -> u32 {
         // the driver's write and this probe must not file this charge under another
         // allocation. (Not recorded, it stays charged until the process exits or the
         // next memory poll.)
-        let _ = ALLOCS.insert(&handle(pid, ptr), &charge, BPF_NOEXIST);
+        let _ = ALLOCS.insert(handle(pid, ptr), charge, BPF_NOEXIST);
     }
     0
 }
@@ -157,7 +157,7 @@ pub fn cu_mem_free(ctx: ProbeContext) -> u32 {
         call: CALL_FREE,
         ..uncharged(ptr, 0)
     };
-    let _ = PENDING.insert(&tid, &pending, 0);
+    let _ = PENDING.insert(tid, pending, 0);
     0
 }
 
@@ -172,8 +172,8 @@ pub fn cu_mem_free_ret(ctx: RetProbeContext) -> u32 {
     }
     let key = handle(pid, p.out);
     // SAFETY: a plain lookup; the value is copied out at once.
-    if let Some(charge) = unsafe { ALLOCS.get(&key) }.copied() {
-        let _ = ALLOCS.remove(&key);
+    if let Some(charge) = unsafe { ALLOCS.get(key) }.copied() {
+        let _ = ALLOCS.remove(key);
         uncharge(pid, charge.env, charge.gpu, charge.bytes);
     }
     0
@@ -216,7 +216,7 @@ fn allocating(out: u64, size: u64, device: Option<u32>, pitch: Option<(u64, u64)
             pending.call = CALL_ALLOC;
         }
     }
-    let _ = PENDING.insert(&tid, &pending, 0);
+    let _ = PENDING.insert(tid, pending, 0);
 }
 
 /// Charges `size` bytes to `env` on `gpu`, then checks its cap; whether the charge
@@ -225,13 +225,13 @@ fn allocating(out: u64, size: u64, device: Option<u32>, pitch: Option<(u64, u64)
 fn charge(pid: u32, env: u64, gpu: u32, size: u64) -> bool {
     let key = EnvGpu { env, gpu, _pad: 0 };
     // SAFETY: a plain lookup; the value is copied out at once.
-    let Some(cap) = (unsafe { ENV_MEMORY.get(&env) }).copied() else {
+    let Some(cap) = (unsafe { ENV_MEMORY.get(env) }).copied() else {
         return false;
     };
     // Never below what the process was started with: another user's edit of the
     // environment's cap cannot have its allocations killed.
     // SAFETY: a plain lookup; the value is copied out at once.
-    let cap = cap.max(unsafe { PROC_CAP.get(&pid) }.copied().unwrap_or(0));
+    let cap = cap.max(unsafe { PROC_CAP.get(pid) }.copied().unwrap_or(0));
     let Some(delta) = counter(&key) else {
         return false;
     };
@@ -240,7 +240,7 @@ fn charge(pid: u32, env: u64, gpu: u32, size: u64) -> bool {
     // SAFETY: map memory, read after our own add: at least everything charged before.
     let total = unsafe { core::ptr::read_volatile(&raw const (*delta).bytes) };
     // SAFETY: a plain lookup; the value is copied out at once.
-    let base = unsafe { ALLOC_BASE.get(&key) }.copied().unwrap_or_default();
+    let base = unsafe { ALLOC_BASE.get(key) }.copied().unwrap_or_default();
     // Charges are bounded, so the delta since the baseline never wraps.
     let usage =
         (base.nvml_bytes.min(MAX_CHARGE) as i64).wrapping_add(total.wrapping_sub(base.delta_at));
@@ -285,7 +285,7 @@ fn charge_process(pid: u32, env: u64, gpu: u32, size: i64) {
             gpu,
             _pad: 0,
         };
-        let _ = PROC_CHARGE.insert(&key, &fresh, BPF_NOEXIST);
+        let _ = PROC_CHARGE.insert(key, fresh, BPF_NOEXIST);
     }
     if let Some(charge) = PROC_CHARGE.get_ptr_mut(key) {
         // SAFETY: map memory; `bytes` is an aligned i64.
@@ -300,7 +300,7 @@ fn counter(key: &EnvGpu) -> Option<*mut Delta> {
     if let Some(delta) = ALLOC_DELTA.get_ptr_mut(key) {
         return Some(delta);
     }
-    let _ = ALLOC_DELTA.insert(key, &Delta::default(), BPF_NOEXIST);
+    let _ = ALLOC_DELTA.insert(key, Delta::default(), BPF_NOEXIST);
     ALLOC_DELTA.get_ptr_mut(key)
 }
 
@@ -362,13 +362,14 @@ fn report(pid: u32, env: u64, gpu: u32, usage: i64, verdict: u32) {
 #[inline(always)]
 pub(super) fn capped_environment(pid: u32) -> Option<u64> {
     // SAFETY: plain lookups; the values are copied out at once.
-    let identity = unsafe { PROC_ENV.get(&pid) }.copied()?;
+    let identity = unsafe { PROC_ENV.get(pid) }.copied()?;
     if matches!(identity, identity::NO_ENV | identity::UNRESOLVED) {
         return None;
     }
-    let env = unsafe { ENVS.get(&identity) }.copied()?;
+    // SAFETY: as above.
+    let env = unsafe { ENVS.get(identity) }.copied()?;
     let uid = bpf_get_current_uid_gid() as u32;
     // SAFETY: a plain lookup.
-    let capped = unsafe { ENV_MEMORY.get(&identity) }.is_some();
+    let capped = unsafe { ENV_MEMORY.get(identity) }.is_some();
     (capped && (uid == 0 || env.uid == uid)).then_some(identity)
 }

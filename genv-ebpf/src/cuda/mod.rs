@@ -120,8 +120,8 @@ pub(super) static PENDING: LruHashMap<u32, Pending> = LruHashMap::with_max_entri
 #[inline(always)]
 pub(super) fn take_pending(tid: u32) -> Option<Pending> {
     // SAFETY: a plain lookup; the value is copied out at once.
-    let pending = unsafe { PENDING.get(&tid) }.copied()?;
-    let _ = PENDING.remove(&tid);
+    let pending = unsafe { PENDING.get(tid) }.copied()?;
+    let _ = PENDING.remove(tid);
     Some(pending)
 }
 
@@ -136,9 +136,10 @@ pub(super) fn started(call: u32) {
         // SAFETY: this process's entry; a race with another thread of it at most says
         // the same thing twice.
         Some(said) if unsafe { *said } & bit != 0 => return,
+        // SAFETY: as above.
         Some(said) => unsafe { *said |= bit },
         None => {
-            let _ = ANNOUNCED.insert(&pid, &bit, 0);
+            let _ = ANNOUNCED.insert(pid, bit, 0);
         }
     }
     emit(
@@ -172,8 +173,8 @@ pub fn forget_image(pid: u32) {
     // Every exec and exit of the machine comes here: a lookup (lock-free) first, the
     // delete (which locks its bucket) only for the processes that used CUDA.
     // SAFETY: a plain lookup.
-    if unsafe { ANNOUNCED.get(&pid) }.is_some() {
-        let _ = ANNOUNCED.remove(&pid);
+    if unsafe { ANNOUNCED.get(pid) }.is_some() {
+        let _ = ANNOUNCED.remove(pid);
     }
 }
 

@@ -51,7 +51,7 @@ impl Allowance {
 
 /// Why a copy is not probed now (it is at a later look, once the budget allows).
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub(super) enum Refusal {
+pub(super) enum BudgetRefusal {
     #[error("{0} copies are probed for uid {1}'s live processes already")]
     LiveForUid(usize, u32),
     #[error("{0} copies are probed for live processes already")]
@@ -99,24 +99,24 @@ impl Budget {
 
     /// Whether a copy found in a process of `uid` may be probed now (counted as live
     /// until [`Self::released`]).
-    pub(super) fn may_probe(&mut self, uid: u32, now: Instant) -> Result<(), Refusal> {
+    pub(super) fn may_probe(&mut self, uid: u32, now: Instant) -> Result<(), BudgetRefusal> {
         if self.all.live >= LIVE_ALL {
-            return Err(Refusal::Live(LIVE_ALL));
+            return Err(BudgetRefusal::Live(LIVE_ALL));
         }
         if uid != 0 {
             let mine = self.uid_mut(uid, now);
             if mine.live >= LIVE_PER_UID {
-                return Err(Refusal::LiveForUid(LIVE_PER_UID, uid));
+                return Err(BudgetRefusal::LiveForUid(LIVE_PER_UID, uid));
             }
             if !mine.probes.take(now) {
-                return Err(Refusal::RateForUid(uid, PROBES_PER_UID.burst));
+                return Err(BudgetRefusal::RateForUid(uid, PROBES_PER_UID.burst));
             }
         }
         if !self.all.probes.take(now) {
             if uid != 0 {
                 self.uid_mut(uid, now).probes.give_back();
             }
-            return Err(Refusal::Rate(PROBES_ALL.burst));
+            return Err(BudgetRefusal::Rate(PROBES_ALL.burst));
         }
         self.all.live += 1;
         if uid != 0 {

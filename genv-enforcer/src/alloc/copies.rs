@@ -17,7 +17,7 @@ use super::looks::Looks;
 use crate::backends::address_space::{self, SpaceFile};
 use crate::backends::maps::{self, Mapping};
 use crate::backends::procfs;
-use crate::kernel::cuda::{Attachment, FileVersion, Handle, Probes};
+use crate::kernel::cuda::{FileVersion, Handle, LibraryProbes, Probes};
 use crate::state::MountTable;
 
 /// Files examined in one look at most; the rest at another look right after.
@@ -40,7 +40,7 @@ enum What {
 
 /// A copy probed for processes.
 struct Copy {
-    attachment: Attachment,
+    attachment: LibraryProbes,
     /// The uid its place in the budget was taken for.
     paid_by: u32,
     /// The live processes seen mapping it, with their start times.

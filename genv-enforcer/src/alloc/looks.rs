@@ -18,7 +18,7 @@ const MAX_GAP: Duration = Duration::from_secs(2);
 const MAX_PROCESSES: usize = 1 << 16;
 
 #[derive(Clone, Copy, Debug)]
-struct Schedule {
+struct LookSchedule {
     uid: u32,
     /// No look before this.
     next: Instant,
@@ -29,7 +29,7 @@ struct Schedule {
 
 #[derive(Debug, Default)]
 pub(super) struct Looks {
-    by_pid: HashMap<u32, Schedule>,
+    by_pid: HashMap<u32, LookSchedule>,
 }
 
 impl Looks {
@@ -39,7 +39,7 @@ impl Looks {
         if self.by_pid.len() >= MAX_PROCESSES && !self.by_pid.contains_key(&pid) {
             self.forget_idle(now);
         }
-        let schedule = self.by_pid.entry(pid).or_insert(Schedule {
+        let schedule = self.by_pid.entry(pid).or_insert(LookSchedule {
             uid,
             next: now,
             gap: FIRST_GAP / 2,
@@ -89,7 +89,7 @@ impl Looks {
         self.by_pid.remove(&pid);
     }
 
-    fn looked(schedule: &mut Schedule, now: Instant) {
+    fn looked(schedule: &mut LookSchedule, now: Instant) {
         schedule.gap = (schedule.gap * 2).min(MAX_GAP);
         schedule.next = now + schedule.gap;
         schedule.owed = false;

@@ -66,7 +66,7 @@ pub struct NvmlBackend {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum LoadError {
+pub enum NvmlLoadError {
     /// A library anyone but root (or this user) could have written: loading it would
     /// run their code in the daemon.
     #[error("refusing to load NVML from {0}")]
@@ -89,12 +89,12 @@ pub const FALLBACKS: [&str; 5] = [
 impl NvmlBackend {
     /// Loads the library; the default name, where the loader does not find it, is
     /// looked for in [`FALLBACKS`] (a library given by name or path is loaded alone).
-    pub fn load(library: &OsString) -> Result<Self, LoadError> {
+    pub fn load(library: &OsString) -> Result<Self, NvmlLoadError> {
         let first = Self::load_one(library);
-        let not_found = |r: &Result<Self, LoadError>| {
+        let not_found = |r: &Result<Self, NvmlLoadError>| {
             matches!(
                 r,
-                Err(LoadError::Init(GpuQueryError {
+                Err(NvmlLoadError::Init(GpuQueryError {
                     source: NvmlError::LibloadingError(_),
                     ..
                 }))
@@ -119,7 +119,7 @@ impl NvmlBackend {
     /// Loads one library: a path is checked before it is loaded (its constructors run
     /// at load); a bare name is found by the dynamic loader in the system's directories,
     /// and the file it mapped is checked after.
-    fn load_one(library: &OsString) -> Result<Self, LoadError> {
+    fn load_one(library: &OsString) -> Result<Self, NvmlLoadError> {
         let path = Path::new(library);
         // A path is loaded as the file the check resolved it to, not looked up again.
         let checked = match path.components().count() > 1 {

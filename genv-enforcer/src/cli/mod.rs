@@ -115,7 +115,10 @@ fn usage_snapshot(
             tracing::warn!("Cannot write {}: {e}", record.path().display());
         }
     }
-    warnings.extend(snapshot.name_confirmed_owners(crate::backends::users::name_of));
+    warnings.extend(crate::snapshot::name_confirmed_owners(
+        &mut snapshot,
+        crate::backends::users::name_of,
+    ));
     for warning in warnings {
         tracing::warn!("{}", warning.0);
     }

@@ -154,7 +154,7 @@ fn load(ebpf: &mut Ebpf, programs: &mut Vec<Attached>) -> Result<Vec<ProbeProgra
 
 /// What attaching to one library gave: a handle on its probes, for [`detach`].
 #[derive(Debug)]
-pub struct Attachment {
+pub struct LibraryProbes {
     /// Symbols the library does not have (their calls go unseen there).
     pub missing: Vec<&'static str>,
     /// Its events' key in [`Probes`].
@@ -213,7 +213,7 @@ impl Probes {
         library: &Library,
         exports: &Exports,
         line: impl FnOnce(&[&'static str]) -> String,
-    ) -> Result<Attachment, LoadError> {
+    ) -> Result<LibraryProbes, LoadError> {
         if let Some(absent) = REQUIRED.iter().find(|s| !exports.0.contains_key(**s)) {
             return Err(LoadError::Library(format!(
                 "{}: no {absent} (not a libcuda)",
@@ -234,7 +234,7 @@ impl Probes {
             definitions,
             line: line(&missing),
         });
-        Ok(Attachment { missing, key })
+        Ok(LibraryProbes { missing, key })
     }
 
     /// The uprobes to make for a library at `exports`, under the library's `key`, and
@@ -264,7 +264,7 @@ impl Probes {
     }
 
     /// Takes the probes of one [`Self::attach`] off again, in the background.
-    pub fn detach(&mut self, attachment: Attachment) {
+    pub fn detach(&mut self, attachment: LibraryProbes) {
         self.registrar.remove(attachment.key);
     }
 }

@@ -73,14 +73,14 @@ const LOG_RATE: ratelimit::Rate = ratelimit::Rate {
 
 /// What the notifier did, for `status`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Counts {
+pub struct ToldCounts {
     /// Decisions recorded (in the journal `why` reads).
     pub decisions: u64,
     /// Log records held back by [`LOG_RATE`], or dropped with the logger behind.
     pub logs_held_back: u64,
     /// The terminal lines.
     #[serde(flatten)]
-    pub terminals: writer::Counts,
+    pub terminals: writer::LineCounts,
 }
 
 /// The decisions' one way out.
@@ -181,8 +181,8 @@ impl Notifier {
     }
 
     /// What was recorded, logged and written so far.
-    pub fn counts(&self) -> Counts {
-        Counts {
+    pub fn counts(&self) -> ToldCounts {
+        ToldCounts {
             decisions: self.decisions.load(Ordering::Relaxed),
             logs_held_back: self.logs_held_back.load(Ordering::Relaxed)
                 + self.logger.as_ref().map_or(0, Logger::dropped),

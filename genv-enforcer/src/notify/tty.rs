@@ -20,7 +20,7 @@ pub type Rdev = u64;
 
 /// Why a line was not written to a terminal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum Refusal {
+pub enum TtyRefusal {
     #[error("no node under /dev for this terminal number")]
     Unnamed,
     #[error("cannot open the terminal: {0}")]
@@ -65,39 +65,39 @@ pub fn path_of(rdev: Rdev) -> Option<PathBuf> {
 }
 
 /// Opens terminal `rdev` for writing, if it is `uid`'s terminal.
-pub fn open(rdev: Rdev, uid: u32) -> Result<OwnedFd, Refusal> {
-    let path = path_of(rdev).ok_or(Refusal::Unnamed)?;
+pub fn open(rdev: Rdev, uid: u32) -> Result<OwnedFd, TtyRefusal> {
+    let path = path_of(rdev).ok_or(TtyRefusal::Unnamed)?;
     open_checked(&path, rdev, uid)
 }
 
 /// Opens `path` and checks through the descriptor that it is terminal `rdev`, `uid`'s.
-pub(super) fn open_checked(path: &Path, rdev: Rdev, uid: u32) -> Result<OwnedFd, Refusal> {
+pub(super) fn open_checked(path: &Path, rdev: Rdev, uid: u32) -> Result<OwnedFd, TtyRefusal> {
     let flags =
         OFlags::WRONLY | OFlags::NOCTTY | OFlags::NONBLOCK | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-    let fd = rustix::fs::open(path, flags, Mode::empty()).map_err(Refusal::Open)?;
-    let stat = rustix::fs::fstat(&fd).map_err(Refusal::Open)?;
+    let fd = rustix::fs::open(path, flags, Mode::empty()).map_err(TtyRefusal::Open)?;
+    let stat = rustix::fs::fstat(&fd).map_err(TtyRefusal::Open)?;
     if FileType::from_raw_mode(stat.st_mode) != FileType::CharacterDevice {
-        return Err(Refusal::NotCharDevice);
+        return Err(TtyRefusal::NotCharDevice);
     }
     if stat.st_rdev != rdev {
-        return Err(Refusal::OtherDevice);
+        return Err(TtyRefusal::OtherDevice);
     }
     if stat.st_uid != uid {
-        return Err(Refusal::OtherOwner);
+        return Err(TtyRefusal::OtherOwner);
     }
     // SAFETY: isatty only asks the kernel about the descriptor.
     if unsafe { libc::isatty(fd.as_fd().as_raw_fd()) } != 1 {
-        return Err(Refusal::NotATerminal);
+        return Err(TtyRefusal::NotATerminal);
     }
     Ok(fd)
 }
 
 /// Writes `bytes` in one non-blocking write; returns how many went.
-pub fn write_once(fd: &OwnedFd, bytes: &[u8]) -> Result<usize, Refusal> {
+pub fn write_once(fd: &OwnedFd, bytes: &[u8]) -> Result<usize, TtyRefusal> {
     match rustix::io::write(fd, bytes) {
         Ok(n) => Ok(n),
-        Err(Errno::AGAIN) => Err(Refusal::Full),
-        Err(e) => Err(Refusal::Write(e)),
+        Err(Errno::AGAIN) => Err(TtyRefusal::Full),
+        Err(e) => Err(TtyRefusal::Write(e)),
     }
 }
 

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::progress::Progress;
 use super::ratelimit::Limits;
-use super::tty::{self, Rdev, Refusal};
+use super::tty::{self, Rdev, TtyRefusal};
 
 /// Lines waiting for the thread, at most.
 pub const QUEUE: usize = 256;
@@ -36,7 +36,7 @@ pub struct Line {
 
 /// What became of the lines, since the start.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Counts {
+pub struct LineCounts {
     pub written: u64,
     /// Over a user's or a terminal's rate.
     pub held_back: u64,
@@ -59,7 +59,7 @@ struct Counters {
     progress: Progress,
 }
 
-type Opener = Box<dyn Fn(Rdev, u32) -> Result<OwnedFd, Refusal> + Send>;
+type Opener = Box<dyn Fn(Rdev, u32) -> Result<OwnedFd, TtyRefusal> + Send>;
 
 pub struct TtyWriter {
     queue: SyncSender<Line>,
@@ -95,9 +95,9 @@ impl TtyWriter {
         }
     }
 
-    pub fn counts(&self) -> Counts {
+    pub fn counts(&self) -> LineCounts {
         let c = &self.counters;
-        Counts {
+        LineCounts {
             written: c.written.load(Relaxed),
             held_back: c.held_back.load(Relaxed),
             queue_full: c.queue_full.load(Relaxed),
@@ -128,7 +128,7 @@ fn serve(lines: &Receiver<Line>, mut limits: Limits, open: &Opener, counters: &C
             }
             match written {
                 Ok(()) => &counters.written,
-                Err(Refusal::Full) => &counters.terminal_full,
+                Err(TtyRefusal::Full) => &counters.terminal_full,
                 Err(_) => &counters.refused,
             }
         } else {
@@ -152,7 +152,7 @@ fn with_held_back(text: &str, held: u64) -> String {
     }
 }
 
-fn write(fd: &OwnedFd, text: &str) -> Result<(), Refusal> {
+fn write(fd: &OwnedFd, text: &str) -> Result<(), TtyRefusal> {
     tty::write_once(fd, text.as_bytes()).map(drop)
 }
 

@@ -13,7 +13,7 @@ use tokio::task::JoinSet;
 
 use super::hosts::Host;
 use super::metrics::FleetMetrics;
-use super::ssh::{Answer, Ssh, SshError};
+use super::ssh::{HostAnswer, Ssh, SshError};
 use super::validate;
 use crate::report::Report;
 use crate::rules::{self, Rules, Survey};
@@ -252,7 +252,7 @@ impl Fleet {
     }
 
     /// `usage execute` on one host with its own report.
-    pub async fn execute_one(&self, host: usize, report: &Report) -> Result<Answer, SshError> {
+    pub async fn execute_one(&self, host: usize, report: &Report) -> Result<HostAnswer, SshError> {
         let _permit = self.executing.acquire().await.expect("never closed");
         let words = self.words(&["usage", "execute"]);
         let input = report.to_genv_json();
@@ -274,7 +274,7 @@ impl Fleet {
     }
 
     /// Reprints what an execute said, with the host's prefix; `Ok(true)` if it ran.
-    pub fn executed(&self, host: usize, answer: Result<Answer, SshError>) -> Result<bool> {
+    pub fn executed(&self, host: usize, answer: Result<HostAnswer, SshError>) -> Result<bool> {
         let name = &self.hosts[host].name;
         match answer {
             Ok(answer) if answer.status.success() => {

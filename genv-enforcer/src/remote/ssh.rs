@@ -43,7 +43,7 @@ pub struct Ssh {
 
 /// What a host answered.
 #[derive(Debug)]
-pub struct Answer {
+pub struct HostAnswer {
     pub status: ExitStatus,
     pub stdout: Vec<u8>,
     pub stderr: String,
@@ -128,7 +128,7 @@ impl Ssh {
         words: &[String],
         stdin: Option<&[u8]>,
         deadline: Duration,
-    ) -> Result<Answer, SshError> {
+    ) -> Result<HostAnswer, SshError> {
         let mut command = self.command(host, words);
         command.stdin(match stdin {
             Some(_) => Stdio::piped(),
@@ -185,7 +185,7 @@ impl Ssh {
 }
 
 /// Writes stdin, reads stdout and stderr (bounded), and waits.
-async fn converse(child: &mut Child, stdin: Option<&[u8]>) -> Result<Answer, SshError> {
+async fn converse(child: &mut Child, stdin: Option<&[u8]>) -> Result<HostAnswer, SshError> {
     let input = child.stdin.take();
     let mut stdout = child.stdout.take().expect("stdout is piped");
     let mut stderr = child.stderr.take().expect("stderr is piped");
@@ -211,7 +211,7 @@ async fn converse(child: &mut Child, stdin: Option<&[u8]>) -> Result<Answer, Ssh
         return Err(SshError::TooLong);
     }
     let status = child.wait().await?;
-    Ok(Answer {
+    Ok(HostAnswer {
         status,
         stdout: out,
         stderr: String::from_utf8_lossy(&err).trim().to_owned(),

@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep};
 
 use super::fleet::{Fleet, HostFailure, read_snapshot};
-use super::ssh::{ANSWER_LIMIT, Answer, SshError};
+use super::ssh::{ANSWER_LIMIT, HostAnswer, SshError};
 use crate::snapshot::Snapshot;
 
 /// What the tasks report to the engine.
@@ -29,7 +29,7 @@ pub enum Update {
     /// A snapshot asked for (a polled or stale host, or the check after an execute).
     Asked(usize, Result<Snapshot, HostFailure>),
     /// A report executed (or not) on a host.
-    Executed(usize, Result<Answer, SshError>),
+    Executed(usize, Result<HostAnswer, SshError>),
     /// The host's stream ended or could not start; it is opened again.
     StreamFailed(usize, HostFailure),
     /// The host cannot stream (for now, at least): polled every --interval.

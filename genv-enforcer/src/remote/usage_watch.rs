@@ -199,7 +199,10 @@ impl Watcher {
         let lock = self.lock.take(builder.state()).ok().flatten();
         let (mut snapshot, mut warnings) = builder.take();
         drop(lock);
-        warnings.extend(snapshot.name_confirmed_owners(crate::backends::users::name_of));
+        warnings.extend(crate::snapshot::name_confirmed_owners(
+            &mut snapshot,
+            crate::backends::users::name_of,
+        ));
         let warnings: HashSet<String> = warnings.iter().map(ToString::to_string).collect();
         for warning in warnings.difference(&self.warned) {
             tracing::warn!("{}", warning.trim_start_matches("[WARNING] "));

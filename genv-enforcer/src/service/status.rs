@@ -60,7 +60,7 @@ pub struct Status {
     pub last_cycle: Option<LastCycle>,
     /// What users were told: decisions recorded, log records held back, terminal lines.
     #[serde(default)]
-    pub told: crate::notify::Counts,
+    pub told: crate::notify::ToldCounts,
     /// Reads of processes' address spaces waiting past their deadline now (their owners
     /// hold them; see `backends::address_space`), as of the last full cycle.
     #[serde(default)]

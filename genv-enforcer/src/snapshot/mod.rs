@@ -27,6 +27,7 @@ pub(crate) mod fuzz_tests;
 pub use builder::SnapshotBuilder;
 pub use inspect::{ProcessInspector, Procfs};
 pub use orphans::{DroppedEnv, Orphan, OrphanPolicy};
+pub use owner_names::name_confirmed_owners;
 pub use process_table::EnvPolicy;
 pub use wire::{SnapshotJson, WireError, parse_wire_process, wire_process};
 

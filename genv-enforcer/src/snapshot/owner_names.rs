@@ -16,39 +16,38 @@
 
 use super::{Snapshot, Warning};
 
-impl Snapshot {
-    /// Gives each environment the name of the owner the kernel confirms, from `name_of`
-    /// (the host's user database), or none; what was changed from `envs.json` is said.
-    pub fn name_confirmed_owners(
-        &mut self,
-        name_of: impl Fn(u32) -> Option<String>,
-    ) -> Vec<Warning> {
-        let mut warnings = Vec::new();
-        for env in self.envs.iter_mut().flatten() {
-            let written = env.username.take().filter(|n| !n.is_empty());
-            let confirmed = env.verified.then(|| name_of(env.uid)).flatten();
-            match (&written, &confirmed) {
-                (Some(written), None) if env.verified => warnings.push(warning!(
-                    "environment {} (user {written:?} in envs.json) belongs to uid {}, which has no name here: other hosts are given no user for it, and do not count it against anyone",
-                    env.eid,
-                    env.uid
-                )),
-                (Some(written), None) => warnings.push(warning!(
-                    "environment {} names user {written:?} in envs.json, but no shell that activated it runs as its uid {}: other hosts are given no user for it, and do not count it against anyone",
-                    env.eid,
-                    env.uid
-                )),
-                (Some(written), Some(name)) if written != name => warnings.push(warning!(
-                    "environment {} names user {written:?} in envs.json, but belongs to uid {} ({name}): other hosts are told {name}",
-                    env.eid,
-                    env.uid
-                )),
-                _ => {}
-            }
-            env.username = confirmed;
+/// Gives each environment of `snapshot` the name of the owner the kernel confirms, from
+/// `name_of` (the host's user database), or none; what was changed from `envs.json` is
+/// said.
+pub fn name_confirmed_owners(
+    snapshot: &mut Snapshot,
+    name_of: impl Fn(u32) -> Option<String>,
+) -> Vec<Warning> {
+    let mut warnings = Vec::new();
+    for env in snapshot.envs.iter_mut().flatten() {
+        let written = env.username.take().filter(|n| !n.is_empty());
+        let confirmed = env.verified.then(|| name_of(env.uid)).flatten();
+        match (&written, &confirmed) {
+            (Some(written), None) if env.verified => warnings.push(warning!(
+                "environment {} (user {written:?} in envs.json) belongs to uid {}, which has no name here: other hosts are given no user for it, and do not count it against anyone",
+                env.eid,
+                env.uid
+            )),
+            (Some(written), None) => warnings.push(warning!(
+                "environment {} names user {written:?} in envs.json, but no shell that activated it runs as its uid {}: other hosts are given no user for it, and do not count it against anyone",
+                env.eid,
+                env.uid
+            )),
+            (Some(written), Some(name)) if written != name => warnings.push(warning!(
+                "environment {} names user {written:?} in envs.json, but belongs to uid {} ({name}): other hosts are told {name}",
+                env.eid,
+                env.uid
+            )),
+            _ => {}
         }
-        warnings
+        env.username = confirmed;
     }
+    warnings
 }
 
 #[cfg(test)]
@@ -87,7 +86,7 @@ mod tests {
             ]),
             ..Snapshot::default()
         };
-        let warnings = snapshot.name_confirmed_owners(names);
+        let warnings = name_confirmed_owners(&mut snapshot, names);
         let told: Vec<Option<&str>> = snapshot
             .envs
             .iter()

@@ -9,7 +9,7 @@ fn copies_probed_at_once_come_back_as_their_processes_exit() {
     }
     assert_eq!(
         budget.may_probe(1000, now),
-        Err(Refusal::LiveForUid(LIVE_PER_UID, 1000))
+        Err(BudgetRefusal::LiveForUid(LIVE_PER_UID, 1000))
     );
     assert_eq!(budget.may_probe(1001, now), Ok(()), "another uid's own");
     budget.released(1000);
@@ -26,7 +26,7 @@ fn new_copies_are_bounded_over_time_even_as_processes_exit() {
     }
     assert_eq!(
         budget.may_probe(1000, t0),
-        Err(Refusal::RateForUid(1000, PROBES_PER_UID.burst))
+        Err(BudgetRefusal::RateForUid(1000, PROBES_PER_UID.burst))
     );
     assert_eq!(budget.may_probe(1000, t0 + PROBES_PER_UID.every), Ok(()));
 }
@@ -38,12 +38,15 @@ fn root_counts_to_the_total_only() {
     for _ in 0..LIVE_ALL {
         budget.may_probe(0, now).unwrap();
     }
-    assert_eq!(budget.may_probe(0, now), Err(Refusal::Live(LIVE_ALL)));
-    assert_eq!(budget.may_probe(1000, now), Err(Refusal::Live(LIVE_ALL)));
+    assert_eq!(budget.may_probe(0, now), Err(BudgetRefusal::Live(LIVE_ALL)));
+    assert_eq!(
+        budget.may_probe(1000, now),
+        Err(BudgetRefusal::Live(LIVE_ALL))
+    );
     budget.released(0);
     assert_eq!(
         budget.may_probe(1000, now),
-        Err(Refusal::Rate(64)),
+        Err(BudgetRefusal::Rate(64)),
         "none new lately"
     );
     assert_eq!(budget.may_probe(1000, now + PROBES_ALL.every), Ok(()));

@@ -112,7 +112,7 @@ fn another_users_terminal_is_refused() {
     let pty = pty();
     assert_eq!(
         open_checked(&pty.path, pty.rdev, me() ^ 1).unwrap_err(),
-        Refusal::OtherOwner
+        TtyRefusal::OtherOwner
     );
 }
 
@@ -121,7 +121,7 @@ fn a_node_of_another_number_is_refused() {
     let (a, b) = (pty(), pty());
     assert_eq!(
         open_checked(&a.path, b.rdev, me()).unwrap_err(),
-        Refusal::OtherDevice
+        TtyRefusal::OtherDevice
     );
 }
 
@@ -131,14 +131,14 @@ fn what_is_not_a_terminal_is_refused() {
     let null = rustix::fs::stat("/dev/null").unwrap();
     assert_eq!(
         open_checked(Path::new("/dev/null"), null.st_rdev, null.st_uid).unwrap_err(),
-        Refusal::NotATerminal
+        TtyRefusal::NotATerminal
     );
     // A regular file.
     let file = std::env::temp_dir().join(format!("genv-notify-file-{}", std::process::id()));
     std::fs::write(&file, "").unwrap();
     let refused = open_checked(&file, 0, me()).unwrap_err();
     std::fs::remove_file(&file).unwrap();
-    assert_eq!(refused, Refusal::NotCharDevice);
+    assert_eq!(refused, TtyRefusal::NotCharDevice);
 }
 
 #[test]
@@ -149,7 +149,7 @@ fn a_link_to_a_terminal_is_not_followed() {
     std::os::unix::fs::symlink(&pty.path, &link).unwrap();
     let refused = open_checked(&link, pty.rdev, me()).unwrap_err();
     std::fs::remove_file(&link).unwrap();
-    assert_eq!(refused, Refusal::Open(Errno::LOOP));
+    assert_eq!(refused, TtyRefusal::Open(Errno::LOOP));
 }
 
 /// Nobody reads the master: the terminal fills, and the write says so at once instead
@@ -163,7 +163,7 @@ fn a_terminal_nobody_reads_never_blocks_the_write() {
     for _ in 0..100_000 {
         match write_once(&fd, &line) {
             Ok(_) => {}
-            Err(Refusal::Full) => {
+            Err(TtyRefusal::Full) => {
                 full = true;
                 break;
             }
