@@ -12,13 +12,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use genv_enforcer_tests::DEATH;
 use genv_enforcer_tests::events::{EventDaemon, make_gpu_node};
 use genv_enforcer_tests::harness::{KillOnDrop, wait_exit};
 use genv_enforcer_tests::stall::{StallFuse, blocks_reading, hold_lock_in, holder_command};
 use genv_enforcer_tests::{Genv, Node, device_record, env_record, path, serial, wait_for_or};
 use serde_json::json;
-
-const DEATH: Duration = Duration::from_secs(30);
 
 const NOBODY: u32 = 65534;
 

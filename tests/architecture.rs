@@ -1,7 +1,9 @@
 //! The code's shape, checked: the daemon's modules depend only downward along the data
 //! flow (backends and state → snapshot → rules → report → actions → cycle; the kernel
-//! programs → intake → service → alloc → sync → daemon → remote → cli), and no file or function grows past
-//! what a reader can hold at once. Reads the sources as text; needs no root.
+//! programs → intake → service → alloc → sync → react → daemon → remote → cli); no file
+//! or function grows past what a reader can hold at once, test suites included; one name
+//! is one type, and its inherent `impl` is in one file. Reads the sources as text, each
+//! file to its end; needs no root.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -9,11 +11,13 @@ use std::path::{Path, PathBuf};
 use genv_enforcer_tests::workspace_root;
 
 /// `genv-enforcer/src`'s top-level modules, lowest first: a module may use only
-/// modules listed before it. A warning said once (used by all), the batch path (backends and state → snapshot → rules →
-/// report → actions → cycle), then the event side by stage: the kernel programs'
-/// handles, the intake of their events, what the daemon publishes as a service,
-/// `--memory-at-alloc`'s userspace half, the sync of the maps with genv's state, the
-/// daemon's loop; then the fleet and the command line. `notify`, which tells users what
+/// modules listed before it. What all use (a warning said once, the clocks, the exit
+/// codes, the bounds kept against users), the batch path (backends and state → snapshot
+/// → rules → report → actions → cycle), then the event side by stage: the kernel
+/// programs' handles, the intake of their events, what the daemon publishes as a
+/// service, `--memory-at-alloc`'s userspace half, the mirror of the maps with genv's
+/// state, the reactions to each event, the daemon's loop; then the fleet and the
+/// command line. `notify`, which tells users what
 /// was done to their processes and why, sits low: it needs only the backends and the
 /// snapshot's index formatting, and the rules, the report, the executor and the kernel's
 /// side all report through it.
@@ -884,4 +888,79 @@ fn code_after_a_test_item_is_read() {
     let lines = without_tests(text);
     assert_eq!(lines, ["mod a;", "use crate::cli::x;", "fn after() {}"]);
     assert_eq!(crate_modules(&lines), ["cli"]);
+}
+
+/// A test suite's file, lines in all (its setup is part of what a reader must hold).
+const MAX_SUITE_LINES: usize = 1000;
+/// One test's function, or one helper's: a scenario a reader follows to its end.
+const MAX_TEST_FUNCTION_LINES: usize = 120;
+
+/// The test suites and their harness: `tests/*.rs`, their modules, and `tests/src`.
+fn suite_files() -> Vec<PathBuf> {
+    let tests = workspace_root().join("tests");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&tests)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+        .collect();
+    for dir in ["src", "remote"] {
+        files.extend(rust_files(&tests.join(dir)));
+    }
+    files.sort();
+    files
+}
+
+/// What in a suite's file (`name`, all its `lines`) is over the suites' bounds.
+fn suite_over_bounds(name: &str, lines: &[String]) -> Vec<String> {
+    let mut too_long = Vec::new();
+    if lines.len() > MAX_SUITE_LINES {
+        too_long.push(format!("{name}: {} lines", lines.len()));
+    }
+    for (start, length, signature) in functions(lines) {
+        if length > MAX_TEST_FUNCTION_LINES {
+            too_long.push(format!("{name}:{start}: {signature}: {length} lines"));
+        }
+    }
+    too_long
+}
+
+/// The suites have bounds of their own, looser than the product's (a scenario's setup
+/// is spelt out): a suite past them is split by what its tests prove, and what suites
+/// share goes to the harness.
+#[test]
+fn test_suites_and_their_tests_stay_small() {
+    let mut too_long = Vec::new();
+    for file in suite_files() {
+        let name = file.strip_prefix(workspace_root()).unwrap().display();
+        let text = std::fs::read_to_string(&file).unwrap();
+        let lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        too_long.extend(suite_over_bounds(&name.to_string(), &lines));
+    }
+    assert!(
+        too_long.is_empty(),
+        "over {MAX_SUITE_LINES} lines a suite or {MAX_TEST_FUNCTION_LINES} a test: {too_long:#?}"
+    );
+}
+
+#[test]
+fn a_suite_or_a_test_one_line_over_its_bound_fails() {
+    let test = |body: usize| -> Vec<String> {
+        std::iter::once("#[test]".to_owned())
+            .chain(std::iter::once("fn planted() {".to_owned()))
+            .chain((0..body).map(|i| format!("    let _x{i} = {i};")))
+            .chain(std::iter::once("}".to_owned()))
+            .collect()
+    };
+    assert!(suite_over_bounds("s.rs", &test(MAX_TEST_FUNCTION_LINES - 2)).is_empty());
+    let over = MAX_TEST_FUNCTION_LINES + 1;
+    assert_eq!(
+        suite_over_bounds("s.rs", &test(MAX_TEST_FUNCTION_LINES - 1)),
+        [format!("s.rs:2: fn planted() {{: {over} lines")]
+    );
+    let suite: Vec<String> = (0..=MAX_SUITE_LINES).map(|_| String::new()).collect();
+    assert_eq!(
+        suite_over_bounds("s.rs", &suite),
+        [format!("s.rs: {} lines", MAX_SUITE_LINES + 1)]
+    );
+    assert!(suite_over_bounds("s.rs", &suite[1..]).is_empty());
 }

@@ -14,12 +14,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+use genv_enforcer_tests::DEATH;
 use genv_enforcer_tests::events::{EventDaemon, make_gpu_node_for};
 use genv_enforcer_tests::{Node, device_record, env_record, target_dir, unique, xtask};
 use serde_json::json;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
-const DEATH: std::time::Duration = std::time::Duration::from_secs(30);
 
 struct Dist {
     /// A copy of the first run's artefacts (a second run rewrites `target/dist`).

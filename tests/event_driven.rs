@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, SystemTime};
 
+use genv_enforcer_tests::DEATH;
 use genv_enforcer_tests::events::{
     EventDaemon, bpf_required, make_gpu_node, program_loaded, requested_tier,
     tier_sees_failed_opens, ways_in,
@@ -16,8 +17,6 @@ use genv_enforcer_tests::{
 };
 use serde_json::json;
 
-/// Generous: these machines are shared and noisy. Speed is measured by the benchmark.
-const DEATH: Duration = Duration::from_secs(30);
 const SIGTERM: i32 = libc::SIGTERM;
 
 /// A node with two GPUs, no environment yet, and a test node for GPU 0.
@@ -107,7 +106,7 @@ fn any_tier_a_context_created_long_after_the_open_is_answered_before_the_full_cy
     );
 }
 
-/// The daemon's window of quick checks after an open (`daemon::watchlist::WINDOW`).
+/// The daemon's window of quick checks after an open (`react::watchlist::WINDOW`).
 fn genv_enforcer_window() -> Duration {
     Duration::from_secs(10)
 }

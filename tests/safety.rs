@@ -3,11 +3,10 @@
 
 use std::time::Duration;
 
+use genv_enforcer_tests::DEATH;
 use genv_enforcer_tests::harness::hold_lock;
 use genv_enforcer_tests::{Daemon, Node, device_record, env_record, run_with_stdin};
 use serde_json::json;
-
-const DEATH: Duration = Duration::from_secs(10);
 
 fn execute(node: &Node, pids: &[u32]) -> (String, String) {
     let processes: Vec<_> = pids

@@ -3,12 +3,9 @@
 //! the same processes and state: both must print the same lines in the same order, the
 //! processes genv names must die and every other must survive.
 
-use std::time::Duration;
-
+use genv_enforcer_tests::DEATH;
 use genv_enforcer_tests::{Genv, Node, device_record, env_record};
 use serde_json::json;
-
-const DEATH: Duration = Duration::from_secs(10);
 
 /// Runs both enforcers with `flags`, checks they agree with each other and with
 /// `expected`, and that exactly the named processes died.

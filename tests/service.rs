@@ -8,10 +8,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use genv_enforcer_tests::DEATH;
 use genv_enforcer_tests::events::{self, EventDaemon};
+use genv_enforcer_tests::metrics::{free_local_addr, scrape_within};
+use genv_enforcer_tests::pins::Pins;
 use genv_enforcer_tests::{Daemon, Genv, Node, artefact, wait_for_or};
-
-const DEATH: Duration = Duration::from_secs(10);
 
 fn xtask(args: &[&str], root: &Path) {
     let status = genv_enforcer_tests::xtask()
@@ -505,41 +506,6 @@ fn the_metrics_endpoint_counts_what_a_scenario_caused() {
     assert_eq!(String::from_utf8_lossy(&other.stdout), "404");
 }
 
-/// A free port on 127.0.0.1, as `--metrics-addr` takes it.
-fn local_metrics_addr() -> String {
-    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("127.0.0.1:{}", probe.local_addr().unwrap().port())
-}
-
-/// `GET /metrics` on a connection of its own; its answer must come within `within`
-/// (every read has what is left of it as its timeout), else the test fails.
-fn scrape_within(addr: &str, within: Duration) -> String {
-    use std::io::{Read, Write};
-    let deadline = std::time::Instant::now() + within;
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: scraper\r\nAccept: */*\r\n\r\n")
-        .unwrap();
-    let mut answer = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        let left = deadline
-            .checked_duration_since(std::time::Instant::now())
-            .filter(|left| !left.is_zero())
-            .unwrap_or_else(|| panic!("no whole answer within {within:?}: {answer:?}"));
-        stream.set_read_timeout(Some(left)).unwrap();
-        match stream.read(&mut chunk) {
-            Ok(0) => break,
-            Ok(n) => answer.extend_from_slice(&chunk[..n]),
-            Err(e) => panic!(
-                "no whole answer within {within:?} ({e}): {:?}",
-                String::from_utf8_lossy(&answer)
-            ),
-        }
-    }
-    String::from_utf8_lossy(&answer).into_owned()
-}
-
 /// The issue's attack on the endpoint: idle sockets, opened again and again, left
 /// silent or with half a request. With more of them open than it serves at once, each
 /// scrape still gets its 200 within 1 s, and the daemon closes the idle ones itself.
@@ -547,7 +513,7 @@ fn scrape_within(addr: &str, within: Duration) -> String {
 fn a_scrape_is_answered_past_idle_connections() {
     use std::io::{Read, Write};
     let node = Node::new(1);
-    let addr = local_metrics_addr();
+    let addr = free_local_addr();
     let Some(_daemon) =
         EventDaemon::start(&node, &["--non-env-processes", "--metrics-addr", &addr])
     else {
@@ -693,15 +659,6 @@ fn run_probe(command: &[String], run_dir: &Path) -> (Option<i32>, String) {
     )
 }
 
-/// Removes a test's pins however it ends: left behind, they would go on deciding.
-struct Pins(PathBuf);
-
-impl Drop for Pins {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// bpffs at /sys/fs/bpf, as systemd mounts it on a node and the DaemonSet mounts the
 /// host's into the pod (a daemon without CAP_SYS_ADMIN cannot mount it itself). Left
 /// mounted, as a daemon that mounts it leaves it; tracefs is already at
@@ -769,7 +726,7 @@ fn the_daemonsets_pod_runs_with_its_capabilities_and_its_probes_see_it_stuck() {
         "/sys/fs/bpf/genv-enforcer-daemonset-{}",
         std::process::id()
     )));
-    let (addr, nvml) = (local_metrics_addr(), artefact("libnvidia_ml_fake.so"));
+    let (addr, nvml) = (free_local_addr(), artefact("libnvidia_ml_fake.so"));
     let args = [
         "--config",
         config.to_str().unwrap(),

@@ -22,6 +22,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use genv_enforcer_tests::events::{make_gpu_node, requested_tier, test_node_flags, tier_refuses};
+use genv_enforcer_tests::pins::generations;
 use genv_enforcer_tests::{Node, artefact, device_record, env_record, wait_for_or};
 use serde_json::json;
 
@@ -134,13 +135,6 @@ fn assert_purged(paths: &[(String, bool)]) {
         .output()
         .unwrap();
     assert!(!status.status.success(), "dpkg still knows genv-enforcer");
-}
-
-/// The pinned generations (one directory each) under the unit's pin directory.
-fn generations() -> Vec<PathBuf> {
-    std::fs::read_dir(PINS)
-        .map(|entries| entries.filter_map(|e| Some(e.ok()?.path())).collect())
-        .unwrap_or_default()
 }
 
 /// The node's configuration as an admin would write it: the flags in the config file,
@@ -293,18 +287,7 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
         init.trim() == "systemd" && Path::new("/run/systemd/system").is_dir(),
         "this machine's init is {init:?}, not systemd: run it with cargo xtask vm-test --systemd"
     );
-    let mut node = Node::new(2);
-    std::fs::set_permissions(
-        &node.dir,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
-    let alice_shell = node.shell();
-    node.write_state(
-        json!([env_record("alice-env", ALICE, "alice", None, alice_shell)]),
-        json!([device_record(0, &["alice-env"]), device_record(1, &[])]),
-    );
+    let (mut node, gpu) = alices_node();
     let paths = deb_paths(&deb());
     assert!(
         paths.iter().any(|(p, _)| p == "/usr/bin/genv-enforcer"),
@@ -323,7 +306,7 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
     let first_pid: i32 = first["MainPID"].parse().unwrap();
     assert!(first_pid > 1, "{first:?}");
     assert_eq!(status()["pid"], first_pid, "{}", status());
-    let pinned = generations();
+    let pinned = generations(Path::new(PINS));
     assert_eq!(pinned.len(), 1, "{pinned:?}");
 
     // An environment's process is let through (ENXIO: no driver behind a test node).
@@ -335,9 +318,54 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
         "alice-env's open: {said:?}"
     );
 
-    // The outsider keeps trying; the daemon is killed under it.
+    // The outsider keeps trying; the daemon is killed under it, restarted, reloaded.
     let mut attempts = Attempts::start(&node.dir, &gpu);
     attempts.wait_for(3);
+    let (second, killed_at) = killed_and_restarted(&first, first_pid);
+    let ready_at: u64 = second["ActiveEnterTimestampMonotonic"].parse().unwrap();
+    attempts.wait_for(3);
+    reloaded_in_place(&second);
+    attempts.wait_for(3);
+    let all = attempts.finish();
+    assert_refused(
+        &all,
+        "before the kill, through the restart and the reload, after",
+    );
+    say_the_gap(&all, killed_at, ready_at);
+    took_over(&second["MainPID"], &pinned);
+
+    // Stopped: the pins go on deciding.
+    systemctl(&["stop", UNIT]);
+    let mut attempts = Attempts::start(&node.dir, &gpu);
+    attempts.wait_for(3);
+    assert_refused(&attempts.finish(), "the service stopped");
+    removed_then_purged(&node, &gpu, &paths);
+}
+
+/// A node with two GPUs (a test node for the first, reachable by every uid) and
+/// alice's environment on GPU 0; the node and that GPU's node.
+fn alices_node() -> (Node, PathBuf) {
+    let mut node = Node::new(2);
+    std::fs::set_permissions(
+        &node.dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let gpu = make_gpu_node(&node.dir.join("nvidia0"));
+    let alice_shell = node.shell();
+    node.write_state(
+        json!([env_record("alice-env", ALICE, "alice", None, alice_shell)]),
+        json!([device_record(0, &["alice-env"]), device_record(1, &[])]),
+    );
+    (node, gpu)
+}
+
+/// SIGKILL to the unit's daemon (`first`, pid `first_pid`); systemd restarts it once.
+/// The restarted unit's properties, and when the kill was sent (CLOCK_MONOTONIC, µs).
+fn killed_and_restarted(
+    first: &HashMap<String, String>,
+    first_pid: i32,
+) -> (HashMap<String, String>, u64) {
     let killed_at = monotonic_us();
     // SAFETY: kill(2) takes no pointer; the pid is the unit's daemon, which this test
     // started.
@@ -357,10 +385,12 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
     let ready_at: u64 = second["ActiveEnterTimestampMonotonic"].parse().unwrap();
     assert_eq!(second["NRestarts"], "1", "{second:?}");
     assert!(ready_at > killed_at, "{second:?}");
-    attempts.wait_for(3);
+    (second, killed_at)
+}
 
-    // `systemctl reload` (SIGHUP): the edited file in force, same process, same pins.
-    let pinned_now = generations();
+/// `systemctl reload` (SIGHUP): the edited file in force, same process, same pins.
+fn reloaded_in_place(running: &HashMap<String, String>) {
+    let pinned_now = generations(Path::new(PINS));
     let mut config = std::fs::read_to_string(CONFIG).unwrap();
     config.push_str("interval = 7\n");
     std::fs::write(CONFIG, config).unwrap();
@@ -381,14 +411,17 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
         || (status()["interval_s"] == 7.0).then_some(()),
         || status().to_string(),
     );
-    assert_eq!(show()["MainPID"], second["MainPID"]);
-    assert_eq!(generations(), pinned_now, "a reload re-pinned the programs");
-    attempts.wait_for(3);
-    let all = attempts.finish();
-    assert_refused(
-        &all,
-        "before the kill, through the restart and the reload, after",
+    assert_eq!(show()["MainPID"], running["MainPID"]);
+    assert_eq!(
+        generations(Path::new(PINS)),
+        pinned_now,
+        "a reload re-pinned the programs"
     );
+}
+
+/// The attempts between the kill and the restarted daemon's READY, said (none reached
+/// the GPU: `assert_refused` saw all of them); there must be some.
+fn say_the_gap(all: &[Attempt], killed_at: u64, ready_at: u64) {
     let gap: Vec<&Attempt> = (all.iter())
         .filter(|a| a.start >= killed_at && a.end <= ready_at)
         .collect();
@@ -410,37 +443,32 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
         !gap.is_empty(),
         "no attempt fell between the kill and the restart"
     );
-    let second_pid = &second["MainPID"];
+}
+
+/// The restarted daemon (`pid`) took over from the killed one's pins (`pinned`) and
+/// pinned its own.
+fn took_over(pid: &str, pinned: &[PathBuf]) {
     let said = command(
         "journalctl",
-        &[
-            "-b",
-            &format!("_PID={second_pid}"),
-            "-o",
-            "cat",
-            "--no-pager",
-        ],
+        &["-b", &format!("_PID={pid}"), "-o", "cat", "--no-pager"],
     );
     assert!(
         said.contains("Took over from an earlier run's pinned programs"),
-        "the restarted daemon ({second_pid}) said: {said}"
+        "the restarted daemon ({pid}) said: {said}"
     );
-    let now = generations();
+    let now = generations(Path::new(PINS));
     assert_eq!(now.len(), 1, "{now:?}");
     assert_ne!(now, pinned, "the new daemon pins its own programs");
+}
 
-    // Stopped: the pins go on deciding.
-    systemctl(&["stop", UNIT]);
-    let mut attempts = Attempts::start(&node.dir, &gpu);
-    attempts.wait_for(3);
-    assert_refused(&attempts.finish(), "the service stopped");
-
-    // Removed: stopped, unpinned; the device is reached again.
+/// Removed: stopped, unpinned, the device reached again; purged: the edited
+/// configuration too, and every trace of `paths`.
+fn removed_then_purged(node: &Node, gpu: &Path, paths: &[(String, bool)]) {
     dpkg(&["-r", "genv-enforcer"]);
     assert!(!Path::new(PINS).exists(), "dpkg -r left {PINS}");
     assert!(!Path::new("/usr/bin/genv-enforcer").exists());
     assert_eq!(show()["ActiveState"], "inactive");
-    let mut attempts = Attempts::start(&node.dir, &gpu);
+    let mut attempts = Attempts::start(&node.dir, gpu);
     attempts.wait_for(3);
     let after = attempts.finish();
     assert!(
@@ -450,14 +478,13 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
     );
     // The test's drop-in is the test's, not the package's.
     std::fs::remove_dir_all(Path::new(DROP_IN).parent().unwrap()).unwrap();
-    // Purged: the edited configuration too, and every trace.
     assert!(
         Path::new(CONFIG).exists(),
         "dpkg -r removed the configuration"
     );
     dpkg(&["--purge", "genv-enforcer"]);
     systemctl(&["daemon-reload"]);
-    assert_purged(&paths);
+    assert_purged(paths);
     let enabled = Command::new("systemctl")
         .args(["is-enabled", UNIT])
         .output()

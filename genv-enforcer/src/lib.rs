@@ -5,17 +5,20 @@
 //! [`actions`] carry the report out; a [`cycle`] is all of that once.
 //!
 //! The event side adds the kernel's view, stage by stage: the [`kernel`] programs
-//! (loaded, attached, their maps' handles) report opens and process lifecycle through
-//! the [`intake`]; [`alloc`] is `--memory-at-alloc`'s userspace half; [`sync`] keeps
-//! the maps the programs decide from (`--deny` at the open, caps at the allocation) in
-//! step with genv's state; the [`daemon`] runs the loop that ties them to the cycle, and
-//! [`service`] is what it publishes and answers as a service. [`remote`] runs the same
+//! (loaded, attached, their maps' handles split by owner) report opens and process
+//! lifecycle through the [`intake`]; [`alloc`] is `--memory-at-alloc`'s userspace half,
+//! owning its maps and probes; [`sync`] is the mirror, owning the maps the programs
+//! decide from (`--deny` at the open) and keeping them in step with genv's state;
+//! [`react`] turns each kernel event into what it wants done; the [`daemon`] runs the
+//! loop that does it and ties it to the cycle, and [`service`] is what it publishes and
+//! answers as a service. [`remote`] runs the same
 //! rules over a fleet of hosts through OpenSSH. The [`cli`] turns `genv enforce`'s
 //! command line into one validated configuration and runs it.
 //!
 //! Each module uses only modules below it in the layering that `tests/architecture.rs`
-//! checks (warn_once, backends, state, snapshot, notify, rules, report, actions, cycle,
-//! kernel, intake, service, alloc, sync, daemon, remote, cli), and no file uses a sibling
+//! checks (warn_once, clock, exit_code, limits, backends, state, snapshot, notify,
+//! rules, report, actions, cycle, kernel, intake, service, alloc, sync, react, daemon,
+//! remote, cli), and no file uses a sibling
 //! that uses it back. What the enforcer did is told to the users it did it to through
 //! [`notify`].
 

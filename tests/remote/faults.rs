@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use genv_enforcer_tests::metrics::{free_local_addr, scrape};
 use genv_enforcer_tests::sshd::{Runs, SshFleet};
 use genv_enforcer_tests::{device_record, wait_for_or};
 use serde_json::json;
@@ -21,25 +22,6 @@ fn wait_said(enforcer: &mut Running, needle: &str, times: usize) {
     enforcer.wait_until(&format!("{times} × {needle:?} said"), || {
         stderr.lock().unwrap().matches(needle).count() >= times
     });
-}
-
-/// What the enforcer's `--metrics-addr` serves now (empty if it does not answer).
-fn scrape(addr: &str) -> String {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
-        return String::new();
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n");
-    let mut text = String::new();
-    let _ = stream.read_to_string(&mut text);
-    text
-}
-
-/// A free port on the loopback.
-fn free_addr() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().to_string()
 }
 
 /// Two hosts with nothing but a process outside any environment on each; the second's
@@ -65,7 +47,7 @@ fn a_silent_stream_is_a_failed_host_polled_until_its_stream_is_back() {
     let gate = std::env::temp_dir().join(format!("genv-gate-{}", std::process::id()));
     let (mut fleet, pids) = two_hosts_one_hanging(&gate);
     let sick = fleet.hosts[1].name.clone();
-    let metrics = free_addr();
+    let metrics = free_local_addr();
     let mut enforcer = Running::start(fleet.remote(&[
         "-v",
         "--metrics-addr",

@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 /// How long a wait for something that should come at once may take on these shared,
 /// noisy machines. Speed is measured by the benchmarks, never here.
 pub const PATIENCE: Duration = Duration::from_secs(30);
+/// How long a process that should be killed or terminated may take to die, for the same
+/// machines: a bound for the wait, never a figure a test asserts.
+pub const DEATH: Duration = Duration::from_secs(30);
 
 /// Polls `check` every `step` until it returns a value, or `timeout` passed (`None`).
 /// The core of every wait here; a tool that times what it waits for picks a fine step.

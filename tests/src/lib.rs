@@ -18,13 +18,18 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+pub mod cuda;
+pub mod deny;
 pub mod events;
 pub mod harness;
+pub mod metrics;
 pub mod mounts;
+pub mod pins;
+pub mod running;
 pub mod sshd;
 pub mod stall;
 
-pub use harness::{PATIENCE, path, serial, wait_for, wait_for_or, wait_until, xtask};
+pub use harness::{DEATH, PATIENCE, path, serial, wait_for, wait_for_or, wait_until, xtask};
 
 pub const MIB: u64 = 1024 * 1024;
 

@@ -42,7 +42,7 @@ pub use setup::{ensure_packages, prepare};
 /// hooks' behaviour, userspace's state handling, the memory poll) and runs with the
 /// first tier of [`ONE_KERNEL`] only, in CI's whole run (every kernel it is asked for,
 /// when `vm-test` is given test arguments). Every group runs on the host too.
-pub const TIER_SUITES: [&str; 3] = ["event_driven", "prevention", "notify"];
+pub const TIER_SUITES: [&str; 4] = ["event_driven", "prevention", "identities", "notify"];
 /// The name prefix of the tier suites' tests that run once per kernel.
 pub const ONCE_PER_KERNEL: &str = "kernel_";
 /// The name prefix of the tier suites' tests that run on one kernel.

@@ -2,7 +2,7 @@
 //! without multiplexing, and genv 1.4.3's own `remote enforce` on the same kind of
 //! hosts), and the cross-host reaction time with `usage watch` streams against genv's
 //! interval. The hosts are the test suite's (`tests/src/sshd.rs`: Debian's sshd in
-//! network namespaces), so the measurement is `tests/remote.rs`'s `bench_remote`, run
+//! network namespaces), so the measurement is `tests/bench_remote.rs`'s `bench_remote`, run
 //! on the release build.
 
 use std::path::Path;
@@ -20,7 +20,7 @@ pub fn run(release: &Path) -> Result<String> {
             "-p",
             "genv-enforcer-tests",
             "--test",
-            "remote",
+            "bench_remote",
             "--",
             "--ignored",
             "--exact",

@@ -1,16 +1,18 @@
 //! The kernel programs' userspace half, the first stage of the event side: the embedded
 //! programs (`object`), the struct and tracepoint offsets they need from the running
-//! kernel ([`btf`], [`tracefs`], [`offsets`]), the tiers ([`tier`]), the loader
-//! ([`loader`]) with the lifecycle programs ([`lifecycle`]) and the open tiers'
-//! (`open_tiers`; the trampoline tiers' programs, which aya cannot load without its
-//! own parse of the kernel's BTF, or at all for fmod_ret, are loaded by `trampoline`), what each attached program is (`attached`), the handles of the maps the
-//! programs decide from ([`policy_maps`]) and the pins that keep them ([`pins`]);
+//! kernel ([`btf`], [`tracefs`], [`offsets`]), the tiers and what each guarantees
+//! ([`tier`]), the loader ([`loader`]) with the lifecycle programs ([`lifecycle`]) and
+//! the open tiers' (`open_tiers`; the trampoline tiers' programs, which aya cannot load
+//! without its own parse of the kernel's BTF, or at all for fmod_ret, are loaded by
+//! `trampoline`), what each attached program is (`attached`), the handles of the maps
+//! the programs decide from ([`policy_maps`]) and the pins that keep them ([`pins`]);
 //! `--memory-at-alloc`'s libcuda uprobes ([`cuda`]) and accounting maps
 //! ([`alloc_maps`]); the snapshot's view of processes through the identities the
 //! kernel recorded ([`inspector`]).
 //!
-//! The events the programs emit are read by [`crate::intake`]; what their maps should
-//! hold is decided by [`crate::sync`] and [`crate::alloc`].
+//! Loading hands each part to its one owner ([`Loaded`]): the events to
+//! [`crate::intake`], the policy maps to the mirror ([`crate::sync`]), the allocation
+//! maps and probes to [`crate::alloc`].
 
 pub mod alloc_maps;
 mod attached;

@@ -159,115 +159,134 @@ fn main() {
         let cuda = loaded
             .as_ref()
             .expect("libcuda is not loaded: say `load` first");
-        let code = match command {
-            "init" => call!(cuda, "cuInit", fn(c_uint), 0),
-            "ctx" => match retain(cuda, number(1), &mut value) {
-                0 => call!(cuda, "cuCtxSetCurrent", fn(u64), value),
-                code => code,
-            },
-            "create" => call!(
-                cuda,
-                "cuCtxCreate_v2",
-                fn(*mut u64, c_uint, c_int),
-                &mut value,
-                0,
-                number(1) as c_int
-            ),
-            "push" => match retain(cuda, number(1), &mut value) {
-                0 => call!(cuda, "cuCtxPushCurrent_v2", fn(u64), value),
-                code => code,
-            },
-            "pop" => call!(cuda, "cuCtxPopCurrent_v2", fn(*mut u64), &mut value),
-            "setctx" => call!(cuda, "cuCtxSetCurrent", fn(u64), number(1)),
-            "pushctx" => call!(cuda, "cuCtxPushCurrent_v2", fn(u64), number(1)),
-            "destroy" => call!(cuda, "cuCtxDestroy_v2", fn(u64), number(1)),
-            "alloc" => alloc(cuda, number(1) as usize * MIB, &mut value),
-            "bytes" => alloc(cuda, number(1) as usize, &mut value),
-            "pitchw" => pitched(cuda, number(1) as usize, number(2) as usize, &mut value),
-            "async" => call!(
-                cuda,
-                "cuMemAllocAsync",
-                fn(*mut u64, usize, u64),
-                &mut value,
-                number(1) as usize * MIB,
-                0
-            ),
-            "pool" => call!(
-                cuda,
-                "cuMemAllocFromPoolAsync",
-                fn(*mut u64, usize, u64, u64),
-                &mut value,
-                number(1) as usize * MIB,
-                0,
-                0
-            ),
-            "pitch" => pitched(cuda, MIB, number(1) as usize, &mut value),
-            "vmm" => {
-                let prop = AllocationProp {
-                    kind: 1,
-                    handle_types: 0,
-                    location_type: 1,
-                    location_id: number(2) as c_int,
-                    win32: std::ptr::null_mut(),
-                    flags: [0; 8],
-                };
-                call!(
-                    cuda,
-                    "cuMemCreate",
-                    fn(*mut u64, usize, *const AllocationProp, u64),
-                    &mut value,
-                    number(1) as usize * MIB,
-                    &prop,
-                    0
-                )
-            }
-            "loop" => {
-                let alloc: extern "C" fn(*mut u64, usize) -> c_int =
-                    // SAFETY: the symbols have these C signatures in libcuda.
-                    unsafe { std::mem::transmute(cuda.symbol("cuMemAlloc_v2")) };
-                let free: extern "C" fn(u64) -> c_int =
-                    // SAFETY: as above.
-                    unsafe { std::mem::transmute(cuda.symbol("cuMemFree_v2")) };
-                let started = std::time::Instant::now();
-                let mut code = 0;
-                for _ in 0..number(1) {
-                    let mut pointer = 0u64;
-                    code = alloc(&mut pointer, MIB);
-                    if code == 0 {
-                        code = free(pointer);
-                    }
-                    if code != 0 {
-                        break;
-                    }
-                }
-                value = started.elapsed().as_nanos() as u64;
-                code
-            }
-            "managed" => call!(
-                cuda,
-                "cuMemAllocManaged",
-                fn(*mut u64, usize, c_uint),
-                &mut value,
-                number(1) as usize * MIB,
-                1
-            ),
-            "free" => call!(cuda, "cuMemFree_v2", fn(u64), number(1)),
-            "freeasync" => call!(cuda, "cuMemFreeAsync", fn(u64, u64), number(1), 0),
-            "release" => call!(cuda, "cuMemRelease", fn(u64), number(1)),
-            "peek" => {
-                // SAFETY: the symbol's first instruction byte, in the library's mapped
-                // text (where a uprobe writes its breakpoint, 0xcc).
-                value = unsafe { *(cuda.symbol(words.get(1).copied().unwrap_or("")) as *const u8) }
-                    as u64;
-                0
-            }
-            other => {
-                writeln!(out, "unknown {other}").unwrap();
-                out.flush().unwrap();
-                continue;
-            }
-        };
-        writeln!(out, "{}", answer(code, value)).unwrap();
+        match in_cuda(cuda, command, &words, &number, &mut value) {
+            Some(code) => writeln!(out, "{}", answer(code, value)).unwrap(),
+            None => writeln!(out, "unknown {command}").unwrap(),
+        }
         out.flush().unwrap();
     }
+}
+
+/// One call on the loaded libcuda, by `command` and its `words`: its result code (its
+/// value, if any, into `value`); `None` for a command it does not know.
+fn in_cuda(
+    cuda: &Cuda,
+    command: &str,
+    words: &[&str],
+    number: &dyn Fn(usize) -> u64,
+    value: &mut u64,
+) -> Option<c_int> {
+    Some(match command {
+        "init" => call!(cuda, "cuInit", fn(c_uint), 0),
+        "ctx" => match retain(cuda, number(1), value) {
+            0 => call!(cuda, "cuCtxSetCurrent", fn(u64), *value),
+            code => code,
+        },
+        "create" => call!(
+            cuda,
+            "cuCtxCreate_v2",
+            fn(*mut u64, c_uint, c_int),
+            &mut *value,
+            0,
+            number(1) as c_int
+        ),
+        "push" => match retain(cuda, number(1), value) {
+            0 => call!(cuda, "cuCtxPushCurrent_v2", fn(u64), *value),
+            code => code,
+        },
+        "pop" => call!(cuda, "cuCtxPopCurrent_v2", fn(*mut u64), &mut *value),
+        "setctx" => call!(cuda, "cuCtxSetCurrent", fn(u64), number(1)),
+        "pushctx" => call!(cuda, "cuCtxPushCurrent_v2", fn(u64), number(1)),
+        "destroy" => call!(cuda, "cuCtxDestroy_v2", fn(u64), number(1)),
+        "alloc" => alloc(cuda, number(1) as usize * MIB, value),
+        "bytes" => alloc(cuda, number(1) as usize, value),
+        "pitchw" => pitched(cuda, number(1) as usize, number(2) as usize, &mut *value),
+        "async" => call!(
+            cuda,
+            "cuMemAllocAsync",
+            fn(*mut u64, usize, u64),
+            &mut *value,
+            number(1) as usize * MIB,
+            0
+        ),
+        "pool" => call!(
+            cuda,
+            "cuMemAllocFromPoolAsync",
+            fn(*mut u64, usize, u64, u64),
+            &mut *value,
+            number(1) as usize * MIB,
+            0,
+            0
+        ),
+        "pitch" => pitched(cuda, MIB, number(1) as usize, &mut *value),
+        "vmm" => vmm(cuda, number(1) as usize * MIB, number(2) as c_int, value),
+        "loop" => alloc_free_loop(cuda, number(1), value),
+        "managed" => call!(
+            cuda,
+            "cuMemAllocManaged",
+            fn(*mut u64, usize, c_uint),
+            &mut *value,
+            number(1) as usize * MIB,
+            1
+        ),
+        "free" => call!(cuda, "cuMemFree_v2", fn(u64), number(1)),
+        "freeasync" => call!(cuda, "cuMemFreeAsync", fn(u64, u64), number(1), 0),
+        "release" => call!(cuda, "cuMemRelease", fn(u64), number(1)),
+        "peek" => peek(cuda, words.get(1).copied().unwrap_or(""), value),
+        _ => return None,
+    })
+}
+
+/// `cuMemCreate` of `bytes` on device `device` (the handle into `value`).
+fn vmm(cuda: &Cuda, bytes: usize, device: c_int, value: &mut u64) -> c_int {
+    let prop = AllocationProp {
+        kind: 1,
+        handle_types: 0,
+        location_type: 1,
+        location_id: device,
+        win32: std::ptr::null_mut(),
+        flags: [0; 8],
+    };
+    call!(
+        cuda,
+        "cuMemCreate",
+        fn(*mut u64, usize, *const AllocationProp, u64),
+        &mut *value,
+        bytes,
+        &prop,
+        0
+    )
+}
+
+/// `times` allocations of 1 MiB, each freed at once; the nanoseconds they took into
+/// `value` (the benchmark's loop).
+fn alloc_free_loop(cuda: &Cuda, times: u64, value: &mut u64) -> c_int {
+    let alloc: extern "C" fn(*mut u64, usize) -> c_int =
+        // SAFETY: the symbols have these C signatures in libcuda.
+        unsafe { std::mem::transmute(cuda.symbol("cuMemAlloc_v2")) };
+    let free: extern "C" fn(u64) -> c_int =
+        // SAFETY: as above.
+        unsafe { std::mem::transmute(cuda.symbol("cuMemFree_v2")) };
+    let started = std::time::Instant::now();
+    let mut code = 0;
+    for _ in 0..times {
+        let mut pointer = 0u64;
+        code = alloc(&mut pointer, MIB);
+        if code == 0 {
+            code = free(pointer);
+        }
+        if code != 0 {
+            break;
+        }
+    }
+    *value = started.elapsed().as_nanos() as u64;
+    code
+}
+
+/// The first instruction byte of `symbol` into `value` (where a uprobe writes its
+/// breakpoint, 0xcc).
+fn peek(cuda: &Cuda, symbol: &str, value: &mut u64) -> c_int {
+    // SAFETY: the symbol's first instruction byte, in the library's mapped text.
+    *value = unsafe { *(cuda.symbol(symbol) as *const u8) } as u64;
+    0
 }

@@ -1,0 +1,50 @@
+//! `--metrics-addr` as a scraper sees it: a free port to give, and `GET /metrics`.
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+/// A free port on 127.0.0.1, as `--metrics-addr` takes it.
+pub fn free_local_addr() -> String {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", probe.local_addr().unwrap().port())
+}
+
+/// What the endpoint at `addr` serves now (empty if it does not answer).
+pub fn scrape(addr: &str) -> String {
+    let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
+        return String::new();
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n");
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text);
+    text
+}
+
+/// `GET /metrics` on a connection of its own; its answer must come within `within`
+/// (every read has what is left of it as its timeout), else the test fails.
+pub fn scrape_within(addr: &str, within: Duration) -> String {
+    let deadline = Instant::now() + within;
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: scraper\r\nAccept: */*\r\n\r\n")
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let left = deadline
+            .checked_duration_since(Instant::now())
+            .filter(|left| !left.is_zero())
+            .unwrap_or_else(|| panic!("no whole answer within {within:?}: {answer:?}"));
+        stream.set_read_timeout(Some(left)).unwrap();
+        match stream.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => answer.extend_from_slice(&chunk[..n]),
+            Err(e) => panic!(
+                "no whole answer within {within:?} ({e}): {:?}",
+                String::from_utf8_lossy(&answer)
+            ),
+        }
+    }
+    String::from_utf8_lossy(&answer).into_owned()
+}
