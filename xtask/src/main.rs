@@ -241,9 +241,26 @@ fn bench() -> Result<()> {
     print!("{table}");
     let docs = root().join("docs");
     std::fs::create_dir_all(&docs)?;
-    std::fs::write(docs.join("bench.md"), table.as_bytes())?;
-    eprintln!("xtask: wrote docs/bench.md");
+    let path = docs.join("bench.md");
+    let prose = std::fs::read_to_string(&path).unwrap_or_default();
+    std::fs::write(&path, with_tables(&prose, &table))?;
+    eprintln!("xtask: wrote the tables of docs/bench.md (below its marker)");
     Ok(())
+}
+
+/// The line in docs/bench.md below which the bench writes: what is above it (each
+/// round's comparison, and why the figures moved) is people's, and kept.
+const BENCH_MARKER: &str =
+    "<!-- Below this line, `cargo xtask bench` writes its tables; what is above is kept. -->";
+
+/// `bench.md`'s `prose` (up to its marker; none, where it has none) with `tables` below
+/// the marker.
+fn with_tables(prose: &str, tables: &str) -> String {
+    let kept = match prose.find(BENCH_MARKER) {
+        Some(at) => &prose[..at],
+        None => "",
+    };
+    format!("{kept}{BENCH_MARKER}\n\n{}", tables.trim_start())
 }
 
 /// The release build of everything the bench runs, then the cycle benchmark's table.
@@ -275,6 +292,20 @@ fn bench_cycle() -> Result<String> {
 mod tests {
     use super::*;
     use crate::vm::Options;
+
+    #[test]
+    fn the_bench_keeps_what_is_above_its_marker() {
+        let before = format!("# This round\n\nprose\n\n{BENCH_MARKER}\n\n# old tables\n");
+        let after = with_tables(&before, "\n# new tables\n");
+        assert_eq!(
+            after,
+            format!("# This round\n\nprose\n\n{BENCH_MARKER}\n\n# new tables\n")
+        );
+        assert_eq!(
+            with_tables("", "# tables\n"),
+            format!("{BENCH_MARKER}\n\n# tables\n")
+        );
+    }
 
     fn parse(line: &str) -> Result<Task, clap::Error> {
         let words = std::iter::once("xtask").chain(line.split_whitespace());
