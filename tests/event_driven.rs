@@ -106,7 +106,7 @@ fn any_tier_a_context_created_long_after_the_open_is_answered_before_the_full_cy
     );
 }
 
-/// The daemon's window of quick checks after an open (`react::watchlist::WINDOW`).
+/// The daemon's window of quick checks after an open (`daemon::watchlist::WINDOW`).
 fn genv_enforcer_window() -> Duration {
     Duration::from_secs(10)
 }

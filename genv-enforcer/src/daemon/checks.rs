@@ -1,18 +1,19 @@
 //! The checks the event-driven daemon runs, each over the enforcer's snapshot: the full
-//! cycle, the narrow check of processes that just opened a GPU (or, outside any
-//! environment, made a CUDA context), the memory poll; what each counts; and what a
-//! reaction wanted of them.
+//! cycle, the narrow check of processes that just opened a GPU (watched for a while,
+//! [`super::watchlist`]) or, outside any environment, made a CUDA context, the memory
+//! poll; what each counts; and what a reaction wanted of them.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::settled::Settled;
+use super::watchlist::Watchlist;
 use crate::alloc::AllocSide;
 use crate::clock::{monotonic_ns, unix_now};
 use crate::cycle::{CycleSummary, Enforcer, Scope};
 use crate::kernel::alloc_maps::DeltasAround;
-use crate::react::{Reactions, Wanted};
+use crate::react::Wanted;
 use crate::service::metrics::Metrics;
 use crate::service::status::{LastCycle, Status};
 
@@ -20,6 +21,8 @@ pub struct Checks {
     pub enforcer: Enforcer,
     /// Processes a check terminated, or the kernel killed, a moment ago.
     settled: Settled,
+    /// GPU openers, checked at once and at growing intervals while their window lasts.
+    watchlist: Watchlist,
     /// Whether an environment had a memory cap at the last full cycle (or the state was
     /// unreadable).
     memory_capped: bool,
@@ -32,6 +35,7 @@ impl Checks {
         Self {
             enforcer,
             settled: Settled::default(),
+            watchlist: Watchlist::default(),
             memory_capped: true,
             metrics,
         }
@@ -40,12 +44,14 @@ impl Checks {
     /// What a reaction wanted, done.
     pub fn act(&mut self, wanted: Wanted, now: Instant, status: &mut Status) {
         match wanted {
+            Wanted::Watch(open) => self.watchlist.add(open, now),
             Wanted::Forget(pid) => self.enforcer.builder.forget(pid),
             Wanted::Gone(pid) => {
                 self.enforcer.builder.forget(pid);
+                self.watchlist.remove(pid);
                 self.settled.remove(pid);
             }
-            Wanted::Judge { pid, gpu, at_ns } => self.judge(pid, gpu, at_ns, status),
+            Wanted::Judge { pid, at_ns } => self.judge(pid, at_ns, status),
             Wanted::Settle(pid) => self.settled.insert(pid, now),
         }
     }
@@ -76,18 +82,32 @@ impl Checks {
         summary
     }
 
-    /// The processes that just opened a GPU, checked; `reactions` learn which compute.
-    pub fn opened(&mut self, pids: &HashSet<u32>, status: &mut Status, reactions: &mut Reactions) {
+    /// When the next check of a watched opener is due.
+    pub fn next_wake(&self) -> Option<Instant> {
+        self.watchlist.next_wake()
+    }
+
+    /// The watched openers, checked if a check of them is due (one snapshot serves them
+    /// all).
+    pub fn opened_if_due(&mut self, status: &mut Status) {
+        if let Some(pids) = self.watchlist.due(Instant::now()) {
+            self.opened(&pids, status);
+        }
+    }
+
+    /// The processes that just opened a GPU, checked; those seen computing end their
+    /// watch with its window.
+    fn opened(&mut self, pids: &HashSet<u32>, status: &mut Status) {
         let settled = self.settled.at(Instant::now());
         let summary = self.enforcer.check(Scope::Opened(pids), &settled);
         status.counts.open_checks += 1;
         for pid in &summary.gpu_pids {
-            reactions.computing(*pid);
+            self.watchlist.computing(*pid);
         }
         self.count(&summary, status);
         let now_ns = monotonic_ns();
         for pid in &summary.terminated {
-            if let Some(open) = reactions.first_open(*pid) {
+            if let Some(open) = self.watchlist.first_open(*pid) {
                 let after = now_ns.saturating_sub(open.at_ns);
                 if let Some(metrics) = &self.metrics {
                     metrics.reacted(Duration::from_nanos(after));
@@ -105,7 +125,8 @@ impl Checks {
 
     /// A process the kernel knows to be outside any environment made a CUDA context:
     /// judged now, as a GPU process on `gpu` (see `react::cuda`).
-    fn judge(&mut self, pid: u32, gpu: u32, at_ns: u64, status: &mut Status) {
+    fn judge(&mut self, pid: u32, at_ns: u64, status: &mut Status) {
+        let gpu = self.watchlist.first_open(pid).map_or(0, |o| o.index);
         self.enforcer.builder.prove_computing(pid, gpu);
         let settled = self.settled.at(Instant::now());
         let summary = self

@@ -1,8 +1,8 @@
 //! The event-driven daemon. Triggers, and what each runs:
-//! - a kernel event → [`crate::react`] says what it wants done (a GPU opener is watched
-//!   there, and checked here at once and at growing intervals while its window lasts;
-//!   an exec or exit drops what the snapshot knew; a CUDA start outside any environment
-//!   is judged at once);
+//! - a kernel event → [`crate::react`] says what it wants done, and [`super::checks`]
+//!   does it (a GPU opener is watched, checked at once and at growing intervals while
+//!   its window lasts; an exec or exit drops what the snapshot knew; a CUDA start
+//!   outside any environment is judged at once);
 //! - a write to `envs.json` or `devices.json` → a full cycle at once;
 //! - every `--memory-interval` → the memory rule;
 //! - every `--interval`, and whenever the kernel lost events → a full cycle, after which
@@ -59,7 +59,7 @@ pub async fn run(enforcer: Enforcer, settings: Settings) -> Result<ExitCode> {
             notify("READY=1");
         }
         let wake = schedule.next_wake([
-            daemon.reactions.next_wake(),
+            daemon.checks.next_wake(),
             daemon.checks.enforcer.executor.next_deadline(),
             intake.as_ref().map(|_| Instant::now() + daemon.drain_every),
             daemon.alloc().and_then(|alloc| alloc.next_due()),
@@ -201,10 +201,7 @@ impl Daemon {
             self.full_cycle();
             schedule.full_done(Instant::now());
         }
-        if let Some(pids) = self.reactions.due(Instant::now()) {
-            let status = &mut self.status;
-            self.checks.opened(&pids, status, &mut self.reactions);
-        }
+        self.checks.opened_if_due(&mut self.status);
         if schedule.memory_due(Instant::now()) {
             let watched = self.state_watch.as_ref().is_some_and(|w| !w.is_lost());
             let alloc = self.kernel.as_mut().and_then(|side| side.alloc.as_mut());

@@ -5,7 +5,8 @@
 //!
 //! Here are the loops, their timers ([`schedule`]), their start ([`start`]) and their
 //! triggers: genv's state directory watched ([`state_watch`]); kernel events, which the
-//! [`crate::react`] stage turns into what is to be done. The kernel programs' maps are
+//! [`crate::react`] stage turns into what is to be done; GPU openers watched for a
+//! while ([`watchlist`]). The kernel programs' maps are
 //! kept by [`crate::sync`] and [`crate::alloc`], and the daemon's status, metrics and
 //! signals are [`crate::service`]'s.
 
@@ -17,5 +18,6 @@ mod settings;
 mod settled;
 mod start;
 pub mod state_watch;
+mod watchlist;
 
 pub use settings::Settings;

@@ -13,8 +13,8 @@ use crate::intake::{AllocOutcome, CudaCall, CudaStart, OverCap};
 /// waits for NVML to show (on a real GPU some 230 ms after the open, mostly CUDA's own
 /// start-up): a process the kernel knows to be outside any environment (no
 /// `GENV_ENVIRONMENT_ID` at its exec; not one still being resolved) is to be judged
-/// now, as a GPU process on the GPU it opened (`first_gpu`, or GPU 0).
-pub fn start(start: &CudaStart, first_gpu: Option<u32>, around: &mut Around<'_>) -> Option<Wanted> {
+/// now, as a GPU process on the GPU it opened (or GPU 0).
+pub fn start(start: &CudaStart, around: &mut Around<'_>) -> Option<Wanted> {
     around.counts.cuda_starts += 1;
     // At its first CUDA call seen, whichever (the probes of a copy found at the open
     // in its `cuInit` see its contexts first).
@@ -29,7 +29,6 @@ pub fn start(start: &CudaStart, first_gpu: Option<u32>, around: &mut Around<'_>)
     }
     Some(Wanted::Judge {
         pid: start.pid,
-        gpu: first_gpu.unwrap_or(0),
         at_ns: start.at_ns,
     })
 }

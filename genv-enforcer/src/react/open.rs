@@ -1,28 +1,33 @@
 //! A GPU open, with what the kernel decided about it: said (`--verbose`, and a
 //! genv-style line for a refusal or kill), told to its user, counted; what was let
-//! through is watched, and checked against genv's rules as the watch falls due
-//! ([`super::watchlist`]); after a kill in the kernel, the GPU is swept of other
-//! holders ([`super::holders`]).
+//! through is to be watched (checked against genv's rules by the daemon); after a kill
+//! in the kernel, the GPU is swept of other holders ([`super::holders`]).
 
 use std::collections::HashSet;
 use std::time::Instant;
 
 use super::lines::LineLimiter;
-use super::watchlist::Watchlist;
-use super::{Around, holders, told};
+use super::{Around, Wanted, holders, told};
 use crate::intake::{GpuOpen, Verdict};
 
 /// The open reaction's state.
 #[derive(Default)]
 pub struct Opens {
-    pub watchlist: Watchlist,
     lines: LineLimiter,
     /// GPUs the kernel killed an opener of since the last sweep for other holders.
     to_sweep: HashSet<u32>,
 }
 
 impl Opens {
-    pub fn on_open(&mut self, open: GpuOpen, now: Instant, verbose: bool, around: &mut Around<'_>) {
+    /// The open said, told and counted; what it wants done (its process watched, if it
+    /// was let through).
+    pub fn on_open(
+        &mut self,
+        open: GpuOpen,
+        now: Instant,
+        verbose: bool,
+        around: &mut Around<'_>,
+    ) -> Option<Wanted> {
         around.counts.open_events += 1;
         if let Some(alloc) = around.alloc.as_deref_mut() {
             alloc.opened((open.pid, open.uid), around.devices);
@@ -46,10 +51,14 @@ impl Opens {
         told::open(around.notifier, &open);
         let counts = &mut *around.counts;
         match open.verdict {
-            Verdict::Refused => counts.refused += 1,
+            Verdict::Refused => {
+                counts.refused += 1;
+                None
+            }
             Verdict::Killed => {
                 counts.killed += 1;
                 self.to_sweep.insert(open.index);
+                None
             }
             Verdict::KillFailed => {
                 self.to_sweep.insert(open.index);
@@ -58,10 +67,10 @@ impl Opens {
                     open.pid,
                     open.index
                 );
-                self.watchlist.add(open, now);
+                Some(Wanted::Watch(open))
             }
             // Let through: watched, and checked against genv's rules.
-            _ => self.watchlist.add(open, now),
+            _ => Some(Wanted::Watch(open)),
         }
     }
 
