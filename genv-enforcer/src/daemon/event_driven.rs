@@ -302,7 +302,6 @@ impl Daemon {
                 self.checks.act(wanted, now, &mut self.status);
             }
         }
-        self.react(None, now);
         let devices = self.checks.enforcer.builder.devices();
         if let Some(alloc) = self.kernel.as_mut().and_then(|side| side.alloc.as_mut()) {
             // Exits waiting for their processes to be gone: looked at again soon.
@@ -311,6 +310,7 @@ impl Daemon {
             }
             alloc.run_due(devices);
         }
+        self.react(None, now);
         if let Some(first) = batch.unknown.first() {
             if self.undecodable.first(()) {
                 tracing::warn!("{first}; treating it as a lost event");

@@ -59,7 +59,8 @@ impl TokenBucket {
             return false;
         }
         self.tokens = tokens - 1.0;
-        self.at = Some(now);
+        // Never back: an earlier `now` would credit the time since it a second time.
+        self.at = Some(self.at.map_or(now, |at| at.max(now)));
         true
     }
 
@@ -105,5 +106,23 @@ mod tests {
         assert!(!bucket.has(t0 + 10 * second));
         bucket.give_back();
         assert!(bucket.take(t0 + 10 * second), "a token given back");
+    }
+
+    /// A `now` earlier than the last take's (two callers' clocks read in another
+    /// order) credits no time twice.
+    #[test]
+    fn an_earlier_now_credits_nothing_again() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut bucket = TokenBucket::full(Rate {
+            burst: 2,
+            every: Duration::from_secs(1),
+        });
+        assert!(bucket.take(t1));
+        assert!(
+            bucket.take(t0),
+            "the second token, taken with an earlier clock"
+        );
+        assert!(!bucket.has(t1), "both were taken by t1; none came back");
     }
 }
