@@ -158,8 +158,10 @@ fn read_within<R: Send + 'static>(
     };
     let answering = Arc::clone(&slot);
     let job: Job = Box::new(move || {
-        // SAFETY: gettid(2) takes nothing and cannot fail.
-        let tid = unsafe { libc::gettid() };
+        // The raw syscall: glibc's `gettid` wrapper is newer (2.30) than the oldest
+        // glibc the packages support (2.28), and would not link there.
+        // SAFETY: gettid(2) takes no argument and cannot fail.
+        let tid = unsafe { libc::syscall(libc::SYS_gettid) } as i32;
         *answering.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(tid);
         let answer: Answer = Box::new(read());
         *answering.answer.lock().unwrap_or_else(|e| e.into_inner()) = Some(answer);
