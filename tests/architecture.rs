@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use genv_enforcer_tests::workspace_root;
+use genv_enforcer_tests::{rust_files, workspace_root};
 
 /// `genv-enforcer/src`'s top-level modules, lowest first: a module may use only
 /// modules listed before it. What all use (a warning said once, the clocks, the exit
@@ -58,20 +58,6 @@ const SOURCE_DIRS: [&str; 5] = [
     "xtask/src",
     "xtask-vm/src",
 ];
-
-fn rust_files(dir: &Path) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            files.extend(rust_files(&path));
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            files.push(path);
-        }
-    }
-    files.sort();
-    files
-}
 
 /// The file's product code: every line but its unit tests, read to the end. An item
 /// under `#[cfg(test)]` (a `mod tests;` line, or an item to its last brace) is left out

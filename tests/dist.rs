@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 use genv_enforcer_tests::DEATH;
 use genv_enforcer_tests::events::{EventDaemon, make_gpu_node_for};
 use genv_enforcer_tests::{
-    Node, device_record, env_record, target_dir, unique, workspace_root, xtask,
+    Node, device_record, env_record, rust_files, target_dir, unique, workspace_root, xtask,
 };
 use serde_json::json;
 
@@ -212,7 +212,7 @@ const SPELLING: &str = "spelling-error-in-binary";
 fn misspelt_words_are_ours(lintian: &str) -> Vec<String> {
     let sources: Vec<String> = ["genv-enforcer/src", "genv-ebpf-common/src"]
         .iter()
-        .flat_map(|dir| rust_sources(&workspace_root().join(dir)))
+        .flat_map(|dir| rust_files(&workspace_root().join(dir)))
         .map(|file| std::fs::read_to_string(file).unwrap())
         .collect();
     lintian
@@ -222,19 +222,6 @@ fn misspelt_words_are_ours(lintian: &str) -> Vec<String> {
         .filter(|word| sources.iter().any(|text| text.contains(word)))
         .map(str::to_owned)
         .collect()
-}
-
-fn rust_sources(dir: &Path) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            files.extend(rust_sources(&path));
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            files.push(path);
-        }
-    }
-    files
 }
 
 #[test]
