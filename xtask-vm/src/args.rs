@@ -9,8 +9,9 @@ use crate::{KERNELS, KNOWN_TIERS, LSM_WITH_BPF, Series, VM_TIERS};
 /// `cargo xtask vm-test`'s flags.
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct Args {
-    /// The kernel to boot: 6.1, 6.12 or all.
-    #[arg(long, value_name = "6.1|6.12|all", value_parser = kernels_named)]
+    /// The kernel to boot: 6.1 (Debian 12), 6.12 (Debian 13's series), 7 (the newest, from
+    /// trixie-backports) or all.
+    #[arg(long, value_name = "6.1|6.12|7|all", value_parser = kernels_named)]
     pub kernel: Option<Kernels>,
     /// The tiers to run the suites on, in order (default: lsm,fmod_ret,fentry).
     #[arg(long, value_name = "LIST", value_delimiter = ',',

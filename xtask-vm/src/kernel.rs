@@ -1,8 +1,13 @@
-//! The guest kernels: Debian bookworm's two generic kernels, each the
-//! `linux-image-*-amd64` package its metapackage points at today ([`KERNELS`]:
-//! `linux-image-amd64` for 6.1, `linux-image-6.12-amd64` for 6.12). Debian bumps the ABI
-//! number with security updates, so no ABI is written down here; the resolved package
-//! must still be of the series its metapackage is listed for.
+//! The guest kernels ([`KERNELS`]): Debian bookworm's two generic kernels, and the
+//! newest Debian has, from trixie-backports. Each is the `linux-image-*-amd64` package
+//! its metapackage points at today (`linux-image-amd64` for 6.1,
+//! `linux-image-6.12-amd64` for 6.12, trixie-backports' `linux-image-amd64` for 7).
+//! Debian bumps the ABI number with security updates, so no ABI is written down here;
+//! the resolved package must still be of the series its metapackage is listed for.
+//! From 7 on, Debian splits a kernel over four packages: `linux-image-<release>` holds
+//! nothing but dependencies on `linux-binary-<release>` (the image), `linux-modules-`
+//! and `linux-base-` (`modules.builtin`), all under `/usr/lib/modules/<release>/`;
+//! those are fetched with it.
 //!
 //! From each package we keep two things, cached under `target/vm/<package>/`:
 //! - `vmlinux`, the uncompressed kernel pulled out of `vmlinuz` (xz on 6.1, zstd on
@@ -21,6 +26,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use object::{Object, ObjectSection};
 
+use crate::archive::{Apt, Archive};
 use crate::command::run;
 
 /// The modules init loads, by name; their dependencies come from each `.ko`'s modinfo.
@@ -30,21 +36,33 @@ const NEEDED_MODULES: [&str; 5] = ["virtio_pci", "9pnet_virtio", "9p", "overlay"
 /// One kernel series the harness boots, and the metapackage that follows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Series {
-    /// What `--kernel` calls it, and what the console says: `6.1`, `6.12`.
+    /// What `--kernel` calls it, and what the console says: `6.1`, `6.12`, `7`.
     pub version: &'static str,
     /// The metapackage whose dependency is the kernel package to boot.
     pub metapackage: &'static str,
+    /// Where apt finds the metapackage.
+    pub archive: Archive,
 }
 
-/// Debian bookworm's kernels, in the order `cargo xtask vm-test` boots them.
-pub const KERNELS: [Series; 2] = [
+/// The kernels, in the order `cargo xtask vm-test` boots them: Debian 12's own (6.1),
+/// the one it offers beside it (6.12, Debian 13's series), and the newest Debian has
+/// (trixie-backports; 7.3 when this was written: the first series whose uprobe programs
+/// may write the registers, `docs/memory-at-alloc.md`).
+pub const KERNELS: [Series; 3] = [
     Series {
         version: "6.1",
         metapackage: "linux-image-amd64",
+        archive: Archive::HostSources,
     },
     Series {
         version: "6.12",
         metapackage: "linux-image-6.12-amd64",
+        archive: Archive::HostSources,
+    },
+    Series {
+        version: "7",
+        metapackage: "linux-image-amd64",
+        archive: Archive::Suite("trixie-backports"),
     },
 ];
 
@@ -67,7 +85,8 @@ pub fn prepare(cache: &Path, series: Series) -> Result<Kernel> {
 }
 
 fn prepare_package(cache: &Path, series: Series) -> Result<Kernel> {
-    let package = current_package(series)?;
+    let apt = Apt::new(cache, series.archive)?;
+    let package = current_package(&apt, series)?;
     let dir = cache.join(&package);
     let vmlinux = dir.join("vmlinux");
     let order = dir.join("modules.order");
@@ -79,13 +98,23 @@ fn prepare_package(cache: &Path, series: Series) -> Result<Kernel> {
         let _ = std::fs::remove_dir_all(&dir);
         let unpacked = dir.join("unpacked");
         std::fs::create_dir_all(&unpacked)?;
-        let deb = download(&package, &dir)?;
-        run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&unpacked))?;
-        let vmlinuz = find(&unpacked.join("boot"), |name| name.starts_with("vmlinuz-"))?;
-        extract_vmlinux(&vmlinuz, &vmlinux)?;
         // linux-image-6.12.117+deb12-amd64 keeps them under 6.12.117+deb12-amd64/.
         let release = package.strip_prefix("linux-image-").unwrap_or(&package);
-        let tree = unpacked.join("lib/modules").join(release);
+        for deb in download(&apt, &package, release, &dir)? {
+            run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&unpacked))?;
+            std::fs::remove_file(&deb)?;
+        }
+        // Up to 6.12: /boot/vmlinuz-<release> and /lib/modules/<release>/; from 7 on,
+        // both under /usr/lib/modules/<release>/.
+        let merged = unpacked.join("usr/lib/modules").join(release);
+        let (vmlinuz, tree) = if merged.join("vmlinuz").exists() {
+            (merged.join("vmlinuz"), merged)
+        } else {
+            let boot = unpacked.join("boot");
+            let vmlinuz = find(&boot, |name| name.starts_with("vmlinuz-"))?;
+            (vmlinuz, unpacked.join("lib/modules").join(release))
+        };
+        extract_vmlinux(&vmlinuz, &vmlinux)?;
         let modules = load_order(&modules_by_name(&tree)?, &builtin(&tree)?)?;
         let kept = dir.join("modules");
         std::fs::create_dir_all(&kept)?;
@@ -96,7 +125,6 @@ fn prepare_package(cache: &Path, series: Series) -> Result<Kernel> {
             listed.push_str(&format!("{file}\n"));
         }
         std::fs::remove_dir_all(&unpacked)?;
-        std::fs::remove_file(&deb)?;
         // Written last: their presence says the cache is complete.
         std::fs::write(&order, listed)?;
         std::fs::write(&needed, &wanted)?;
@@ -114,25 +142,22 @@ fn prepare_package(cache: &Path, series: Series) -> Result<Kernel> {
 }
 
 /// The package the series' metapackage depends on today, which must be of that series.
-fn current_package(series: Series) -> Result<String> {
+fn current_package(apt: &Apt, series: Series) -> Result<String> {
     let metapackage = series.metapackage;
     let depends = || -> Result<Option<String>> {
-        let out = Command::new("apt-cache")
-            .args(["depends", metapackage])
-            .output()
-            .context("running apt-cache (the VM kernel comes from Debian's archive)")?;
-        Ok(String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|line| line.trim().strip_prefix("Depends: "))
-            .find(|dep| dep.starts_with("linux-image-"))
-            .map(str::to_owned))
+        Ok(depends_of(apt, metapackage)?
+            .into_iter()
+            .find(|dep| dep.starts_with("linux-image-")))
     };
     let package = match depends()? {
         Some(package) => package,
         None => {
-            run(Command::new("apt-get").arg("update"))?;
+            run(apt.command("apt-get").arg("update"))?;
             depends()?.with_context(|| {
-                format!("apt-cache knows no {metapackage} to take the kernel from")
+                format!(
+                    "apt-cache knows no {metapackage} to take the kernel from ({:?})",
+                    series.archive
+                )
             })?
         }
     };
@@ -147,24 +172,48 @@ fn current_package(series: Series) -> Result<String> {
     Ok(package)
 }
 
-fn download(package: &str, dir: &Path) -> Result<PathBuf> {
+/// What `package` depends on, by name (`apt-cache depends`, alternatives included).
+fn depends_of(apt: &Apt, package: &str) -> Result<Vec<String>> {
+    let out = apt
+        .command("apt-cache")
+        .args(["depends", package])
+        .output()
+        .context("running apt-cache (the VM kernel comes from Debian's archive)")?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.trim().trim_start_matches('|').strip_prefix("Depends: "))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Downloads the kernel package and the packages of its own release it depends on (from
+/// 7 on, the image, the modules and `modules.builtin` are three of them) into `dir`:
+/// their `.deb` files.
+fn download(apt: &Apt, package: &str, release: &str, dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut packages = vec![package.to_owned()];
+    let own = |dep: &String| dep.ends_with(&format!("-{release}")) && dep != package;
+    packages.extend(depends_of(apt, package)?.into_iter().filter(own));
     let fetch = || {
-        Command::new("apt-get")
-            // As root, apt would otherwise try to drop to _apt, who cannot write here.
-            .args(["-o", "APT::Sandbox::User=root", "download", package])
+        apt.command("apt-get")
+            .arg("download")
+            .args(&packages)
             .current_dir(dir)
             .status()
     };
     if !fetch()?.success() {
         // Stale package lists name a file the mirror no longer has.
-        run(Command::new("apt-get").arg("update"))?;
+        run(apt.command("apt-get").arg("update"))?;
         if !fetch()?.success() {
-            bail!("apt-get download {package} failed");
+            bail!("apt-get download {} failed", packages.join(" "));
         }
     }
-    find(dir, |name| {
-        name.starts_with(package) && name.ends_with(".deb")
-    })
+    (packages.iter())
+        .map(|wanted| {
+            find(dir, |name| {
+                name.starts_with(&format!("{wanted}_")) && name.ends_with(".deb")
+            })
+        })
+        .collect()
 }
 
 fn find(dir: &Path, matches: impl Fn(&str) -> bool) -> Result<PathBuf> {

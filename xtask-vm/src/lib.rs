@@ -11,6 +11,7 @@
 //! guest slow (an open costs ~50 µs instead of ~1 µs) but behaves like the real thing,
 //! which is what these tests check. Overheads are measured on the host, never here.
 
+mod archive;
 mod args;
 mod command;
 mod guest;
@@ -25,6 +26,7 @@ pub mod systemd;
 
 use std::time::Duration;
 
+pub use archive::Archive;
 pub use args::{Args, Options, kernels_named};
 pub use command::run_as;
 pub use guest::Guest;
