@@ -673,23 +673,40 @@ fn test_names(source: &str) -> Vec<String> {
     names
 }
 
+/// The groups of the tier suites' tests (`xtask-vm`'s `GROUPS`), longest first: a name
+/// is in the group of the longest prefix it starts with.
+const GROUPS: [&str; 4] = ["each_tier_", "any_tier_", "kernel_", "tier_"];
+/// The groups the VM skips somewhere with libtest's `--skip`, which matches anywhere in a
+/// name, not only at its start.
+const SKIPPED_GROUPS: [&str; 3] = ["each_tier_", "any_tier_", "kernel_"];
+
 /// Tests in the tier suites that do not say whether they depend on the tier.
 fn ungrouped(source: &str) -> Vec<String> {
     test_names(source)
         .into_iter()
+        .filter(|n| !GROUPS.iter().any(|g| n.starts_with(g)))
+        .collect()
+}
+
+/// Tests whose name holds, after its own group's prefix, the prefix of another group the
+/// VM skips: `--skip kernel_` would skip `tier_…_the_kernel_decided…` too.
+fn skipped_by_another_group(source: &str) -> Vec<String> {
+    test_names(source)
+        .into_iter()
         .filter(|n| {
-            !["tier_", "kernel_", "any_tier_"]
-                .iter()
-                .any(|g| n.starts_with(g))
+            let own = GROUPS.iter().find(|g| n.starts_with(*g)).copied();
+            let rest = &n[own.map_or(0, str::len)..];
+            (SKIPPED_GROUPS.iter()).any(|g| Some(*g) != own && rest.contains(g))
         })
         .collect()
 }
 
-/// Every test of a tier suite says in its name which group it is in: `tier_` (runs on
-/// every tier of every kernel), `kernel_` (its outcome is the same whatever program sees
-/// the opens, but depends on the kernel: run with the first tier of each kernel) or
-/// `any_tier_` (depends on neither: run with the first tier of one kernel). A new test
-/// can then never run once when it needed every tier, nor every tier by accident.
+/// Every test of a tier suite says in its name which group it is in, and so where it
+/// runs (`xtask-vm`'s `TIER_SUITES`, `docs/dev/testing.md`): `tier_` (every tier of every
+/// kernel), `each_tier_` (every tier of one kernel), `kernel_` (the first tier of each
+/// kernel) or `any_tier_` (the host). A new test can then never run once when it needed
+/// every tier, nor every tier by accident; and no name holds another group's prefix,
+/// which the VM's `--skip` would match.
 #[test]
 fn every_test_of_a_tier_suite_names_its_group() {
     for suite in tier_suites() {
@@ -700,12 +717,25 @@ fn every_test_of_a_tier_suite_names_its_group() {
         assert!(
             loose.is_empty(),
             "{suite}: tests that do not say whether they depend on the BPF tier (name them \
-             tier_…, kernel_… or any_tier_…): {loose:?}"
+             tier_…, each_tier_…, kernel_… or any_tier_…): {loose:?}"
+        );
+        let caught = skipped_by_another_group(&source);
+        assert!(
+            caught.is_empty(),
+            "{suite}: tests whose name holds another group's prefix, which `--skip` matches \
+             anywhere (reword them): {caught:?}"
         );
     }
     // The check sees an ungrouped test, behind other attributes too.
     let planted = "#[test]\n#[ignore]\nfn a_new_test() {}\n#[test]\nfn tier_x() {}\n";
     assert_eq!(ungrouped(planted), ["a_new_test"]);
+    // And a name another group's `--skip` would catch, but not a group's own prefix.
+    let planted = "#[test]\nfn tier_why_the_kernel_decided() {}\n\
+                   #[test]\nfn each_tier_x() {}\n#[test]\nfn kernel_the_kernel_x() {}\n";
+    assert_eq!(
+        skipped_by_another_group(planted),
+        ["tier_why_the_kernel_decided"]
+    );
 }
 
 /// The crates whose product code must keep one name to one type, and each type's

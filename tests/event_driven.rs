@@ -165,7 +165,7 @@ fn tier_an_open_attempt_that_fails_is_still_seen() {
 }
 
 #[test]
-fn tier_a_process_on_a_device_not_attached_to_its_environment_is_terminated() {
+fn each_tier_a_process_on_a_device_not_attached_to_its_environment_is_terminated() {
     let (mut node, gpu) = node();
     let shell = node.shell();
     node.write_state(
@@ -185,7 +185,7 @@ fn tier_a_process_on_a_device_not_attached_to_its_environment_is_terminated() {
 }
 
 #[test]
-fn tier_a_process_on_its_attached_device_survives() {
+fn each_tier_a_process_on_its_attached_device_survives() {
     let (mut node, gpu) = node_with_e_on_gpu0();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes"]) else {
         return;

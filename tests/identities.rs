@@ -21,7 +21,7 @@ use genv_enforcer_tests::{Genv, Node, device_record, env_record, path, serial};
 use serde_json::json;
 
 #[test]
-fn tier_a_child_forked_without_exec_has_its_parents_identity() {
+fn each_tier_a_child_forked_without_exec_has_its_parents_identity() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -377,7 +377,7 @@ fn any_tier_a_job_whose_environment_genv_dropped_is_left_running_unless_orphans_
 /// `GENV_ENFORCER_PROCESS_CAPACITY`): the kernel counts what it could not record, the
 /// status shows it, and the daemon resynchronises at once, saying so.
 #[test]
-fn any_tier_identities_the_kernel_could_not_record_are_counted_and_resynchronised() {
+fn any_tier_identities_left_unrecorded_are_counted_and_resynchronised() {
     let _serial = serial();
     let (mut node, _) = node();
     node.enforcer_env

@@ -232,7 +232,7 @@ fn any_tier_a_terminal_nobody_reads_holds_up_nothing() {
 /// in it (fentry, tracepoint): either way, its terminal gets one line saying so, from
 /// what the program read at its decision (a killed process is gone by then).
 #[test]
-fn tier_a_refused_or_killed_opener_is_told_once_why() {
+fn each_tier_a_refused_or_killed_opener_is_told_once_why() {
     let _serial = serial();
     let (mut node, gpu) = node_with_gpu();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes", "--deny"]) else {
@@ -265,7 +265,7 @@ fn tier_a_refused_or_killed_opener_is_told_once_why() {
 /// (Where the tier sees failed opens, the test node's open fails, nothing is shared,
 /// and only the opener is told.)
 #[test]
-fn tier_a_process_sharing_a_killed_openers_descriptors_is_told_too() {
+fn each_tier_a_process_sharing_a_killed_openers_descriptors_is_told_too() {
     let _serial = serial();
     let (mut node, gpu) = node_with_gpu();
     let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes", "--deny"]) else {

@@ -41,7 +41,7 @@ fn tier_a_process_outside_any_environment_never_gets_the_gpu() {
 }
 
 #[test]
-fn tier_forged_environment_ids_count_as_outside() {
+fn each_tier_forged_environment_ids_count_as_outside() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -113,7 +113,7 @@ fn tier_an_open_through_io_uring_is_prevented() {
 }
 
 #[test]
-fn tier_an_environments_process_opens_every_gpu_node_as_cuda_does() {
+fn each_tier_an_environments_process_opens_every_gpu_node_as_cuda_does() {
     let _serial = serial();
     let (mut node, [gpu0, gpu1]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -149,7 +149,7 @@ fn tier_an_environments_process_opens_every_gpu_node_as_cuda_does() {
 }
 
 #[test]
-fn tier_allow_listed_executables_open_gpus_outside_environments() {
+fn each_tier_allow_listed_executables_open_gpus_outside_environments() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     // A monitoring tool: a copy of the helper, allowed by its own device and inode.
@@ -292,9 +292,23 @@ fn tier_pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() 
     assert_untouched(&mut node, rogue, &lines, 1, "after unpin");
 }
 
+/// How many attempts the loop makes: `GENV_TEST_ATTEMPTS`, else 10,000. CI's guests ask
+/// for 1,000 on each of their nine kernel and tier pairs (a few seconds each under TCG,
+/// where 10,000 took a minute); the host, and `vm-test` given this test's name (as the
+/// benchmark does), make 10,000.
+fn attempts_asked() -> u32 {
+    match std::env::var("GENV_TEST_ATTEMPTS") {
+        Ok(n) => n
+            .parse()
+            .expect("GENV_TEST_ATTEMPTS is a number of attempts"),
+        Err(_) => 10_000,
+    }
+}
+
 #[test]
-fn tier_ten_thousand_attempts_from_outside_never_get_the_gpu() {
+fn tier_thousands_of_attempts_from_outside_never_get_the_gpu() {
     let _serial = serial();
+    let asked = attempts_asked();
     let (node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
         return;
@@ -302,7 +316,7 @@ fn tier_ten_thousand_attempts_from_outside_never_get_the_gpu() {
     let mut command = std::process::Command::new(genv_enforcer_tests::artefact("gpu-process"));
     std::os::unix::process::CommandExt::uid(&mut command, OUTSIDER);
     let output = command
-        .args(["--attempts", "10000", path(&gpu)])
+        .args(["--attempts", &asked.to_string(), path(&gpu)])
         .env_remove("GENV_ENVIRONMENT_ID")
         .output()
         .unwrap();
@@ -323,12 +337,12 @@ fn tier_ten_thousand_attempts_from_outside_never_get_the_gpu() {
         )
         .as_bytes(),
     );
-    assert_eq!(attempts, 10_000);
+    assert_eq!(attempts, asked);
     assert_eq!(succeeded, 0, "{said}");
     if tier_refuses(&daemon.tier) {
-        assert_eq!((returned, killed), (10_000, 0), "{said}");
+        assert_eq!((returned, killed), (asked, 0), "{said}");
     } else {
-        assert_eq!((returned, killed), (0, 10_000), "{said}");
+        assert_eq!((returned, killed), (0, asked), "{said}");
     }
 }
 
@@ -336,7 +350,7 @@ fn tier_ten_thousand_attempts_from_outside_never_get_the_gpu() {
 /// container runtime's hooks, MPS, persistenced, DCGM run as root); `--deny-root`
 /// opts in.
 #[test]
-fn tier_root_is_left_to_the_userspace_rules_unless_deny_root() {
+fn each_tier_root_is_left_to_the_userspace_rules_unless_deny_root() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let open = ["--open", path(&gpu)];
@@ -364,7 +378,7 @@ fn tier_root_is_left_to_the_userspace_rules_unless_deny_root() {
 /// no such line, and the open programs are loaded smaller: the verifier dropped the
 /// logging code, so it cannot cost anything on the open path.
 #[test]
-fn tier_bpf_log_says_why_the_kernel_decided_and_is_not_loaded_when_off() {
+fn each_tier_bpf_log_says_why_the_program_decided_and_is_not_loaded_when_off() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let open = ["--open", path(&gpu)];
@@ -513,7 +527,7 @@ fn tier_the_enforcer_is_exempt_by_process_not_by_executable() {
 /// run's pinned programs decide, and its first NVML call opens the GPU nodes. It is
 /// exempt in their maps too, so it is neither killed nor refused, and takes over.
 #[test]
-fn tier_an_upgraded_daemon_survives_its_predecessors_pinned_programs() {
+fn each_tier_an_upgraded_daemon_survives_its_predecessors_pinned_programs() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     node.nvml_opens(&[&gpu]);
@@ -551,7 +565,7 @@ fn tier_an_upgraded_daemon_survives_its_predecessors_pinned_programs() {
 /// the same case) would keep the GPU. The daemon kills every such holder outside an
 /// environment; on the refusing tiers the open is refused and nobody holds anything.
 #[test]
-fn tier_a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
+fn each_tier_a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some(daemon) = deny(&node, &[]) else {
@@ -599,7 +613,7 @@ fn tier_a_process_sharing_the_openers_file_table_does_not_keep_the_gpu() {
 /// process by its start time too. Here an outsider stands for such a process: entered
 /// under its own pid with the crashed daemon's start time.
 #[test]
-fn tier_a_crashed_daemons_exemption_names_no_later_process() {
+fn each_tier_a_crashed_daemons_exemption_names_no_later_process() {
     let _serial = serial();
     let (mut node, [gpu, _]) = node();
     let Some((pins, mut daemon)) = pinned(&node, "crash") else {

@@ -12,7 +12,7 @@ use crate::{DEATH, Node, device_record, env_record};
 pub const ALICE: u32 = 64_101;
 pub const BOB: u32 = 64_102;
 /// A user with no environment. (Root outside environments is let through unless
-/// --deny-root: see `tier_root_is_left_to_the_userspace_rules_unless_deny_root`.)
+/// --deny-root: see `each_tier_root_is_left_to_the_userspace_rules_unless_deny_root`.)
 pub const OUTSIDER: u32 = 64_103;
 
 /// A node with two GPUs, test nodes for both (reachable by every uid), and two

@@ -7,7 +7,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+
+use crate::command::run;
+use crate::kernel::find;
 
 /// The archive a [`crate::Series`] comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,7 +40,11 @@ impl Apt {
             let dir = cache.join("apt").join(suite);
             let lists = dir.join("lists");
             let parts = dir.join("sources.list.d");
-            for made in [lists.join("partial"), dir.join("cache/archives/partial"), parts.clone()] {
+            for made in [
+                lists.join("partial"),
+                dir.join("cache/archives/partial"),
+                parts.clone(),
+            ] {
                 std::fs::create_dir_all(&made)
                     .with_context(|| format!("creating {}", made.display()))?;
             }
@@ -65,5 +72,58 @@ impl Apt {
             command.args(["-o", option]);
         }
         command
+    }
+
+    /// What `package` depends on, by name (`apt-cache depends`, alternatives included).
+    pub(crate) fn depends(&self, package: &str) -> Result<Vec<String>> {
+        let out = self
+            .command("apt-cache")
+            .args(["depends", package])
+            .output()
+            .context("running apt-cache (the VM kernel comes from Debian's archive)")?;
+        Ok(String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|line| {
+                line.trim()
+                    .trim_start_matches('|')
+                    .strip_prefix("Depends: ")
+            })
+            .map(str::to_owned)
+            .collect())
+    }
+
+    /// Downloads the kernel package and the packages of its own release it depends on (from
+    /// 7 on, the image, the modules and `modules.builtin` are three of them) into `dir`:
+    /// their `.deb` files.
+    pub(crate) fn download(
+        &self,
+        package: &str,
+        release: &str,
+        dir: &Path,
+    ) -> Result<Vec<PathBuf>> {
+        let mut packages = vec![package.to_owned()];
+        let own = |dep: &String| dep.ends_with(&format!("-{release}")) && dep != package;
+        packages.extend(self.depends(package)?.into_iter().filter(own));
+        let fetch = || {
+            self.command("apt-get")
+                .arg("download")
+                .args(&packages)
+                .current_dir(dir)
+                .status()
+        };
+        if !fetch()?.success() {
+            // Stale package lists name a file the mirror no longer has.
+            run(self.command("apt-get").arg("update"))?;
+            if !fetch()?.success() {
+                bail!("apt-get download {} failed", packages.join(" "));
+            }
+        }
+        (packages.iter())
+            .map(|wanted| {
+                find(dir, |name| {
+                    name.starts_with(&format!("{wanted}_")) && name.ends_with(".deb")
+                })
+            })
+            .collect()
     }
 }

@@ -6,8 +6,13 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
-use crate::{KERNEL_SUITE_TESTS, KERNEL_SUITES, ONCE, ONCE_PER_KERNEL, ONE_KERNEL};
-use crate::{Options, Series, TIER_SUITES};
+use crate::{EACH_TIER, EACH_TIER_KERNEL, ONCE, ONCE_PER_KERNEL, TIER_SUITES};
+use crate::{KERNEL_SUITE_KERNEL, KERNEL_SUITE_TESTS, KERNEL_SUITES, Options, Series};
+
+/// The attempt loop's size in CI's guests (`prevention`'s
+/// `tier_thousands_of_attempts_from_outside_never_get_the_gpu`, 10,000 elsewhere): it
+/// runs on nine kernel and tier pairs, where 10,000 took a minute of TCG each.
+const WHOLE_RUN_ATTEMPTS: u32 = 1_000;
 
 /// What every boot shares: the work tree (read-write, at its own path), the test
 /// executables built, and cargo's target directory (read-only and cached, at its own
@@ -70,6 +75,9 @@ pub(crate) fn script(guest: &Guest, series: Series, tiers: &[String], options: &
         path = quote(&std::env::var("PATH").unwrap_or_default()),
         tests = quote(&guest.root.join("tests").display().to_string()),
     );
+    if options.test_args.is_empty() {
+        script.push_str(&format!("export GENV_TEST_ATTEMPTS={WHOLE_RUN_ATTEMPTS}\n"));
+    }
     for (nth, tier) in tiers.iter().enumerate() {
         let marker = format!("{}{tier}", tier_marker(series));
         script.push_str(&format!("echo '{marker}: start'\nstatus=passed\n"));
@@ -94,32 +102,37 @@ pub(crate) fn script(guest: &Guest, series: Series, tiers: &[String], options: &
 }
 
 /// The arguments suite `name` runs with on the `nth` tier of a boot, or none where it
-/// does not run there.
+/// does not run there (the groups: [`TIER_SUITES`]).
 fn suite_args(name: &str, nth: usize, series: Series, test_args: &[String]) -> Option<String> {
-    if !TIER_SUITES.contains(&name) && !KERNEL_SUITES.contains(&name) {
-        return None;
-    }
+    // Tests asked for by name run wherever they are asked for.
+    let whole_run = test_args.is_empty();
     let mut args = test_args.join(" ");
-    // What proves the same on any open tier runs with the first tier of a boot only:
-    // the `kernel_` tests on every kernel, the `any_tier_` ones on one kernel in CI's
-    // run (see [`ONCE_PER_KERNEL`] and [`ONCE`]).
-    let one_kernel = test_args.is_empty() && series.version != ONE_KERNEL;
     if TIER_SUITES.contains(&name) {
-        if nth > 0 {
-            args.push_str(&format!(" --skip {ONCE_PER_KERNEL} --skip {ONCE}"));
-        } else if one_kernel {
-            args.push_str(&format!(" --skip {ONCE}"));
+        let mut skip = Vec::new();
+        if nth > 0 || whole_run {
+            skip.push(ONCE);
         }
+        if nth > 0 {
+            skip.push(ONCE_PER_KERNEL);
+        }
+        if whole_run && series.version != EACH_TIER_KERNEL {
+            skip.push(EACH_TIER);
+        }
+        for group in skip {
+            args.push_str(&format!(" --skip {group}"));
+        }
+        return Some(args);
     }
     if KERNEL_SUITES.contains(&name) {
-        if nth > 0 || one_kernel {
+        if nth > 0 || (whole_run && series.version != KERNEL_SUITE_KERNEL) {
             return None;
         }
-        if test_args.is_empty() {
+        if whole_run {
             args = KERNEL_SUITE_TESTS.join(" ");
         }
+        return Some(args);
     }
-    Some(args)
+    None
 }
 
 /// `s` quoted for the guest's shell.
@@ -147,7 +160,7 @@ mod tests {
     }
 
     #[test]
-    fn once_per_kernel_tests_run_with_the_first_tier_and_once_tests_on_one_kernel() {
+    fn each_group_runs_where_its_outcome_can_change_and_once_where_it_cannot() {
         let guest = Guest {
             root: PathBuf::from("/w"),
             // Every tier suite there is (a new one is checked as the others are), and
@@ -159,35 +172,49 @@ mod tests {
                 .collect(),
             target_dir: PathBuf::from("/t"),
         };
-        let tiers = ["lsm".to_owned(), "fentry".to_owned()];
-        let [one, other] = KERNELS;
-        assert_eq!(one.version, ONE_KERNEL);
-        let (script_one, script_other) = (
-            script(&guest, one, &tiers, &Options::default()),
-            script(&guest, other, &tiers, &Options::default()),
-        );
-        let both = format!(" --skip {ONCE_PER_KERNEL} --skip {ONCE}");
-        for suite in TIER_SUITES {
-            let first = runs(&script_one, "lsm", suite);
-            let later = runs(&script_one, "fentry", suite);
-            assert_eq!((first.len(), later.len()), (1, 1), "{script_one}");
-            assert!(!first[0].contains("--skip"), "{}", first[0]);
-            assert!(later[0].ends_with(&both), "{}", later[0]);
-            // The other kernel: its first tier runs the `kernel_` tests, not `any_tier_`.
-            let first = runs(&script_other, "lsm", suite);
-            let later = runs(&script_other, "fentry", suite);
+        let tiers = ["lsm".to_owned(), "fmod_ret".to_owned(), "fentry".to_owned()];
+        let skips = |line: &str| -> Vec<String> {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            (words.windows(2))
+                .filter(|w| w[0] == "--skip")
+                .map(|w| w[1].to_owned())
+                .collect()
+        };
+        let names =
+            |groups: &[&str]| -> Vec<String> { groups.iter().map(|g| g.to_string()).collect() };
+        for series in KERNELS {
+            let script = script(&guest, series, &tiers, &Options::default());
+            let each_tier = series.version == EACH_TIER_KERNEL;
+            for suite in TIER_SUITES {
+                for (nth, tier) in tiers.iter().enumerate() {
+                    let run = runs(&script, tier, suite);
+                    assert_eq!(run.len(), 1, "{script}");
+                    // `tier_` runs everywhere; `any_tier_` nowhere in the VM (the host's);
+                    // `kernel_` with each kernel's first tier; `each_tier_` on every
+                    // tier of one kernel.
+                    let mut skipped = names(&[ONCE]);
+                    if nth > 0 {
+                        skipped.push(ONCE_PER_KERNEL.into());
+                    }
+                    if !each_tier {
+                        skipped.push(EACH_TIER.into());
+                    }
+                    assert_eq!(skips(&run[0]), skipped, "{}: {}", series.version, run[0]);
+                }
+            }
+            let alloc = (tiers.iter())
+                .map(|tier| runs(&script, tier, "memory_at_alloc").len())
+                .collect::<Vec<_>>();
+            let newest = series.version == KERNEL_SUITE_KERNEL;
+            assert_eq!(alloc, [usize::from(newest), 0, 0], "{}", series.version);
+            assert!(!script.contains("systemd_unit"), "{script}");
             assert!(
-                first[0].ends_with(&format!(" --skip {ONCE}")),
-                "{}",
-                first[0]
+                script.contains("export GENV_TEST_ATTEMPTS=1000\n"),
+                "{script}"
             );
-            assert!(!first[0].contains(ONCE_PER_KERNEL), "{}", first[0]);
-            assert!(later[0].ends_with(&both), "{}", later[0]);
         }
-        assert_eq!(runs(&script_one, "lsm", "memory_at_alloc").len(), 1);
-        assert_eq!(runs(&script_one, "fentry", "memory_at_alloc").len(), 0);
-        assert_eq!(runs(&script_other, "lsm", "memory_at_alloc").len(), 0);
-        assert!(!script_one.contains("systemd_unit"), "{script_one}");
+        assert!(KERNELS.iter().any(|k| k.version == EACH_TIER_KERNEL));
+        assert!(KERNELS.iter().any(|k| k.version == KERNEL_SUITE_KERNEL));
     }
 
     /// Asked for tests by name, every kernel runs them (with its first tier).
@@ -202,9 +229,13 @@ mod tests {
             test_args: vec!["any_tier_x".into()],
             ..Options::default()
         };
-        let script = script(&guest, KERNELS[1], &["lsm".to_owned()], &options);
-        let first = runs(&script, "lsm", "prevention");
-        assert!(first[0].ends_with("'any_tier_x'"), "{}", first[0]);
+        for series in KERNELS {
+            let script = script(&guest, series, &["lsm".to_owned()], &options);
+            let first = runs(&script, "lsm", "prevention");
+            assert!(first[0].ends_with("'any_tier_x'"), "{}", first[0]);
+            // The attempt loop at its full size, as the benchmark asks for it.
+            assert!(!script.contains("GENV_TEST_ATTEMPTS"), "{script}");
+        }
     }
 
     #[test]

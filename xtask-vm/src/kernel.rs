@@ -100,7 +100,7 @@ fn prepare_package(cache: &Path, series: Series) -> Result<Kernel> {
         std::fs::create_dir_all(&unpacked)?;
         // linux-image-6.12.117+deb12-amd64 keeps them under 6.12.117+deb12-amd64/.
         let release = package.strip_prefix("linux-image-").unwrap_or(&package);
-        for deb in download(&apt, &package, release, &dir)? {
+        for deb in apt.download(&package, release, &dir)? {
             run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&unpacked))?;
             std::fs::remove_file(&deb)?;
         }
@@ -145,7 +145,8 @@ fn prepare_package(cache: &Path, series: Series) -> Result<Kernel> {
 fn current_package(apt: &Apt, series: Series) -> Result<String> {
     let metapackage = series.metapackage;
     let depends = || -> Result<Option<String>> {
-        Ok(depends_of(apt, metapackage)?
+        Ok(apt
+            .depends(metapackage)?
             .into_iter()
             .find(|dep| dep.starts_with("linux-image-")))
     };
@@ -172,51 +173,7 @@ fn current_package(apt: &Apt, series: Series) -> Result<String> {
     Ok(package)
 }
 
-/// What `package` depends on, by name (`apt-cache depends`, alternatives included).
-fn depends_of(apt: &Apt, package: &str) -> Result<Vec<String>> {
-    let out = apt
-        .command("apt-cache")
-        .args(["depends", package])
-        .output()
-        .context("running apt-cache (the VM kernel comes from Debian's archive)")?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| line.trim().trim_start_matches('|').strip_prefix("Depends: "))
-        .map(str::to_owned)
-        .collect())
-}
-
-/// Downloads the kernel package and the packages of its own release it depends on (from
-/// 7 on, the image, the modules and `modules.builtin` are three of them) into `dir`:
-/// their `.deb` files.
-fn download(apt: &Apt, package: &str, release: &str, dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut packages = vec![package.to_owned()];
-    let own = |dep: &String| dep.ends_with(&format!("-{release}")) && dep != package;
-    packages.extend(depends_of(apt, package)?.into_iter().filter(own));
-    let fetch = || {
-        apt.command("apt-get")
-            .arg("download")
-            .args(&packages)
-            .current_dir(dir)
-            .status()
-    };
-    if !fetch()?.success() {
-        // Stale package lists name a file the mirror no longer has.
-        run(apt.command("apt-get").arg("update"))?;
-        if !fetch()?.success() {
-            bail!("apt-get download {} failed", packages.join(" "));
-        }
-    }
-    (packages.iter())
-        .map(|wanted| {
-            find(dir, |name| {
-                name.starts_with(&format!("{wanted}_")) && name.ends_with(".deb")
-            })
-        })
-        .collect()
-}
-
-fn find(dir: &Path, matches: impl Fn(&str) -> bool) -> Result<PathBuf> {
+pub(crate) fn find(dir: &Path, matches: impl Fn(&str) -> bool) -> Result<PathBuf> {
     for entry in std::fs::read_dir(dir).with_context(|| format!("{}", dir.display()))? {
         let path = entry?.path();
         if path

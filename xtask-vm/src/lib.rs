@@ -1,6 +1,6 @@
 //! The VM runner behind `cargo xtask vm-test`: the tier-dependent tests on the kernel
-//! tiers this machine's kernel refuses ([`VM_TIERS`]: LSM, fmod_ret, fentry), on both of
-//! Debian bookworm's kernels (6.1 and 6.12, [`KERNELS`]) under QEMU, against test
+//! tiers this machine's kernel refuses ([`VM_TIERS`]: LSM, fmod_ret, fentry), on three of
+//! Debian's kernels (6.1, 6.12 and the newest, 7, [`KERNELS`]) under QEMU, against test
 //! executables the caller built (xtask builds them; this crate never runs cargo).
 //!
 //! Each kernel is booted once, and that boot runs every requested tier's suites in turn
@@ -36,19 +36,36 @@ pub use run::{refusal_check, run_kernel};
 pub use setup::{ensure_packages, prepare};
 
 /// The test binaries whose scenarios depend on the tier. Every test in them says in its
-/// name which group it is in (`tests/architecture.rs` fails on one that does not):
-/// `tier_…` runs on every tier of every kernel; `kernel_…` ([`ONCE_PER_KERNEL`]) proves
-/// the same whatever program sees the opens but depends on the kernel (its BTF, what
-/// its verifier accepts, which tiers it refuses) and runs with the first tier of each
-/// kernel; `any_tier_…` ([`ONCE`]) proves what neither changes (the exec, fork and exit
-/// hooks' behaviour, userspace's state handling, the memory poll) and runs with the
-/// first tier of [`ONE_KERNEL`] only, in CI's whole run (every kernel it is asked for,
-/// when `vm-test` is given test arguments). Every group runs on the host too.
+/// name which group it is in (`tests/architecture.rs` fails on one that does not), and
+/// so where it runs in CI's whole run (`docs/dev/testing.md`, "Which test runs where"):
+/// - `tier_…` (no other prefix): the kernel decides its outcome with the tier (whether
+///   the tier's programs load and attach, which opens reach them, whether they refuse
+///   or kill, its pins): every tier of every kernel;
+/// - [`EACH_TIER`] (`each_tier_…`): the tier decides it, the kernel does not (the same
+///   programs' verdicts, once loaded, and what the daemon makes of them): every tier of
+///   [`EACH_TIER_KERNEL`];
+/// - [`ONCE_PER_KERNEL`] (`kernel_…`): the kernel decides it, the tier does not (its BTF,
+///   what its verifier accepts, which tiers it refuses): the first tier of every kernel;
+/// - [`ONCE`] (`any_tier_…`): neither decides it (the exec, fork and exit hooks, which
+///   every tier shares and every `tier_` test loads, the daemon's state handling, the
+///   memory poll): the host's run only.
+///
+/// Every group runs on the host too. `vm-test` given test arguments runs what they
+/// select on every tier of every kernel asked for, the `kernel_` and `any_tier_` tests
+/// with the first tier.
 pub const TIER_SUITES: [&str; 4] = ["event_driven", "prevention", "identities", "notify"];
 /// The name prefix of the tier suites' tests that run once per kernel.
 pub const ONCE_PER_KERNEL: &str = "kernel_";
-/// The name prefix of the tier suites' tests that run on one kernel.
+/// The name prefix of the tier suites' tests that run on the host only in CI.
 pub const ONCE: &str = "any_tier_";
+/// The name prefix of the tier suites' tests that run on every tier of one kernel.
+pub const EACH_TIER: &str = "each_tier_";
+/// Every group's prefix. libtest's `--skip` matches anywhere in a name, so no test's
+/// name may hold another group's prefix after its own (`tests/architecture.rs`).
+pub const GROUPS: [&str; 4] = ["tier_", EACH_TIER, ONCE_PER_KERNEL, ONCE];
+/// The kernel whose tiers run the `each_tier_` tests: Debian 13's series, the middle of
+/// the three (the lanes' balance, `xtask/src/test.rs`).
+const EACH_TIER_KERNEL: &str = "6.12";
 /// The test binaries whose scenarios depend on the kernel, not the tier (uprobes load
 /// the same under every tier): run with the first tier, on one kernel, with the tests
 /// CI runs there (every test of it, when `vm-test` is given test arguments). Each of
@@ -58,9 +75,9 @@ pub const ONCE: &str = "any_tier_";
 /// processes that carry the probes; the rest (racing processes, other GPUs, every
 /// allocation call) is the same programs' arithmetic, run on the host.
 pub const KERNEL_SUITES: [&str; 1] = ["memory_at_alloc"];
-/// The kernel that runs what one kernel runs: the kernel suites and the `any_tier_`
-/// tests: the older one, Debian 12's own.
-const ONE_KERNEL: &str = "6.1";
+/// The kernel that runs the kernel suites: the newest, the first whose uprobe programs
+/// may write the registers (a refusal at the allocation, `docs/memory-at-alloc.md`).
+const KERNEL_SUITE_KERNEL: &str = "7";
 const KERNEL_SUITE_TESTS: [&str; 2] = [
     "the_allocation_that_crosses_the_cap",
     "only_processes_in_capped_environments",

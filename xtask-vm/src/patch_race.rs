@@ -80,7 +80,7 @@ mod tests {
     #[test]
     fn the_ci_consoles_oops_is_recognised_with_where_it_was() {
         let console = lines(
-            "[fentry tier] tier_a_crashed_daemons_exemption_names_no_later_process\n\
+            "[fentry tier] each_tier_a_crashed_daemons_exemption_names_no_later_process\n\
              [  884.608901] Oops: int3: 0000 [#1] PREEMPT SMP NOPTI\n\
              [  884.609992] CPU: 0 UID: 0 PID: 28606 Comm: a_crashed_daemo Not tainted\n\
              [  884.610165] RIP: 0010:security_file_open+0x5/0xe0\n\

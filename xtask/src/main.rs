@@ -3,7 +3,7 @@
 //! - `test`: the whole suite, what CI runs ([`test`]): formatting, lints, every
 //!   artefact built, then the host's suites beside the VM's ([`vm`], the `xtask-vm`
 //!   crate): the tier-dependent suites on every VM tier (LSM, fmod_ret, fentry) on each
-//!   of Debian bookworm's kernels (6.1 and 6.12), the harness's refusal check and the
+//!   of three Debian kernels (6.1, 6.12 and the newest, 7), the harness's refusal check and the
 //!   unit under systemd. The real genv 1.4.3 is installed from PyPI into
 //!   `target/debug/genv-venv` on first use; openssh-server and sudo from apt, for the
 //!   remote tests' hosts ([`setup`]).
