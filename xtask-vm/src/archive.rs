@@ -10,7 +10,6 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 use crate::command::run;
-use crate::kernel::find;
 
 /// The archive a [`crate::Series`] comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,4 +125,18 @@ impl Apt {
             })
             .collect()
     }
+}
+
+/// The first entry of `dir` whose name `matches`.
+pub(crate) fn find(dir: &Path, matches: impl Fn(&str) -> bool) -> Result<PathBuf> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("{}", dir.display()))? {
+        let path = entry?.path();
+        if path
+            .file_name()
+            .is_some_and(|n| matches(&n.to_string_lossy()))
+        {
+            return Ok(path);
+        }
+    }
+    bail!("nothing expected in {}", dir.display())
 }

@@ -26,7 +26,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use object::{Object, ObjectSection};
 
-use crate::archive::{Apt, Archive};
+use crate::archive::{Apt, Archive, find};
 use crate::command::run;
 
 /// The modules init loads, by name; their dependencies come from each `.ko`'s modinfo.
@@ -171,19 +171,6 @@ fn current_package(apt: &Apt, series: Series) -> Result<String> {
         );
     }
     Ok(package)
-}
-
-pub(crate) fn find(dir: &Path, matches: impl Fn(&str) -> bool) -> Result<PathBuf> {
-    for entry in std::fs::read_dir(dir).with_context(|| format!("{}", dir.display()))? {
-        let path = entry?.path();
-        if path
-            .file_name()
-            .is_some_and(|n| matches(&n.to_string_lossy()))
-        {
-            return Ok(path);
-        }
-    }
-    bail!("nothing expected in {}", dir.display())
 }
 
 /// Pulls the compressed payload out of a bzImage (boot protocol 2.08+: its offset and
