@@ -48,7 +48,7 @@ pub fn exported_offsets(
     if count > MAX_SECTIONS {
         return Err(ElfError::TooLarge {
             what: "section headers",
-            bytes: count as u64 * 64,
+            bytes: (count as u64).saturating_mul(64),
         });
     }
     let sections = header.section_headers(endian, data)?;
