@@ -292,10 +292,10 @@ fn tier_pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() 
     assert_untouched(&mut node, rogue, &lines, 1, "after unpin");
 }
 
-/// How many attempts the loop makes: `GENV_TEST_ATTEMPTS`, else 10,000. CI's guests ask
-/// for 1,000 on each of their nine kernel and tier pairs (a few seconds each under TCG,
-/// where 10,000 took a minute); the host, and `vm-test` given this test's name (as the
-/// benchmark does), make 10,000.
+/// How many attempts the loop makes: `GENV_TEST_ATTEMPTS`, else 10,000. CI's guests of
+/// 6.1 and 6.12 ask for 1,000 (`xtask-vm/src/guest.rs` says why); the host, the newest
+/// kernel's guest, and `vm-test` given this test's name (as the benchmark does), make
+/// 10,000.
 fn attempts_asked() -> u32 {
     match std::env::var("GENV_TEST_ATTEMPTS") {
         Ok(n) => n
@@ -306,7 +306,7 @@ fn attempts_asked() -> u32 {
 }
 
 #[test]
-fn tier_thousands_of_attempts_from_outside_never_get_the_gpu() {
+fn tier_thousands_of_attempts_from_outside_get_the_gpu_only_through_skipped_runs() {
     let _serial = serial();
     let asked = attempts_asked();
     let (node, [gpu, _]) = node();
@@ -338,11 +338,26 @@ fn tier_thousands_of_attempts_from_outside_never_get_the_gpu() {
         .as_bytes(),
     );
     assert_eq!(attempts, asked);
-    assert_eq!(succeeded, 0, "{said}");
+    // The one way an outside open returns: the kernel skipped the program for it (its
+    // recursion guard, on a kernel where programs run preemptibly: 7.x's fentry tier
+    // let 2 to 8 in 10,000 through). The kernel counts each skip; the daemon must have
+    // seen at least as many as got through, said so, and swept and resynchronised.
+    if succeeded > 0 {
+        let skipped = daemon.wait_count("skipped_open_runs");
+        assert!(
+            u64::from(succeeded) <= skipped,
+            "{succeeded} outside opens returned, {skipped} skipped runs seen: {said}"
+        );
+        daemon.expect("The kernel skipped");
+    }
     if tier_refuses(&daemon.tier) {
         assert_eq!((returned, killed), (asked, 0), "{said}");
     } else {
-        assert_eq!((returned, killed), (0, asked), "{said}");
+        assert_eq!(
+            (returned - succeeded, killed + succeeded),
+            (0, asked),
+            "{said}"
+        );
     }
 }
 

@@ -42,6 +42,11 @@ pub struct Series {
     pub metapackage: &'static str,
     /// Where apt finds the metapackage.
     pub archive: Archive,
+    /// Debian builds it to preempt tasks inside kernel programs (`PREEMPT_LAZY`, from 7
+    /// on; 6.1 and 6.12 are `PREEMPT_VOLUNTARY`): the trampoline and tracepoint
+    /// programs' recursion guard then skips runs, which the attempt loop must meet
+    /// (`guest.rs`).
+    pub preempts_programs: bool,
 }
 
 /// The kernels, in the order `cargo xtask vm-test` boots them: Debian 12's own (6.1),
@@ -53,16 +58,19 @@ pub const KERNELS: [Series; 3] = [
         version: "6.1",
         metapackage: "linux-image-amd64",
         archive: Archive::HostSources,
+        preempts_programs: false,
     },
     Series {
         version: "6.12",
         metapackage: "linux-image-6.12-amd64",
         archive: Archive::HostSources,
+        preempts_programs: false,
     },
     Series {
         version: "7",
         metapackage: "linux-image-amd64",
         archive: Archive::Suite("trixie-backports"),
+        preempts_programs: true,
     },
 ];
 

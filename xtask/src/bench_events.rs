@@ -272,7 +272,7 @@ fn vm_attempt_loops() -> Result<String> {
         crate::vm::KERNELS[0].version.into(),
         "--".into(),
         "--exact".into(),
-        "tier_thousands_of_attempts_from_outside_never_get_the_gpu".into(),
+        "tier_thousands_of_attempts_from_outside_get_the_gpu_only_through_skipped_runs".into(),
     ])?;
     let outcome = crate::vm::test(root, &options)?;
     if !outcome.passed() {

@@ -5,7 +5,8 @@
 //!   outside any environment is judged at once);
 //! - a write to `envs.json` or `devices.json` → a full cycle at once;
 //! - every `--memory-interval` → the memory rule;
-//! - every `--interval`, and whenever the kernel lost events → a full cycle, after which
+//! - every `--interval`, and whenever the kernel lost events or skipped a program's run
+//!   (`skip_watch`) → a full cycle, after which
 //!   the mirror ([`crate::sync`]) and `alloc` bring their maps in step;
 //! - with `--deny`, the kernel refuses or kills at the open itself; its decisions arrive
 //!   as open events and are reported by the reactions.
@@ -19,6 +20,7 @@ use anyhow::Result;
 use super::checks::Checks;
 use super::schedule::Schedule;
 use super::settings::Settings;
+use super::skip_watch::SkipWatch;
 use super::start::{self, EventSide};
 use super::state_watch::StateWatch;
 use crate::clock::unix_now;
@@ -130,6 +132,8 @@ struct Daemon {
     drain_every: Duration,
     /// `--metrics-addr`.
     metrics: Option<Arc<Metrics>>,
+    /// The runs the kernel skipped, looked at; `None` without kernel programs.
+    skips: Option<SkipWatch>,
 }
 
 impl Daemon {
@@ -170,6 +174,8 @@ impl Daemon {
         let kernel = &settings.kernel;
         let started = start::event_side(kernel, settings.interval, &mut status, &mut enforcer)?;
         let (kernel, intake) = started.unzip();
+        let skips = (kernel.as_ref())
+            .map(|side: &EventSide| SkipWatch::new(&side.programs, Instant::now()));
         let daemon = Self {
             reactions: Reactions::new(settings.kernel.verbose, settings.kernel.deny.root),
             checks: Checks::new(enforcer, metrics.clone()),
@@ -181,6 +187,7 @@ impl Daemon {
             undecodable: WarnOnce::default(),
             drain_every: DRAIN_EVERY,
             metrics,
+            skips,
         };
         Ok((daemon, intake))
     }
@@ -310,6 +317,7 @@ impl Daemon {
             }
             alloc.run_due(devices);
         }
+        self.look_at_skips(now, schedule);
         self.react(None, now);
         if let Some(first) = batch.unknown.first() {
             if self.undecodable.first(()) {
@@ -327,6 +335,29 @@ impl Daemon {
             tracing::warn!(
                 "The kernel lost {lost} events (its ring buffer was full); running a full cycle to resynchronise"
             );
+            schedule.full_now(now);
+        }
+    }
+
+    /// Runs the kernel skipped ([`SkipWatch`]): counted; with `--deny` every GPU node
+    /// swept of outsiders after this batch; a full cycle, as for lost events.
+    fn look_at_skips(&mut self, now: Instant, schedule: &mut Schedule) {
+        let (Some(side), Some(watch)) = (&self.kernel, self.skips.as_mut()) else {
+            return;
+        };
+        let Some(found) = watch.look(&side.programs, now) else {
+            return;
+        };
+        let counts = &mut self.status.counts;
+        counts.skipped_open_runs += found.new.open;
+        counts.skipped_lifecycle_runs += found.new.lifecycle;
+        if found.sweep && self.settings.kernel.deny.deny {
+            self.reactions.undecided_open();
+        }
+        if found.resync {
+            if let Some(metrics) = &self.metrics {
+                metrics.resynced();
+            }
             schedule.full_now(now);
         }
     }

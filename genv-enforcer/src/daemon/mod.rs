@@ -16,6 +16,7 @@ pub mod polling;
 mod schedule;
 mod settings;
 mod settled;
+mod skip_watch;
 mod start;
 pub mod state_watch;
 mod watchlist;

@@ -21,6 +21,7 @@ use super::offsets::{self, OffsetsError};
 use super::open_tiers;
 use super::pins;
 use super::policy_maps::PolicyMaps;
+use super::skipped_runs::SkippedRuns;
 use super::tier::{Tier, TierChoice};
 use super::tracefs;
 use super::trampoline::{self, Targets};
@@ -45,6 +46,9 @@ pub struct LoadOptions {
 }
 
 /// aya-log's level global in the object, and the level `--bpf-log` sets (`info`).
+/// How the programs that decide GPU opens are named in the object (`open_lsm`,
+/// `open_fentry`, `open_exit_at`, ...).
+const OPEN_PROGRAMS: &str = "open_";
 const LOG_LEVEL_GLOBAL: &str = "AYA_LOG_LEVEL";
 const LOG_LEVEL_INFO: u8 = 3;
 
@@ -96,6 +100,10 @@ pub struct ProgramStats {
     /// `--bpf-log` off saves shows here.
     #[serde(default)]
     pub translated_bytes: u32,
+    /// Runs the kernel skipped, finding the program already running on that CPU
+    /// ([`super::skipped_runs`]); counted whatever `kernel.bpf_stats_enabled` says.
+    #[serde(default)]
+    pub recursion_misses: u64,
 }
 
 impl KernelPrograms {
@@ -231,8 +239,23 @@ impl KernelPrograms {
                     run_time_ns,
                     verified_insns,
                     translated_bytes,
+                    recursion_misses: trampoline::recursion_misses(id).unwrap_or(0),
                 }
             })
             .collect()
+    }
+
+    /// The runs the kernel skipped so far, of the programs that decide GPU opens and of
+    /// the exec, fork and exit hooks.
+    pub fn skipped_runs(&self) -> SkippedRuns {
+        let mut skipped = SkippedRuns::default();
+        for &Attached { name, id, .. } in &self.programs {
+            let misses = trampoline::recursion_misses(id).unwrap_or(0);
+            match name.starts_with(OPEN_PROGRAMS) {
+                true => skipped.open += misses,
+                false => skipped.lifecycle += misses,
+            }
+        }
+        skipped
     }
 }

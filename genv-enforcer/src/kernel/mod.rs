@@ -8,7 +8,7 @@
 //! the programs decide from ([`policy_maps`]) and the pins that keep them ([`pins`]);
 //! `--memory-at-alloc`'s libcuda uprobes ([`cuda`]) and accounting maps
 //! ([`alloc_maps`]); the snapshot's view of processes through the identities the
-//! kernel recorded ([`inspector`]).
+//! kernel recorded ([`inspector`]); the runs the kernel skipped ([`skipped_runs`]).
 //!
 //! Loading hands each part to its one owner ([`Loaded`]): the events to
 //! [`crate::intake`], the policy maps to the mirror ([`crate::sync`]), the allocation
@@ -29,6 +29,7 @@ pub mod offsets;
 mod open_tiers;
 pub mod pins;
 pub mod policy_maps;
+pub mod skipped_runs;
 pub mod tier;
 pub mod tracefs;
 mod trampoline;
@@ -36,4 +37,5 @@ mod verifier_log;
 
 pub use error::LoadError;
 pub use loader::{EventMaps, KernelPrograms, LoadOptions, Loaded, ProgramStats};
+pub use skipped_runs::SkippedRuns;
 pub use tier::{Tier, TierChoice};

@@ -300,6 +300,18 @@ pub(super) fn counters(id: u32) -> io::Result<(u64, u64, u32, u32)> {
     ))
 }
 
+/// How many times the kernel skipped the loaded program `id` (`recursion_misses`): a
+/// trampoline or tracepoint program it found already running on that CPU, which on a
+/// preemptible kernel is another task preempted inside it (see
+/// [`super::skipped_runs`]).
+pub(super) fn recursion_misses(id: u32) -> io::Result<u64> {
+    // SAFETY: all-zero is a valid `bpf_attr` (plain integers).
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    attr.__bindgen_anon_6.__bindgen_anon_1.prog_id = id;
+    let program = bpf_fd(bpf_cmd::BPF_PROG_GET_FD_BY_ID, &mut attr)?;
+    Ok(info(program.as_raw_fd())?.recursion_misses)
+}
+
 /// Whether a program with this id is loaded (ids are handed out cyclically, so a freed
 /// one is not soon another's; a lookup that fails other than with ENOENT counts as
 /// loaded).

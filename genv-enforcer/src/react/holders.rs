@@ -30,19 +30,19 @@ pub struct Killed {
     pub subject: Option<Subject>,
 }
 
-/// Kills every process outside any environment that holds one of `gpus` open (root's
-/// only when `deny_root`); the enforcer, its ancestors, allow-listed tools and
-/// environments' processes are left alone.
+/// Kills every process outside any environment that holds one of `gpus` open (any GPU
+/// node, for `None`; root's only when `deny_root`); the enforcer, its ancestors,
+/// allow-listed tools and environments' processes are left alone.
 pub fn sweep(
     maps: &PolicyMaps,
     device_map: &DeviceMap,
-    gpus: &HashSet<u32>,
+    gpus: Option<&HashSet<u32>>,
     deny_root: bool,
 ) -> Vec<Killed> {
     let index_of = |major, minor| {
         device_map
             .index_of(major, minor)
-            .filter(|i| gpus.contains(i))
+            .filter(|i| gpus.is_none_or(|gpus| gpus.contains(i)))
     };
     let Ok(holders) = procfs::gpu_node_holders(Path::new("/proc"), &index_of) else {
         return Vec::new();

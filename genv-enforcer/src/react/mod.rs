@@ -69,6 +69,12 @@ impl Reactions {
         }
     }
 
+    /// `--deny`'s decision skipped by the kernel for some GPU open: every GPU node is
+    /// swept of holders outside environments after the batch.
+    pub fn undecided_open(&mut self) {
+        self.opens.sweep_every_gpu();
+    }
+
     /// After a batch of events: the GPUs whose openers the kernel killed are swept of
     /// other holders, once for the batch.
     pub fn after_batch(&mut self, around: &mut Around<'_>) {

@@ -16,6 +16,9 @@ pub struct Opens {
     lines: LineLimiter,
     /// GPUs the kernel killed an opener of since the last sweep for other holders.
     to_sweep: HashSet<u32>,
+    /// Every GPU node is to be swept: the kernel skipped a run of an open program, so
+    /// an open of any of them may have gone undecided.
+    sweep_every: bool,
 }
 
 impl Opens {
@@ -74,18 +77,26 @@ impl Opens {
         }
     }
 
+    /// An open of any GPU may have gone undecided (the kernel skipped a run of an open
+    /// program): the next sweep takes every GPU node's holders.
+    pub fn sweep_every_gpu(&mut self) {
+        self.sweep_every = true;
+    }
+
     /// After the kernel killed openers: whoever still holds those GPUs outside any
     /// environment (a process sharing the opener's file table) is killed too. One sweep
     /// of `/proc` per batch of events, however many kills it held.
     pub fn sweep_holders(&mut self, deny_root: bool, around: &mut Around<'_>) {
-        if self.to_sweep.is_empty() {
+        if self.to_sweep.is_empty() && !self.sweep_every {
             return;
         }
         let gpus = std::mem::take(&mut self.to_sweep);
+        let every = std::mem::take(&mut self.sweep_every);
         let Some((policy, device_map)) = around.mirror.holders_view() else {
             return;
         };
-        for killed in holders::sweep(policy, device_map, &gpus, deny_root) {
+        let which = (!every).then_some(&gpus);
+        for killed in holders::sweep(policy, device_map, which, deny_root) {
             println!("{}", killed.line());
             told::holder(around.notifier, &killed);
             around.counts.killed_holders += 1;

@@ -35,6 +35,7 @@ pub struct Metrics {
     reaction: Histogram,
     cycle: Histogram,
     lost: Counter,
+    skipped: Family<Labels, Counter>,
     resyncs: Counter,
     tier: Family<Labels, Gauge>,
     nvml_errors: Counter,
@@ -60,6 +61,7 @@ impl Metrics {
             // 100 µs to about 3.3 s.
             cycle: Histogram::new(exponential_buckets(0.000_1, 2.0, 16)),
             lost: Counter::default(),
+            skipped: Family::default(),
             resyncs: Counter::default(),
             tier: Family::default(),
             nvml_errors: Counter::default(),
@@ -93,8 +95,14 @@ impl Metrics {
             self.lost.clone(),
         );
         registry.register(
+            "skipped_runs",
+            "Runs of the kernel programs the kernel skipped (its recursion guard), by \
+             programs: open (a GPU open undecided) or lifecycle (exec, fork, exit)",
+            self.skipped.clone(),
+        );
+        registry.register(
             "resyncs",
-            "Full cycles run to resynchronise after lost events",
+            "Full cycles run to resynchronise after lost events or skipped runs",
             self.resyncs.clone(),
         );
         registry.register(
@@ -163,6 +171,16 @@ impl Metrics {
         }
         self.lost
             .inc_by(counts.lost_events.saturating_sub(last.lost_events));
+        for (programs, now, before) in [
+            ("open", counts.skipped_open_runs, last.skipped_open_runs),
+            (
+                "lifecycle",
+                counts.skipped_lifecycle_runs,
+                last.skipped_lifecycle_runs,
+            ),
+        ] {
+            add(&self.skipped, &[("programs", programs)], now, before);
+        }
         self.nvml_errors
             .inc_by(nvml_errors.saturating_sub(*last_nvml));
         if let Some(tier) = tier {

@@ -110,6 +110,13 @@ pub struct Counts {
     /// Identities the kernel could not record (its map full); each leads to a
     /// resynchronisation.
     pub identity_lost_in_kernel: u64,
+    /// Runs of the GPU-open programs, and of the exec, fork and exit hooks, the kernel
+    /// skipped (its recursion guard: `crate::kernel::skipped_runs`); each look that
+    /// finds some sweeps (`--deny`) and resynchronises.
+    #[serde(default)]
+    pub skipped_open_runs: u64,
+    #[serde(default)]
+    pub skipped_lifecycle_runs: u64,
     /// Unresolved identities the full cycle read from `/proc` (a lost exec event, a child
     /// forked before its parent was resolved).
     pub identities_resolved: u64,
