@@ -348,16 +348,13 @@ impl Daemon {
         let Some(found) = watch.look(&side.programs, now) else {
             return;
         };
-        let counts = &mut self.status.counts;
-        counts.skipped_open_runs += found.new.open;
-        counts.skipped_lifecycle_runs += found.new.lifecycle;
+        self.status.counts.skipped_open_runs += found.new.open;
+        self.status.counts.skipped_lifecycle_runs += found.new.lifecycle;
         if found.sweep && self.settings.kernel.deny.deny {
             self.reactions.undecided_open();
         }
         if found.resync {
-            if let Some(metrics) = &self.metrics {
-                metrics.resynced();
-            }
+            self.metrics.iter().for_each(|metrics| metrics.resynced());
             schedule.full_now(now);
         }
     }

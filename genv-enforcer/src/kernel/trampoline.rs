@@ -300,9 +300,7 @@ pub(super) fn counters(id: u32) -> io::Result<(u64, u64, u32, u32)> {
     ))
 }
 
-/// How many times the kernel skipped the loaded program `id` (`recursion_misses`): a
-/// trampoline or tracepoint program it found already running on that CPU, which on a
-/// preemptible kernel is another task preempted inside it (see
+/// How many times the kernel skipped the loaded program `id` (`recursion_misses`,
 /// [`super::skipped_runs`]).
 pub(super) fn recursion_misses(id: u32) -> io::Result<u64> {
     // SAFETY: all-zero is a valid `bpf_attr` (plain integers).

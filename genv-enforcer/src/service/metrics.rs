@@ -169,6 +169,17 @@ impl Metrics {
                 before,
             );
         }
+        self.follow_losses(counts, last);
+        self.nvml_errors
+            .inc_by(nvml_errors.saturating_sub(*last_nvml));
+        if let Some(tier) = tier {
+            self.tier.get_or_create(&labels(&[("tier", tier)])).set(1);
+        }
+        *seen = (counts.clone(), nvml_errors);
+    }
+
+    /// The events lost and the runs the kernel skipped since the last call.
+    fn follow_losses(&self, counts: &Counts, last: &Counts) {
         self.lost
             .inc_by(counts.lost_events.saturating_sub(last.lost_events));
         for (programs, now, before) in [
@@ -179,14 +190,14 @@ impl Metrics {
                 last.skipped_lifecycle_runs,
             ),
         ] {
-            add(&self.skipped, &[("programs", programs)], now, before);
+            let delta = now.saturating_sub(before);
+            if delta > 0 {
+                (self
+                    .skipped
+                    .get_or_create(&labels(&[("programs", programs)])))
+                .inc_by(delta);
+            }
         }
-        self.nvml_errors
-            .inc_by(nvml_errors.saturating_sub(*last_nvml));
-        if let Some(tier) = tier {
-            self.tier.get_or_create(&labels(&[("tier", tier)])).set(1);
-        }
-        *seen = (counts.clone(), nvml_errors);
     }
 
     /// The rules' decisions of one check.
