@@ -135,13 +135,22 @@ pub fn guarantee(tier: Option<Tier>, deny: DenyPolicy) -> String {
         true => "",
         false => "; root's processes are let through (--deny-root to include them)",
     };
-    match (tier, deny.deny) {
-        (Some(tier), true) if tier.refuses() => {
-            format!("refused in the kernel: the open fails with EPERM (--deny, {tier} tier){whose}")
+    // Every program but the LSM's carries the kernel's recursion guard: where the kernel
+    // preempts inside programs it may skip one (`crate::kernel::skipped_runs`).
+    let skips = match tier {
+        Some(Tier::Lsm) | None => "",
+        Some(_) => {
+            "; an open whose run the kernel skips (a kernel that preempts inside programs) \
+             is swept within 250 ms"
         }
+    };
+    match (tier, deny.deny) {
+        (Some(tier), true) if tier.refuses() => format!(
+            "refused in the kernel: the open fails with EPERM (--deny, {tier} tier){whose}{skips}"
+        ),
         (Some(tier), true) => format!(
             "killed in the syscall: SIGKILL from the {tier} program, before open() returns \
-             (--deny; no refusing tier, BPF LSM or fmod_ret, is loaded){whose}"
+             (--deny; no refusing tier, BPF LSM or fmod_ret, is loaded){whose}{skips}"
         ),
         (Some(_), false) => {
             "reacted to in userspace, milliseconds after the open (no --deny)".into()
@@ -192,6 +201,11 @@ mod tests {
             "{fmod_ret}"
         );
         assert!(guarantee(Some(Tier::Lsm), deny).contains("--deny-root"));
+        // Only the LSM's program has no recursion guard for the kernel to skip it by.
+        assert!(!guarantee(Some(Tier::Lsm), deny).contains("skips"));
+        for tier in [Tier::FmodRet, Tier::Fentry, Tier::Tracepoint] {
+            assert!(guarantee(Some(tier), deny).contains("swept within 250 ms"));
+        }
         assert!(!guarantee(Some(Tier::Lsm), everyone).contains("root"));
         assert!(guarantee(Some(Tier::Fentry), deny).starts_with("killed in the syscall"));
         assert!(guarantee(Some(Tier::Tracepoint), deny).contains("tracepoint program"));
