@@ -260,19 +260,31 @@ impl EventDaemon {
     /// The first line containing `needle`, among those printed so far or within 30 s.
     /// genv's lines go to stdout and the daemon's own to stderr, two pipes whose
     /// relative order is lost, so lines are matched in any order.
+    /// Each line is looked at once: a daemon that printed 30,000 decision lines (the
+    /// attempt loop) is searched in one pass, where a scan of every line at each new one
+    /// ran past the patience under TCG.
     pub fn expect(&self, needle: &str) -> String {
+        if let Some(line) = self.seen.borrow().iter().find(|l| l.contains(needle)) {
+            return line.clone();
+        }
         let deadline = Instant::now() + PATIENCE;
         loop {
-            if let Some(line) = self.seen.borrow().iter().find(|l| l.contains(needle)) {
-                return line.clone();
-            }
             let left = deadline.checked_duration_since(Instant::now());
-            match left.and_then(|left| self.daemon.output.recv_timeout(left).ok()) {
-                Some(line) => self.seen.borrow_mut().push(line),
-                None => panic!(
-                    "waited {PATIENCE:?} for a line containing {needle:?}; saw {:#?}",
-                    self.seen.borrow()
-                ),
+            let Some(line) = left.and_then(|left| self.daemon.output.recv_timeout(left).ok())
+            else {
+                let seen = self.seen.borrow();
+                let last = &seen[seen.len().saturating_sub(40)..];
+                panic!(
+                    "waited {PATIENCE:?} for a line containing {needle:?}; saw {} lines, the \
+                     last {}: {last:#?}",
+                    seen.len(),
+                    last.len()
+                );
+            };
+            let found = line.contains(needle);
+            self.seen.borrow_mut().push(line.clone());
+            if found {
+                return line;
             }
         }
     }

@@ -5,10 +5,10 @@
 //! guest's suites, genv's venv). Nothing builds after that point. Then three lanes run
 //! side by side, on this machine's two cores:
 //!
-//! 1. the 6.12 guest (every VM tier, and the `each_tier_` tests on each);
-//! 2. the host's suites (the tier-dependent ones on the tracepoint tier), then the 6.1
+//! 1. the 6.12 guest (every VM tier, and the `each_tier_` tests on each), then the 6.1
 //!    guest, the harness's refusal check, and the unit under systemd (the `.deb` built
 //!    first), the last two on 6.1's kernel;
+//! 2. the host's suites (the tier-dependent ones on the tracepoint tier);
 //! 3. the newest kernel's guest (7, with the `memory_at_alloc` tests).
 //!
 //! A guest under TCG keeps about one core busy, and the host's suites mostly wait on
@@ -76,13 +76,13 @@ fn phases(cargo_args: &[String]) -> Result<()> {
     // refusal check and the systemd boot use 6.1's kernel, whose files one boot at a
     // time may write: they follow its guest, in its lane.
     let lanes: Vec<Lane> = vec![
-        vec![boot(middle)],
         vec![
-            job("host tests", host_tests),
+            boot(middle),
             boot(first),
             job("vm refusal check", || vm::refusal_check(&guest, &first.1)),
             job("vm systemd", || vm::systemd_check(&guest, &first.1)),
         ],
+        vec![job("host tests", host_tests)],
         vec![boot(newest)],
     ];
     let failures = timings::lanes("host tests and vm (side by side)", lanes);
