@@ -117,7 +117,7 @@ fn usage_snapshot(
     }
     warnings.extend(crate::snapshot::name_confirmed_owners(
         &mut snapshot,
-        crate::backends::users::name_of,
+        crate::backends::users::name_for_snapshot,
     ));
     for warning in warnings {
         tracing::warn!("{}", warning.0);

@@ -201,7 +201,7 @@ impl Watcher {
         drop(lock);
         warnings.extend(crate::snapshot::name_confirmed_owners(
             &mut snapshot,
-            crate::backends::users::name_of,
+            crate::backends::users::name_for_snapshot,
         ));
         let warnings: HashSet<String> = warnings.iter().map(ToString::to_string).collect();
         for warning in warnings.difference(&self.warned) {
