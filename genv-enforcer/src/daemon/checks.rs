@@ -79,6 +79,9 @@ impl Checks {
             .as_ref()
             .is_none_or(|(envs, _)| envs.iter().any(|env| env.config.gpu_memory.is_some()));
         self.count(&summary, status);
+        for pid in &summary.terminated {
+            self.acted_on_opener(*pid);
+        }
         summary
     }
 
@@ -105,22 +108,29 @@ impl Checks {
             self.watchlist.computing(*pid);
         }
         self.count(&summary, status);
-        let now_ns = monotonic_ns();
         for pid in &summary.terminated {
-            if let Some(open) = self.watchlist.first_open(*pid) {
-                let after = now_ns.saturating_sub(open.at_ns);
-                if let Some(metrics) = &self.metrics {
-                    metrics.reacted(Duration::from_nanos(after));
-                }
-                let ms = after as f64 / 1e6;
-                tracing::info!(
-                    "Acted on process {pid} {ms:.2} ms after its open of GPU {} [{}]",
-                    open.index,
-                    open.tier
-                );
-            }
+            self.acted_on_opener(*pid);
             self.settled.insert(*pid, Instant::now());
         }
+    }
+
+    /// A process acted on after its GPU open: how long after, said and measured,
+    /// whichever check acted (its own, or a full cycle that came first: one that lost
+    /// or skipped events asks for it at once).
+    fn acted_on_opener(&self, pid: u32) {
+        let Some(open) = self.watchlist.first_open(pid) else {
+            return;
+        };
+        let after = monotonic_ns().saturating_sub(open.at_ns);
+        if let Some(metrics) = &self.metrics {
+            metrics.reacted(Duration::from_nanos(after));
+        }
+        let ms = after as f64 / 1e6;
+        tracing::info!(
+            "Acted on process {pid} {ms:.2} ms after its open of GPU {} [{}]",
+            open.index,
+            open.tier
+        );
     }
 
     /// A process the kernel knows to be outside any environment made a CUDA context:
