@@ -287,11 +287,7 @@ fn info(fd: RawFd) -> io::Result<bpf_prog_info> {
 /// runs and run time (ns; counted while `kernel.bpf_stats_enabled` is 1), and the
 /// instructions the verifier processed, and the bytes of the program it left.
 pub(super) fn counters(id: u32) -> io::Result<(u64, u64, u32, u32)> {
-    // SAFETY: all-zero is a valid `bpf_attr` (plain integers).
-    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
-    attr.__bindgen_anon_6.__bindgen_anon_1.prog_id = id;
-    let program = bpf_fd(bpf_cmd::BPF_PROG_GET_FD_BY_ID, &mut attr)?;
-    let record = info(program.as_raw_fd())?;
+    let record = info_by_id(id)?;
     Ok((
         record.run_cnt,
         record.run_time_ns,
@@ -303,11 +299,16 @@ pub(super) fn counters(id: u32) -> io::Result<(u64, u64, u32, u32)> {
 /// How many times the kernel skipped the loaded program `id` (`recursion_misses`,
 /// [`super::skipped_runs`]).
 pub(super) fn recursion_misses(id: u32) -> io::Result<u64> {
+    Ok(info_by_id(id)?.recursion_misses)
+}
+
+/// The kernel's record of the loaded program `id`.
+fn info_by_id(id: u32) -> io::Result<bpf_prog_info> {
     // SAFETY: all-zero is a valid `bpf_attr` (plain integers).
     let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
     attr.__bindgen_anon_6.__bindgen_anon_1.prog_id = id;
     let program = bpf_fd(bpf_cmd::BPF_PROG_GET_FD_BY_ID, &mut attr)?;
-    Ok(info(program.as_raw_fd())?.recursion_misses)
+    info(program.as_raw_fd())
 }
 
 /// Whether a program with this id is loaded (ids are handed out cyclically, so a freed
