@@ -67,7 +67,8 @@ pub mod kind {
     pub const OPEN: u32 = 4;
     /// A process in an environment allocated past its environment's `gpu_memory` on a
     /// GPU (`--memory-at-alloc`), as an [`AllocEvent`]: `index` is the GPU, `verdict` one of
-    /// [`verdict::ALLOC_KILLED`], [`verdict::ALLOC_REPORTED`], [`verdict::ALLOC_KILL_FAILED`].
+    /// [`verdict::ALLOC_KILLED`], [`verdict::ALLOC_REPORTED`], [`verdict::ALLOC_KILL_FAILED`],
+    /// [`verdict::ALLOC_REFUSED`].
     pub const ALLOC: u32 = 5;
     /// A process started using CUDA (`cuInit`, a context retained or created): `arg`
     /// is one of [`crate::cuda_call`]. The daemon learns the process's device numbering
@@ -141,6 +142,10 @@ pub mod policy {
     /// `--memory-at-alloc kill`: the allocating process is sent SIGKILL in the call,
     /// before the driver hands anything out.
     pub const MEMORY_KILL: u32 = 8;
+    /// `--memory-at-alloc refuse`, where the kernel loaded the refusing programs: the
+    /// call returns `CUDA_ERROR_OUT_OF_MEMORY` without running. Set with
+    /// [`MEMORY_KILL`], which a call the program cannot refuse meets instead.
+    pub const MEMORY_REFUSE: u32 = 16;
 }
 
 /// Slots of [`DECISIONS_MAP`].
@@ -187,6 +192,9 @@ pub mod verdict {
     pub const ALLOC_REPORTED: u32 = 11;
     /// An allocation past the cap whose SIGKILL could not be sent: the call went on.
     pub const ALLOC_KILL_FAILED: u32 = 12;
+    /// An allocation past the cap that returned `CUDA_ERROR_OUT_OF_MEMORY` without
+    /// running (`--memory-at-alloc refuse`): the process lives, nothing was charged.
+    pub const ALLOC_REFUSED: u32 = 13;
 }
 
 /// An active environment, as the kernel side sees it.

@@ -63,5 +63,7 @@ pub struct AllocEvent {
     pub env: u64,
     /// Bytes the environment would use on the GPU with the allocation.
     pub would_use: u64,
+    /// The allocation's size, as charged (at most [`crate::alloc::MAX_CHARGE`]).
+    pub size: u64,
     pub subject: Subject,
 }

@@ -9,7 +9,7 @@ use genv_ebpf_common::{EXEC_UNRESOLVED, FORK_UNRESOLVED, RawEvent, decision, ide
 
 use crate::env_block::{Scan, environment_identity};
 use crate::kernel::{current, read};
-use crate::maps::{PROC_ENV, Wake, count_decision, offsets, send};
+use crate::maps::{PROC_ENV, Wake, count_decision, now_ns, offsets, send};
 
 /// `sched/sched_process_exec`: the current task has a new program image and a new
 /// environment block, whose `GENV_ENVIRONMENT_ID` becomes its identity. The whole block
@@ -44,12 +44,15 @@ fn exec(identity: u64) -> u32 {
     } else {
         Wake::Now
     };
+    // Stamped: the daemon hears of the exec after the fact, and what it read of the
+    // process since is the new image's (`alloc`).
     lifecycle_event(
         RawEvent {
             kind: kind::EXEC,
             pid,
             tid,
             arg,
+            ktime_ns: now_ns(),
             ..RawEvent::default()
         },
         wake,

@@ -4,9 +4,10 @@
 use aya_ebpf::helpers::{bpf_get_current_uid_gid, bpf_send_signal};
 use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
-use genv_ebpf_common::alloc::{Charge, Delta, EnvGpu, MAX_CHARGE, ProcGpu};
+use genv_ebpf_common::alloc::{Charge, EnvGpu, MAX_CHARGE, ProcGpu};
 use genv_ebpf_common::{AllocEvent, RawEvent, hook, identity, kind, policy, verdict};
 
+use super::account::{add, counter, shift};
 use super::context::{current_device, nvml_index};
 use super::{
     ALLOC_BASE, ALLOC_DELTA, ALLOCS, BPF_NOEXIST, CALL_ALLOC, CALL_ALLOC_UNCHARGED, CALL_FREE,
@@ -22,13 +23,21 @@ use crate::told::subject;
 /// `cuMemAllocFromPoolAsync`): on the current context's device.
 #[uprobe]
 pub fn cu_mem_alloc(ctx: ProbeContext) -> u32 {
+    alloc_entry::<false>(&ctx)
+}
+
+/// The entry probes' bodies, shared with their refusing forms ([`super::refuse`]):
+/// `REFUSE` is a constant, so that a plain program holds no store to its registers
+/// (which every kernel before 7 refuses at load).
+#[inline(always)]
+pub(super) fn alloc_entry<const REFUSE: bool>(ctx: &ProbeContext) -> u32 {
     if !held() {
         return 0;
     }
     let (Some(out), Some(size)) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1)) else {
         return 0;
     };
-    allocating(out, size, None, None);
+    allocating::<REFUSE>(ctx, out, size, None, None);
     0
 }
 
@@ -39,6 +48,11 @@ pub fn cu_mem_alloc(ctx: ProbeContext) -> u32 {
 /// the driver chose a larger pitch.
 #[uprobe]
 pub fn cu_mem_alloc_pitch(ctx: ProbeContext) -> u32 {
+    pitch_entry::<false>(&ctx)
+}
+
+#[inline(always)]
+pub(super) fn pitch_entry<const REFUSE: bool>(ctx: &ProbeContext) -> u32 {
     if !held() {
         return 0;
     }
@@ -51,7 +65,8 @@ pub fn cu_mem_alloc_pitch(ctx: ProbeContext) -> u32 {
         return 0;
     };
     let pitch = width.saturating_add(PITCH_ALIGN - 1) & !(PITCH_ALIGN - 1);
-    allocating(out, product(pitch, height), None, Some((pitch_out, height)));
+    let rows = Some((pitch_out, height));
+    allocating::<REFUSE>(ctx, out, product(pitch, height), None, rows);
     0
 }
 
@@ -72,6 +87,11 @@ fn product(a: u64, b: u64) -> u64 {
 /// name (PyTorch's expandable segments).
 #[uprobe]
 pub fn cu_mem_create(ctx: ProbeContext) -> u32 {
+    create_entry::<false>(&ctx)
+}
+
+#[inline(always)]
+pub(super) fn create_entry<const REFUSE: bool>(ctx: &ProbeContext) -> u32 {
     if !held() {
         return 0;
     }
@@ -83,7 +103,7 @@ pub fn cu_mem_create(ctx: ProbeContext) -> u32 {
     let location = read_user_u64(prop.wrapping_add(PROP_LOCATION)).unwrap_or(0);
     let (kind, device) = (location as i32, (location >> 32) as i32);
     if kind == LOCATION_DEVICE && device >= 0 {
-        allocating(out, size, Some(device as u32), None);
+        allocating::<REFUSE>(ctx, out, size, Some(device as u32), None);
     } else {
         // Host or NUMA memory: not a GPU's. The return probe must still find this
         // call's own record, not an outer call's.
@@ -196,7 +216,13 @@ fn uncharged(out: u64, size: u64) -> Pending {
 /// the call names one, otherwise the current context's. Sizes are charged up to
 /// [`MAX_CHARGE`], kept as charged for the return probe.
 #[inline(always)]
-fn allocating(out: u64, size: u64, device: Option<u32>, pitch: Option<(u64, u64)>) {
+fn allocating<const REFUSE: bool>(
+    ctx: &ProbeContext,
+    out: u64,
+    size: u64,
+    device: Option<u32>,
+    pitch: Option<(u64, u64)>,
+) {
     let (pid, tid) = current();
     let size = size.min(MAX_CHARGE);
     let mut pending = uncharged(out, size);
@@ -210,7 +236,7 @@ fn allocating(out: u64, size: u64, device: Option<u32>, pitch: Option<(u64, u64)
     let gpus = CUDA_GPUS.get(0).copied().unwrap_or(0);
     let gpu = nvml_index(pid, device).filter(|gpu| *gpu < gpus);
     if let (Some(env), Some(gpu)) = (capped_environment(pid), gpu) {
-        if charge(pid, env, gpu, size) {
+        if charge::<REFUSE>(ctx, Account { pid, env, gpu }, size) {
             pending.env = env;
             pending.gpu = gpu;
             pending.call = CALL_ALLOC;
@@ -219,10 +245,19 @@ fn allocating(out: u64, size: u64, device: Option<u32>, pitch: Option<(u64, u64)
     let _ = PENDING.insert(tid, pending, 0);
 }
 
-/// Charges `size` bytes to `env` on `gpu`, then checks its cap; whether the charge
-/// stands (false: the process was killed in the call, and the charge taken back).
+/// Whose allocation: the process, and its environment on a GPU.
+#[derive(Clone, Copy)]
+struct Account {
+    pid: u32,
+    env: u64,
+    gpu: u32,
+}
+
+/// Charges `size` bytes to the account, then checks its cap; whether the charge stands
+/// (false: the call was refused or its process killed, and the charge taken back).
 #[inline(always)]
-fn charge(pid: u32, env: u64, gpu: u32, size: u64) -> bool {
+fn charge<const REFUSE: bool>(ctx: &ProbeContext, account: Account, size: u64) -> bool {
+    let Account { pid, env, gpu } = account;
     let key = EnvGpu { env, gpu, _pad: 0 };
     // SAFETY: a plain lookup; the value is copied out at once.
     let Some(cap) = (unsafe { ENV_MEMORY.get(env) }).copied() else {
@@ -250,17 +285,25 @@ fn charge(pid: u32, env: u64, gpu: u32, size: u64) -> bool {
         charge_process(pid, env, gpu, size);
         return true;
     };
+    let say = |verdict| report(account, usage, size, verdict);
+    // Refused only by a refusing program (a constant: the plain ones hold no store to
+    // their registers); one that cannot refuse this call kills it instead.
+    if REFUSE && flags & policy::MEMORY_REFUSE != 0 && super::refuse::return_out_of_memory(ctx) {
+        shift(delta, -size);
+        say(verdict::ALLOC_REFUSED);
+        return false;
+    }
     if flags & policy::MEMORY_KILL != 0 {
         // SAFETY: signals the current process; SIGKILL is delivered before the call
         // returns to user space, so the driver never sees it.
         if unsafe { bpf_send_signal(SIGKILL) } == 0 {
             shift(delta, -size);
-            report(pid, env, gpu, usage, verdict::ALLOC_KILLED);
+            say(verdict::ALLOC_KILLED);
             return false;
         }
-        report(pid, env, gpu, usage, verdict::ALLOC_KILL_FAILED);
+        say(verdict::ALLOC_KILL_FAILED);
     } else if flags & policy::MEMORY_REPORT != 0 {
-        report(pid, env, gpu, usage, verdict::ALLOC_REPORTED);
+        say(verdict::ALLOC_REPORTED);
     }
     charge_process(pid, env, gpu, size);
     true
@@ -293,49 +336,9 @@ fn charge_process(pid: u32, env: u64, gpu: u32, size: i64) {
     }
 }
 
-/// The environment's delta on a GPU, created at 0 (two CPUs creating it at once: one
-/// insert fails, both find the same entry).
 #[inline(always)]
-fn counter(key: &EnvGpu) -> Option<*mut Delta> {
-    if let Some(delta) = ALLOC_DELTA.get_ptr_mut(key) {
-        return Some(delta);
-    }
-    let _ = ALLOC_DELTA.insert(key, Delta::default(), BPF_NOEXIST);
-    ALLOC_DELTA.get_ptr_mut(key)
-}
-
-/// Moves an account by `bytes`, the move counted first: a reader that sees the bytes
-/// changed sees the count changed too (the daemon tells a poll with an allocation or
-/// free in flight by the count).
-#[inline(always)]
-fn shift(delta: *mut Delta, bytes: i64) {
-    // SAFETY: map memory, two aligned 8-byte fields; `moves` only ever grows, and as a
-    // u64 it wraps as the i64 add does.
-    unsafe {
-        add((&raw mut (*delta).moves).cast::<i64>(), 1);
-        add(&raw mut (*delta).bytes, bytes);
-    }
-}
-
-/// An atomic add whose result is not used (BPF's `XADD`, on every kernel and CPU
-/// version): the cap is checked on a read after it, which sees at least this add and
-/// every earlier one.
-#[inline(always)]
-fn add(at: *mut i64, value: i64) {
-    // SAFETY: an aligned i64 in map memory, which lives as long as the map. (The BPF
-    // target has no `AtomicI64::fetch_add`: its atomics are these instructions.)
-    unsafe {
-        core::arch::asm!(
-            "lock *(u64 *)({at} + 0) += {value}",
-            at = in(reg) at,
-            value = in(reg) value,
-            options(nostack),
-        )
-    };
-}
-
-#[inline(always)]
-fn report(pid: u32, env: u64, gpu: u32, usage: i64, verdict: u32) {
+fn report(account: Account, usage: i64, size: i64, verdict: u32) {
+    let Account { pid, env, gpu } = account;
     let (_, tid) = current();
     let event = AllocEvent {
         head: RawEvent {
@@ -351,6 +354,7 @@ fn report(pid: u32, env: u64, gpu: u32, usage: i64, verdict: u32) {
         },
         env,
         would_use: usage.max(0) as u64,
+        size: size as u64,
         subject: subject(&offsets()),
     };
     send(&event, Wake::Now);

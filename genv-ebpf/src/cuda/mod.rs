@@ -12,8 +12,10 @@
 //!   `cuMemAllocFromPoolAsync`, `cuMemCreate`): the entry probe charges the size to the
 //!   process's environment on that GPU *before* checking the cap, so two processes
 //!   racing can both be refused but never both let through; over the cap, the process
-//!   is sent SIGKILL in the call (or reported). The return probe takes the charge back
-//!   if the call failed, or records the pointer or handle for its free.
+//!   is sent SIGKILL in the call (or reported), or, by the refusing forms of these
+//!   programs (`refuse`, on kernels that let a uprobe program set registers), the call
+//!   returns `CUDA_ERROR_OUT_OF_MEMORY` without running. The return probe takes the
+//!   charge back if the call failed, or records the pointer or handle for its free.
 //! - Frees (`cuMemFree_v2`, `cuMemFreeAsync`, `cuMemRelease`): the charge is taken back
 //!   when the call succeeds.
 //!
@@ -33,8 +35,11 @@ use genv_ebpf_common::{MAX_ENVS, RawEvent, cuda_call, hook, kind};
 use crate::kernel::current;
 use crate::maps::{Wake, emit};
 
+mod account;
 mod context;
 mod memory;
+mod refuse;
+mod refusing;
 
 pub(super) const SIGKILL: u32 = 9;
 /// `CU_MEM_LOCATION_TYPE_DEVICE`: a `cuMemCreate` on a GPU (not host or NUMA memory).
