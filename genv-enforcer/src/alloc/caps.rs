@@ -25,15 +25,31 @@ pub enum MemoryAtAlloc {
     Report,
     /// SIGKILL in the call, before the driver hands anything out.
     Kill,
+    /// The call returns CUDA_ERROR_OUT_OF_MEMORY without running, and the program lives
+    /// (on kernels that let a uprobe program set registers; elsewhere as kill, said at
+    /// start and in status).
+    Refuse,
 }
 
 impl MemoryAtAlloc {
+    /// As the flag takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryAtAlloc::Off => "off",
+            MemoryAtAlloc::Report => "report",
+            MemoryAtAlloc::Kill => "kill",
+            MemoryAtAlloc::Refuse => "refuse",
+        }
+    }
+
     /// Its `POLICY` flag.
     pub fn policy_flags(self) -> u32 {
         match self {
             MemoryAtAlloc::Off => 0,
             MemoryAtAlloc::Report => policy::MEMORY_REPORT,
             MemoryAtAlloc::Kill => policy::MEMORY_KILL,
+            // A call the program cannot move is killed instead.
+            MemoryAtAlloc::Refuse => policy::MEMORY_REFUSE | policy::MEMORY_KILL,
         }
     }
 }
@@ -103,6 +119,11 @@ impl Caps {
             ),
             AllocOutcome::KillFailed => format!(
                 "could NOT kill process {} at the allocation (the memory rule acts at its next poll)",
+                over.pid
+            ),
+            AllocOutcome::Refused => format!(
+                "refused an allocation of {} by process {} (CUDA_ERROR_OUT_OF_MEMORY)",
+                format_megabytes(over.size),
                 over.pid
             ),
         };
@@ -319,6 +340,7 @@ mod tests {
             env: 7,
             index: 0,
             would_use: 1_200_000_000,
+            size: 600 << 20,
             outcome: AllocOutcome::Killed,
             at_ns: 0,
             subject: Default::default(),

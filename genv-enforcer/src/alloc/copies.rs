@@ -26,6 +26,9 @@ const CHECKS_PER_LOOK: usize = 128;
 const MAX_SEEN: usize = 1 << 16;
 /// How long after a budget refusal for a uid another is said.
 const SAY_AGAIN: Duration = Duration::from_secs(60);
+/// Processes whose last look is remembered; past this (exits lost), all are forgotten,
+/// which only has an exec heard of late forget what a look read of the new image.
+const MAX_LOOKED: usize = 1 << 16;
 
 /// What a file examined turned out to be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +65,8 @@ pub(super) struct Copies {
     probed: Vec<u32>,
     /// Processes whose mappings did not answer in time, said once each.
     held_said: HashSet<u32>,
+    /// When each process's mappings were last read (CLOCK_MONOTONIC ns), for its exec.
+    looked_at: HashMap<u32, u64>,
 }
 
 impl Copies {
@@ -103,10 +108,26 @@ impl Copies {
         self.looks.next_due()
     }
 
+    /// `pid` exec'ed at `at_ns`: as [`Self::gone`], unless its mappings were read since
+    /// (an open of the old image's handled after the exec looks at the new image): they
+    /// are the new image's, and stay. Its looks start again either way.
+    pub(super) fn execed(&mut self, probes: &mut Probes, pid: u32, at_ns: u64) {
+        if self
+            .looked_at
+            .get(&pid)
+            .is_some_and(|looked| *looked > at_ns)
+        {
+            self.looks.forget(pid);
+            return;
+        }
+        self.gone(probes, pid);
+    }
+
     /// `pid` exec'ed or exited: its mappings are gone, and with the last process
     /// mapping a copy, the copy's probes.
     pub(super) fn gone(&mut self, probes: &mut Probes, pid: u32) {
         self.looks.forget(pid);
+        self.looked_at.remove(&pid);
         self.held_said.remove(&pid);
         for id in self.mapped_by.remove(&pid).unwrap_or_default() {
             let unmapped = self.copies.get_mut(&id).is_some_and(|copy| {
@@ -126,6 +147,11 @@ impl Copies {
         let Ok(stat) = procfs::stat(pid) else {
             return; // gone
         };
+        // Stamped before the read: an exec between the two counts as after it.
+        if self.looked_at.len() >= MAX_LOOKED && !self.looked_at.contains_key(&pid) {
+            self.looked_at.clear();
+        }
+        self.looked_at.insert(pid, crate::clock::monotonic_ns());
         let started = stat.start_time;
         let process = stat.image_of(pid);
         let opened = match address_space::read(process, SpaceFile::Maps, move || open_mapped(pid)) {

@@ -59,6 +59,8 @@ pub struct AllocSide {
     verbose: bool,
     /// The processes of capped environments whose CUDA numbering was read.
     capped: capped::Capped,
+    /// When each process's environment was last read (CLOCK_MONOTONIC ns), for its exec.
+    environ_read: HashMap<u32, u64>,
 }
 
 impl AllocSide {
@@ -84,6 +86,7 @@ impl AllocSide {
             unresolved: HashMap::new(),
             verbose,
             capped: capped::Capped::default(),
+            environ_read: HashMap::new(),
         };
         // A given library that cannot be opened is said by name (never looked at by
         // path first: on a FUSE mount even a `stat` could wait for ever).
@@ -246,6 +249,8 @@ impl AllocSide {
     /// at its exec or fork into a capped environment (which may be too late for its
     /// `cuInit`).
     fn read_devices(&mut self, (pid, started): (u32, u64), gpus: &[GpuInfo], what: &str) {
+        // Stamped before the read: an exec between the two counts as after it.
+        self.environ_read.insert(pid, crate::clock::monotonic_ns());
         let maps = &mut self.maps;
         // CUDA reads it with getenv: the first assignment wins.
         let names = ["CUDA_VISIBLE_DEVICES", GPU_MEMORY_VAR, SHELL_VAR];
@@ -332,10 +337,14 @@ impl AllocSide {
         self.copies.next_look()
     }
 
-    /// A process exec'ed: its old image's memory is gone with its address space, and
-    /// its charges come off now.
-    pub fn execed(&mut self, pid: u32) {
-        if self.forget(pid).is_some() {
+    /// A process exec'ed (at `at_ns`): its old image's memory is gone with its address
+    /// space, and its charges come off now. What was read of it since (heard of late,
+    /// an open of the old image's has its look read the new one) is the new image's,
+    /// and stays: forgotten, the copy it maps went unprobed until its next look.
+    pub fn execed(&mut self, pid: u32, at_ns: u64) {
+        self.copies.execed(&mut self.probes, pid, at_ns);
+        let read_since = self.environ_read.get(&pid).is_some_and(|at| *at > at_ns);
+        if !read_since && self.forget_image(pid).is_some() {
             self.maps.process_exited(pid);
         }
     }
@@ -344,15 +353,16 @@ impl AllocSide {
     /// ([`Self::settle_exits`], which the daemon calls after every batch of events).
     pub fn exiting(&mut self, pid: u32) {
         self.capped.forget(pid);
-        if let Some(started) = self.forget(pid) {
+        self.copies.gone(&mut self.probes, pid);
+        if let Some(started) = self.forget_image(pid) {
             self.exiting.insert(pid, started);
         }
     }
 
-    /// What is known of `pid`'s image goes (its mappings, numbering, started cap); the
-    /// start time it had, if it ran CUDA (it then has charges to take off).
-    fn forget(&mut self, pid: u32) -> Option<u64> {
-        self.copies.gone(&mut self.probes, pid);
+    /// What was read of `pid`'s environment goes (numbering, started cap); the start
+    /// time it had, if it ran CUDA (it then has charges to take off).
+    fn forget_image(&mut self, pid: u32) -> Option<u64> {
+        self.environ_read.remove(&pid);
         self.unresolved.remove(&pid);
         self.started_caps.remove(&pid);
         self.cuda_pids.remove(&pid)

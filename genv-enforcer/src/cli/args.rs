@@ -244,9 +244,11 @@ pub struct EventArgs {
 
     /// Hold environments' gpu_memory at the allocation: uprobes on libcuda's
     /// allocation calls charge each to its environment and GPU, and one that would take
-    /// the environment past its cap is reported (`report`) or its process killed in the
-    /// call, before the driver hands anything out (`kill`). The memory rule still acts
-    /// after the fact, as the safety net.
+    /// the environment past its cap is reported (`report`), its process killed in the
+    /// call, before the driver hands anything out (`kill`), or made to return
+    /// CUDA_ERROR_OUT_OF_MEMORY without running, the process living on (`refuse`; on
+    /// kernels that let a uprobe program set registers, else as `kill`, said at start).
+    /// The memory rule still acts after the fact, as the safety net.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = MemoryAtAlloc::Off)]
     pub memory_at_alloc: MemoryAtAlloc,
 

@@ -13,7 +13,7 @@ use crate::backends::procfs;
 use crate::cycle::Enforcer;
 use crate::intake::EventIntake;
 use crate::intake::decision_log::{self, EnvNames, Printer};
-use crate::kernel::cuda::CudaKernel;
+use crate::kernel::cuda::{AllocProbes, CudaKernel, RefusalAtAlloc};
 use crate::kernel::inspector::KernelInspector;
 use crate::kernel::lifecycle::EnvScan;
 use crate::kernel::loader::Loaded;
@@ -76,6 +76,8 @@ pub fn event_side(
         true => Some(start_decision_log(&mut programs)?),
         false => None,
     };
+    let refusal = cuda.as_ref().map(|c| c.refusal.clone());
+    let settings = &as_loaded(settings, refusal, status);
     let alloc = match cuda {
         Some(cuda) => Some(start_alloc(cuda, &policy, settings)?),
         None => None,
@@ -94,6 +96,29 @@ pub fn event_side(
         alloc,
     };
     Ok(Some((side, intake)))
+}
+
+/// The settings as the kernel can keep them: `--memory-at-alloc refuse` is `kill` where
+/// the kernel refused the refusing programs, said at start and in status with its
+/// reason. `status.memory_at_alloc` says what allocations past a cap meet.
+fn as_loaded(
+    settings: &KernelSettings,
+    refusal: Option<RefusalAtAlloc>,
+    status: &mut Status,
+) -> KernelSettings {
+    let mut loaded = settings.clone();
+    if let Some(RefusalAtAlloc::Refused(why)) = refusal {
+        tracing::warn!(
+            "--memory-at-alloc refuse: this kernel does not let a uprobe program set registers ({why}); an allocation past its environment's gpu_memory kills its process in the call instead, as with kill"
+        );
+        loaded.memory_at_alloc = MemoryAtAlloc::Kill;
+        status.memory_at_alloc = Some(format!(
+            "kill (refuse asked for; the kernel refused the refusing programs: {why})"
+        ));
+    } else if loaded.memory_at_alloc != MemoryAtAlloc::Off {
+        status.memory_at_alloc = Some(loaded.memory_at_alloc.name().to_owned());
+    }
+    loaded
 }
 
 /// `--memory-at-alloc`'s stage, on its maps and probes, reading identities through a
@@ -202,7 +227,11 @@ fn load(
         pin_dir: pin_generation.clone(),
         compat_opens: settings.deny.deny,
         log_decisions: settings.bpf_log,
-        memory_at_alloc: settings.memory_at_alloc != MemoryAtAlloc::Off,
+        memory_at_alloc: match settings.memory_at_alloc {
+            MemoryAtAlloc::Off => AllocProbes::Off,
+            MemoryAtAlloc::Report | MemoryAtAlloc::Kill => AllocProbes::Plain,
+            MemoryAtAlloc::Refuse => AllocProbes::Refusing,
+        },
     };
     let loaded = match KernelPrograms::load(&options) {
         Ok(loaded) => loaded,

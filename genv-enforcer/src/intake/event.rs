@@ -16,6 +16,8 @@ pub enum KernelEvent {
     Exec {
         pid: u32,
         unresolved: bool,
+        /// CLOCK_MONOTONIC nanoseconds of the exec.
+        at_ns: u64,
     },
     /// `unresolved`: the child inherited its parent's unresolved identity; the daemon
     /// must tell the kernel the child's too.
@@ -55,6 +57,8 @@ pub struct OverCap {
     pub index: u32,
     /// Bytes the environment would use on the GPU with the allocation.
     pub would_use: u64,
+    /// The allocation's size, as charged.
+    pub size: u64,
     pub outcome: AllocOutcome,
     pub at_ns: u64,
     /// The process, as the program read it in the call.
@@ -69,6 +73,9 @@ pub enum AllocOutcome {
     Reported,
     /// SIGKILL could not be sent: the allocation went on.
     KillFailed,
+    /// `--memory-at-alloc refuse`: the call returned `CUDA_ERROR_OUT_OF_MEMORY` without
+    /// running; the process lives.
+    Refused,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -250,10 +257,12 @@ impl TryFrom<AllocEvent> for KernelEvent {
             env: alloc.env,
             index: raw.index,
             would_use: alloc.would_use,
+            size: alloc.size,
             outcome: match raw.verdict {
                 verdict::ALLOC_KILLED => AllocOutcome::Killed,
                 verdict::ALLOC_REPORTED => AllocOutcome::Reported,
                 verdict::ALLOC_KILL_FAILED => AllocOutcome::KillFailed,
+                verdict::ALLOC_REFUSED => AllocOutcome::Refused,
                 _ => return Err(unknown),
             },
             at_ns: raw.ktime_ns,
@@ -275,6 +284,7 @@ impl TryFrom<RawEvent> for KernelEvent {
             kind::EXEC => KernelEvent::Exec {
                 pid: raw.pid,
                 unresolved: raw.arg == EXEC_UNRESOLVED,
+                at_ns: raw.ktime_ns,
             },
             kind::FORK => KernelEvent::Fork {
                 parent: raw.pid,
@@ -396,7 +406,7 @@ mod tests {
         assert_eq!(KernelEvent::from_record(&[]), Err(BadRecord::Size(0)));
         assert_eq!(
             BadRecord::Size(39).to_string(),
-            "kernel record of 39 bytes, expected 40, 64 or 80: the daemon and its programs disagree"
+            "kernel record of 39 bytes, expected 40, 64 or 88: the daemon and its programs disagree"
         );
     }
 }

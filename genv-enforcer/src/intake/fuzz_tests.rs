@@ -49,6 +49,7 @@ fn alloc_record(alloc: &AllocEvent) -> Vec<u8> {
     let mut bytes = record(&alloc.head);
     bytes.extend(alloc.env.to_ne_bytes());
     bytes.extend(alloc.would_use.to_ne_bytes());
+    bytes.extend(alloc.size.to_ne_bytes());
     bytes.extend(subject_bytes(&alloc.subject));
     bytes
 }
@@ -146,6 +147,7 @@ fn a_record_decodes_to_the_event_it_describes_at_any_alignment() {
             kind::EXEC => KernelEvent::Exec {
                 pid: raw.pid,
                 unresolved: raw.arg == genv_ebpf_common::EXEC_UNRESOLVED,
+                at_ns: raw.ktime_ns,
             },
             kind::FORK => KernelEvent::Fork {
                 parent: raw.pid,
@@ -217,11 +219,12 @@ fn cuda_start_as_described(
 /// describes; with another kind or hook in its head, it is no event.
 #[test]
 fn an_allocation_record_decodes_to_the_event_it_describes() {
-    let alloc = (raw_event(), any::<u64>(), any::<u64>(), subject()).prop_map(
-        |(head, env, would_use, subject)| AllocEvent {
+    let alloc = (raw_event(), any::<[u64; 3]>(), subject()).prop_map(
+        |(head, [env, would_use, size], subject)| AllocEvent {
             head,
             env,
             would_use,
+            size,
             subject,
         },
     );
@@ -242,8 +245,8 @@ fn an_allocation_record_decodes_to_the_event_it_describes() {
                     (head.pid, alloc.env, head.index)
                 );
                 prop_assert_eq!(
-                    (over.would_use, over.at_ns),
-                    (alloc.would_use, head.ktime_ns)
+                    (over.would_use, over.size, over.at_ns),
+                    (alloc.would_use, alloc.size, head.ktime_ns)
                 );
                 prop_assert_eq!(over.subject, alloc.subject.into());
             }

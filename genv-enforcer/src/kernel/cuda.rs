@@ -10,10 +10,12 @@ use aya::programs::{ProbeKind, UProbe};
 
 mod holders;
 mod library;
+mod refusal;
 mod registrar;
 mod uprobe_events;
 
 pub use library::{FileVersion, Handle, LIBRARY_LIMIT, Library};
+pub use refusal::RefusalAtAlloc;
 use registrar::{Definition, Registrar, Registration};
 use uprobe_events::Side;
 
@@ -88,28 +90,47 @@ pub(super) fn size_maps(loader: &mut aya::EbpfLoader<'_>, memory_at_alloc: bool)
     }
 }
 
+/// What `--memory-at-alloc` asks of the loader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllocProbes {
+    Off,
+    /// The plain probes (`report`, `kill`).
+    Plain,
+    /// The refusing forms of the allocation entry probes where the kernel loads them,
+    /// else the plain ones (`refuse`).
+    Refusing,
+}
+
 /// With `--memory-at-alloc`, the probes loaded (not attached yet), their maps, and
 /// their registrar: what the `alloc` stage owns from then on.
 pub(super) fn load_if(
-    memory_at_alloc: bool,
+    asked: AllocProbes,
     ebpf: &mut Ebpf,
     programs: &mut Vec<Attached>,
 ) -> Result<Option<CudaKernel>, LoadError> {
-    if !memory_at_alloc {
-        return Ok(None);
-    }
+    let refusal = match asked {
+        AllocProbes::Off => return Ok(None),
+        AllocProbes::Plain => RefusalAtAlloc::NotAsked,
+        AllocProbes::Refusing => refusal::load(ebpf),
+    };
     let wrap = |e: LoadError| LoadError::MemoryAtAlloc(e.to_string());
-    let loaded = load(ebpf, programs).map_err(wrap)?;
+    let loaded = load(ebpf, programs, refusal == RefusalAtAlloc::Loaded).map_err(wrap)?;
     let maps = AllocMaps::take(ebpf).map_err(wrap)?;
     let probes = Probes::new(super::tracefs::ensure_mounted()?, loaded);
-    Ok(Some(CudaKernel { maps, probes }))
+    Ok(Some(CudaKernel {
+        maps,
+        probes,
+        refusal,
+    }))
 }
 
 /// `--memory-at-alloc`'s part of the kernel, handed whole to the `alloc` stage at
-/// start-up: the accounting maps, and the probes with their registrar.
+/// start-up: the accounting maps, and the probes with their registrar; and whether
+/// they refuse calls (the daemon's start says so).
 pub struct CudaKernel {
     pub maps: AllocMaps,
     pub probes: Probes,
+    pub refusal: RefusalAtAlloc,
 }
 
 /// A loaded probe program: its name in the object, whether it runs at the call or at
@@ -120,13 +141,22 @@ struct ProbeProgram {
     fd: std::sync::Arc<std::os::fd::OwnedFd>,
 }
 
-/// Loads every probe program (once; attaching comes per library).
-fn load(ebpf: &mut Ebpf, programs: &mut Vec<Attached>) -> Result<Vec<ProbeProgram>, LoadError> {
+/// Loads every probe program (once; attaching comes per library); `refusing`: the
+/// allocation entry probes are their refusing forms, loaded already.
+fn load(
+    ebpf: &mut Ebpf,
+    programs: &mut Vec<Attached>,
+    refusing: bool,
+) -> Result<Vec<ProbeProgram>, LoadError> {
     use std::os::fd::AsFd;
     let mut loaded = Vec::new();
-    for &(name, _) in PROBES {
+    for &(plain, _) in PROBES {
+        let refusing_form = refusal::refusing_form(plain).filter(|_| refusing);
+        let name = refusing_form.unwrap_or(plain);
         let probe = probe_mut(ebpf, name)?;
-        probe.load().map_err(program_error(name))?;
+        if refusing_form.is_none() {
+            probe.load().map_err(program_error(name))?;
+        }
         let id = probe.info().map_err(program_error(name))?.id();
         let side = match probe.kind() {
             ProbeKind::Entry => Side::Entry,
@@ -139,7 +169,7 @@ fn load(ebpf: &mut Ebpf, programs: &mut Vec<Attached>) -> Result<Vec<ProbeProgra
             .try_clone_to_owned()
             .map_err(|e| LoadError::Object(format!("{name}: {e}")))?;
         loaded.push(ProbeProgram {
-            name,
+            name: plain,
             side,
             fd: std::sync::Arc::new(fd),
         });

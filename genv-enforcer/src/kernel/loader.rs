@@ -41,8 +41,9 @@ pub struct LoadOptions {
     /// logging code as dead: nothing of it runs, or is even loaded.
     pub log_decisions: bool,
     /// `--memory-at-alloc`: load the libcuda probes (attached per library, by
-    /// [`cuda::Probes::attach`]) and take their accounting maps.
-    pub memory_at_alloc: bool,
+    /// [`cuda::Probes::attach`]), refusing ones where asked and loaded, and take their
+    /// accounting maps.
+    pub memory_at_alloc: cuda::AllocProbes,
 }
 
 /// aya-log's level global in the object, and the level `--bpf-log` sets (`info`).
@@ -126,7 +127,10 @@ impl KernelPrograms {
             0
         };
         loader.override_global(LOG_LEVEL_GLOBAL, &log_level, true);
-        cuda::size_maps(&mut loader, options.memory_at_alloc);
+        cuda::size_maps(
+            &mut loader,
+            options.memory_at_alloc != cuda::AllocProbes::Off,
+        );
         if let Some(bytes) = options.ring_bytes {
             loader.map_max_entries(EVENTS_MAP, bytes);
         }

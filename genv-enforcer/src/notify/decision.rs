@@ -95,9 +95,11 @@ fn cleaned(rule: Rule) -> Rule {
         Rule::MemoryAtAlloc {
             would_use_mb,
             capacity,
+            size_mb,
         } => Rule::MemoryAtAlloc {
             would_use_mb,
             capacity: clean_str(&capacity, NAME_CHARS),
+            size_mb,
         },
         other => other,
     }

@@ -43,6 +43,15 @@ fn what(d: &Said<'_>) -> String {
         Done::Killed => format!("killed {who} on {on}"),
         Done::Refused => format!("refused {on} to {who}"),
         Done::KilledAtAllocation => format!("killed {who} in a memory allocation on {on}"),
+        Done::RefusedAtAllocation => {
+            let size = match d.rule {
+                Rule::MemoryAtAlloc {
+                    size_mb: Some(mb), ..
+                } => format!(" of {mb}m"),
+                _ => String::new(),
+            };
+            format!("refused an allocation{size} by {who} on {on}")
+        }
         Done::Detached => format!("detached {on} from {} and stopped {who}", env_phrase(d)),
     }
 }
@@ -82,6 +91,14 @@ fn why(d: &Said<'_>) -> String {
         Rule::MemoryAtAlloc {
             would_use_mb,
             capacity,
+            ..
+        } if d.action == Done::RefusedAtAllocation => format!(
+            "{env} would use {would_use_mb}m of its gpu_memory {capacity}; free memory, or set a larger cap with 'genv config gpu-memory SIZE'"
+        ),
+        Rule::MemoryAtAlloc {
+            would_use_mb,
+            capacity,
+            ..
         } => format!(
             "the allocation would take {env} to {would_use_mb}m, over its gpu_memory of {capacity}; allocate less, or set a larger cap with 'genv config gpu-memory SIZE'"
         ),
@@ -160,11 +177,24 @@ mod tests {
                     Rule::MemoryAtAlloc {
                         would_use_mb: 3000,
                         capacity: "2g".into(),
+                        size_mb: Some(629),
                     },
                     Done::KilledAtAllocation,
                     vec![0],
                 ),
                 "killed python (pid 1234) in a memory allocation on GPU 0: the allocation would take environment 'train' to 3000m, over its gpu_memory of 2g",
+            ),
+            (
+                decision(
+                    Rule::MemoryAtAlloc {
+                        would_use_mb: 1258,
+                        capacity: "1g".into(),
+                        size_mb: Some(629),
+                    },
+                    Done::RefusedAtAllocation,
+                    vec![0],
+                ),
+                "refused an allocation of 629m by python (pid 1234) on GPU 0: environment 'train' would use 1258m of its gpu_memory 1g; free memory, or set a larger cap with 'genv config gpu-memory SIZE'",
             ),
             (
                 decision(Rule::NonEnvProcesses, Done::Refused, vec![0]),

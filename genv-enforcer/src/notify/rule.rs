@@ -18,6 +18,9 @@ pub enum Done {
     /// SIGKILL inside the allocation that would have crossed the cap
     /// (`--memory-at-alloc kill`).
     KilledAtAllocation,
+    /// The allocation that would have crossed the cap returned out-of-memory without
+    /// running (`--memory-at-alloc refuse`); the process lives on.
+    RefusedAtAllocation,
     /// Its environment's GPU was detached (`--max-devices-per-user`), and the process
     /// stopped with it.
     Detached,
@@ -30,6 +33,7 @@ impl Done {
             Done::Killed => "killed",
             Done::Refused => "refused",
             Done::KilledAtAllocation => "killed-at-allocation",
+            Done::RefusedAtAllocation => "refused-at-allocation",
             Done::Detached => "detached",
         }
     }
@@ -52,8 +56,14 @@ pub enum Rule {
         maximum: usize,
     },
     /// An allocation would have taken the environment past its cap
-    /// (`--memory-at-alloc kill`).
-    MemoryAtAlloc { would_use_mb: u64, capacity: String },
+    /// (`--memory-at-alloc kill` or `refuse`); `size_mb`: the allocation's (absent in
+    /// records of earlier versions).
+    MemoryAtAlloc {
+        would_use_mb: u64,
+        capacity: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        size_mb: Option<u64>,
+    },
 }
 
 impl Rule {

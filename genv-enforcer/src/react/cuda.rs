@@ -3,6 +3,7 @@
 //! environment that made a context judged at once), and an allocation past its
 //! environment's cap (said, counted, told to its user).
 
+use super::refusals::Paced;
 use super::{Around, Wanted, told};
 use crate::intake::{AllocOutcome, CudaCall, CudaStart, OverCap};
 
@@ -33,17 +34,28 @@ pub fn start(start: &CudaStart, around: &mut Around<'_>) -> Option<Wanted> {
     })
 }
 
-/// The kernel found an allocation past its environment's cap.
-pub fn over_cap(over: &OverCap, around: &mut Around<'_>) -> Option<Wanted> {
+/// The kernel found an allocation past its environment's cap. A refused one is
+/// counted always, and said where `said` allows (see [`super::refusals`]: a program that
+/// lives on often tries again at once), with the refusals held back since.
+pub fn over_cap(over: &OverCap, said: Paced, around: &mut Around<'_>) -> Option<Wanted> {
     let counts = &mut *around.counts;
     match over.outcome {
         AllocOutcome::Killed => counts.killed_at_alloc += 1,
         AllocOutcome::Reported => counts.reported_at_alloc += 1,
+        AllocOutcome::Refused => counts.refused_at_alloc += 1,
         AllocOutcome::KillFailed => {}
     }
+    let held_back = match said {
+        Paced::HeldBack => return None,
+        Paced::Now { held_back } => held_back,
+    };
     let alloc = around.alloc.as_deref();
     if let Some(alloc) = alloc {
-        println!("{}", alloc.line(over));
+        let since = match held_back {
+            0 => String::new(),
+            n => format!(" ({n} more refused since the last line)"),
+        };
+        println!("{}{since}", alloc.line(over));
     }
     told::alloc(around.notifier, alloc.and_then(|a| a.held_to(over)), over);
     (over.outcome == AllocOutcome::Killed).then_some(Wanted::Settle(over.pid))

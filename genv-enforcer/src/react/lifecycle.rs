@@ -5,12 +5,18 @@
 use super::Around;
 use super::Wanted;
 
-/// A new image: the old one's GPU memory went with its address space; an identity the
-/// exec hook could not read is resolved before the probes read it.
-pub fn exec(pid: u32, unresolved: bool, verbose: bool, around: &mut Around<'_>) -> Wanted {
+/// A new image (`pid` exec'd at `at_ns`): the old one's GPU memory went with its
+/// address space; an identity the exec hook could not read is resolved before the
+/// probes read it.
+pub fn exec(
+    (pid, at_ns): (u32, u64),
+    unresolved: bool,
+    verbose: bool,
+    around: &mut Around<'_>,
+) -> Wanted {
     around.counts.exec_events += 1;
     if let Some(alloc) = around.alloc.as_deref_mut() {
-        alloc.execed(pid);
+        alloc.execed(pid, at_ns);
     }
     if unresolved {
         around.mirror.resolve_identity(pid, verbose);

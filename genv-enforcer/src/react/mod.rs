@@ -6,7 +6,8 @@
 //! - [`lifecycle`]: exec, fork, exit;
 //! - [`open`]: a GPU open, to be watched or, decided in the kernel, said ([`lines`])
 //!   and swept ([`holders`]);
-//! - [`cuda`]: what `--memory-at-alloc`'s probes report;
+//! - [`cuda`]: what `--memory-at-alloc`'s probes report, a process's refusals said at
+//!   the pace [`refusals`] allows;
 //! - [`told`]: the kernel's decisions told to their users.
 
 mod around;
@@ -15,6 +16,7 @@ pub mod holders;
 mod lifecycle;
 pub mod lines;
 mod open;
+mod refusals;
 mod told;
 mod wanted;
 
@@ -29,6 +31,7 @@ use open::Opens;
 /// The stage's state, and how it reacts.
 pub struct Reactions {
     opens: Opens,
+    refusals: refusals::Refusals,
     /// `--verbose`: every event and identity resolved is said.
     verbose: bool,
     /// `--deny-root`: the sweep of a killed opener's GPUs takes root's holders too.
@@ -39,6 +42,7 @@ impl Reactions {
     pub fn new(verbose: bool, deny_root: bool) -> Self {
         Self {
             opens: Opens::default(),
+            refusals: refusals::Refusals::default(),
             verbose,
             deny_root,
         }
@@ -53,8 +57,13 @@ impl Reactions {
     ) -> Option<Wanted> {
         let verbose = self.verbose;
         match event {
-            KernelEvent::Exec { pid, unresolved } => {
-                Some(lifecycle::exec(pid, unresolved, verbose, around))
+            KernelEvent::Exec {
+                pid,
+                unresolved,
+                at_ns,
+            } => {
+                self.refusals.forget(pid);
+                Some(lifecycle::exec((pid, at_ns), unresolved, verbose, around))
             }
             KernelEvent::Fork {
                 child, unresolved, ..
@@ -62,9 +71,15 @@ impl Reactions {
                 lifecycle::fork(child, unresolved, verbose, around);
                 None
             }
-            KernelEvent::Exit { pid } => Some(lifecycle::exit(pid, around)),
+            KernelEvent::Exit { pid } => {
+                self.refusals.forget(pid);
+                Some(lifecycle::exit(pid, around))
+            }
             KernelEvent::CudaStart(start) => cuda::start(&start, around),
-            KernelEvent::Alloc(over) => cuda::over_cap(&over, around),
+            KernelEvent::Alloc(over) => {
+                let said = self.refusals.say(&over, now);
+                cuda::over_cap(&over, said, around)
+            }
             KernelEvent::Open(open) => self.opens.on_open(open, now, verbose, around),
         }
     }

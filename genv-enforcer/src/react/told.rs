@@ -1,6 +1,7 @@
 //! What the kernel decided, told to the user it was done to ([`crate::notify`]): a GPU
 //! open refused or killed under `--deny` (and the processes sharing a killed opener's
-//! descriptors, killed by the sweep), an allocation killed past its environment's cap.
+//! descriptors, killed by the sweep), an allocation past its environment's cap killed or
+//! refused.
 //! The process is often gone by now, so who it was and where its terminal is come from
 //! what the program read at its decision.
 
@@ -49,12 +50,14 @@ pub fn holder(notifier: Option<&Notifier>, killed: &Killed) {
     notifier.decided(facts, subject.terminal);
 }
 
-/// A process the kernel killed inside an allocation past its cap; `held_to`: the
-/// environment and cap `alloc` says it was held to.
+/// A process the kernel killed inside an allocation past its cap, or whose allocation
+/// it refused; `held_to`: the environment and cap `alloc` says it was held to.
 pub fn alloc(notifier: Option<&Notifier>, held_to: Option<(String, String)>, over: &OverCap) {
-    if over.outcome != AllocOutcome::Killed {
-        return;
-    }
+    let action = match over.outcome {
+        AllocOutcome::Killed => Done::KilledAtAllocation,
+        AllocOutcome::Refused => Done::RefusedAtAllocation,
+        AllocOutcome::Reported | AllocOutcome::KillFailed => return,
+    };
     let Some(notifier) = notifier else {
         return;
     };
@@ -69,8 +72,9 @@ pub fn alloc(notifier: Option<&Notifier>, held_to: Option<(String, String)>, ove
         rule: Rule::MemoryAtAlloc {
             would_use_mb: over.would_use / 1_000_000,
             capacity,
+            size_mb: Some(over.size / 1_000_000),
         },
-        action: Done::KilledAtAllocation,
+        action,
     };
     notifier.decided(facts, terminal(&over.subject, over.uid));
 }

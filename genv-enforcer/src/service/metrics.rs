@@ -149,19 +149,7 @@ impl Metrics {
                 before,
             );
         }
-        let at_alloc = [
-            (
-                "kill_at_alloc",
-                counts.killed_at_alloc,
-                last.killed_at_alloc,
-            ),
-            (
-                "report_at_alloc",
-                counts.reported_at_alloc,
-                last.reported_at_alloc,
-            ),
-        ];
-        for (action, now, before) in at_alloc {
+        for (action, now, before) in at_alloc(counts, last) {
             add(
                 &self.decisions,
                 &[("rule", "env-memory"), ("action", action)],
@@ -255,6 +243,27 @@ pub fn listen(addr: std::net::SocketAddr, metrics: Arc<dyn Exposition>) -> anyho
     endpoint::start(listener, metrics)?;
     tracing::info!("Metrics at http://{addr}/metrics");
     Ok(())
+}
+
+/// `--memory-at-alloc`'s decisions, by action: now and at the last call.
+fn at_alloc(counts: &Counts, last: &Counts) -> [(&'static str, u64, u64); 3] {
+    [
+        (
+            "kill_at_alloc",
+            counts.killed_at_alloc,
+            last.killed_at_alloc,
+        ),
+        (
+            "report_at_alloc",
+            counts.reported_at_alloc,
+            last.reported_at_alloc,
+        ),
+        (
+            "refuse_at_alloc",
+            counts.refused_at_alloc,
+            last.refused_at_alloc,
+        ),
+    ]
 }
 
 #[cfg(test)]

@@ -69,6 +69,11 @@ pub struct Status {
     /// kernel for over a second (see `kernel::cuda::registrar`).
     #[serde(default)]
     pub probes_registration_stalled: bool,
+    /// `--memory-at-alloc`: what an allocation past a cap meets (`refuse`, or `kill`
+    /// with the kernel's reason where refuse was asked for and cannot be kept); absent
+    /// when off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_at_alloc: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -130,6 +135,10 @@ pub struct Counts {
     pub killed_at_alloc: u64,
     #[serde(default)]
     pub reported_at_alloc: u64,
+    /// Allocations past a cap that returned out-of-memory (`--memory-at-alloc refuse`),
+    /// every one, said or held back.
+    #[serde(default)]
+    pub refused_at_alloc: u64,
 }
 
 /// `genv-enforcer status`; with `max_age`, a status older than that many seconds is a

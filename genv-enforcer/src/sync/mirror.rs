@@ -249,6 +249,9 @@ impl Mirror {
             MemoryAtAlloc::Kill => tracing::info!(
                 "Allocations past an environment's gpu_memory kill their process in the call (--memory-at-alloc kill)"
             ),
+            MemoryAtAlloc::Refuse => tracing::info!(
+                "Allocations past an environment's gpu_memory return CUDA_ERROR_OUT_OF_MEMORY without running, and their process lives (--memory-at-alloc refuse)"
+            ),
         }
         let guarantee = guarantee(Some(self.tier), deny);
         tracing::info!("GPU opens outside any environment are {guarantee}");

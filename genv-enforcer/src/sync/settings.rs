@@ -7,7 +7,7 @@ use crate::alloc::MemoryAtAlloc;
 use crate::kernel::TierChoice;
 use crate::kernel::policy_maps::DenyPolicy;
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct KernelSettings {
     pub tier: TierChoice,
     pub ring_bytes: Option<u32>,

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::backends::procfs;
 use crate::intake::{EventIntake, KernelEvent};
+use crate::kernel::cuda::AllocProbes;
 use crate::kernel::policy_maps::PolicyMaps;
 use crate::kernel::{KernelPrograms, LoadOptions, Loaded, TierChoice};
 
@@ -38,7 +39,7 @@ pub(super) fn load_programs(tier: TierChoice) -> Option<WatchPrograms> {
         pin_dir: None,
         compat_opens: false,
         log_decisions: false,
-        memory_at_alloc: false,
+        memory_at_alloc: AllocProbes::Off,
     };
     let loaded = KernelPrograms::load(&options)
         .map_err(|e| e.to_string())
