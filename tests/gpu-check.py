@@ -29,6 +29,16 @@ It passes when, for every workload:
 - the daemon said `... killed process P at the allocation` for it, and never that it
   could not.
 
+With `--mode refuse` (`cargo xtask gpu-check -- --mode refuse --workloads torch`: the
+PyTorch case), each workload must instead be refused at the cap: PyTorch's allocator,
+given CUDA_ERROR_OUT_OF_MEMORY, frees its cache and retries, then raises
+`torch.OutOfMemoryError`, which the workload catches; it then frees its last block,
+allocates half of what was refused and finishes with status 0. It passes when the
+refusal came at the crossing (as above), the error was the library's OutOfMemoryError,
+the smaller allocation returned, the process lived, NVML never showed the environment
+over its cap, and the daemon said `refused an allocation ... by process P`. It fails on
+a kernel that cannot refuse (the daemon then kills, and says so at start).
+
 Workloads: `torch` (PyTorch's caching allocator: cuMemAlloc), `torch-expandable`
 (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`: cuMemCreate), `cupy`, and `fake`
 (the test suite's cuda-user on the fake libcuda and NVML: how the suite checks this
@@ -53,15 +63,35 @@ MIB = 1 << 20
 
 # A program in a genv shell: start CUDA, say `context`, then for each `go N` line
 # allocate N MiB and say the total; anything else (or the end of input) ends it.
+#
+# Refused (`--memory-at-alloc refuse`), the library raises the driver's out-of-memory
+# (`torch.OutOfMemoryError`): the program says `refused`, then does what a batch-size
+# finder does: frees its last block and the library's cache, allocates half of what was
+# refused, and says `recovered` with its total.
 LOOP = """
 print("context", flush=True)
+sizes = [0]
 while True:
     line = sys.stdin.readline()
     if not line.startswith("go "):
         break
     mib = int(line.split()[1])
-    held.append({alloc})
-    {sync}
+    try:
+        held.append({alloc})
+        {sync}
+    except Exception as refused:
+        print("refused", total, type(refused).__name__, flush=True)
+        held.pop()
+        total -= sizes.pop()
+        {release}
+        mib //= 2
+        held.append({alloc})
+        {sync}
+        sizes.append(mib)
+        total += mib
+        print("recovered", total, flush=True)
+        continue
+    sizes.append(mib)
     total += mib
     print("allocated", total, flush=True)
 """
@@ -73,17 +103,19 @@ LIBRARIES = {
         "torch.cuda.synchronize()\n",
         'torch.empty(mib * 1048576, dtype=torch.uint8, device="cuda")',
         "torch.cuda.synchronize()",
+        "torch.cuda.empty_cache()",
     ),
     "cupy": (
         "import sys, cupy\nheld, total = [cupy.empty(1, dtype=cupy.uint8)], 0\n"
         "cupy.cuda.Device().synchronize()\n",
         "cupy.empty(mib * 1048576, dtype=cupy.uint8)",
         "cupy.cuda.Device().synchronize()",
+        "cupy.get_default_memory_pool().free_all_blocks()",
     ),
 }
 PROGRAMS = {
-    name: start + LOOP.format(alloc=alloc, sync=sync)
-    for name, (start, alloc, sync) in LIBRARIES.items()
+    name: start + LOOP.format(alloc=alloc, sync=sync, release=release)
+    for name, (start, alloc, sync, release) in LIBRARIES.items()
 }
 PROGRAMS["torch-expandable"] = PROGRAMS["torch"]
 ENVIRONMENT = {"torch-expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
@@ -209,7 +241,7 @@ class Workload:
             f" && genv attach --index {args.gpu} && genv config gpu-memory {args.cap}"
         )
         env = dict(env, **ENVIRONMENT.get(name, {}))
-        self.fake = name == "fake"
+        self.fake, self.name = name == "fake", name
         if self.fake:
             # cuda-user: one call a line, answered `ok VALUE` or `err CODE`.
             script = f'{setup} && exec "$CUDA_USER"'
@@ -223,6 +255,9 @@ class Workload:
         )
         self.lines = Lines(self.process.stdout, echo=f"[{name}] ")
         self.total = 0
+        # Under `refuse`: the total before the refused allocation and the library's
+        # error; the total once it allocated less.
+        self.refused, self.recovered = None, None
 
     def say(self, line):
         try:
@@ -254,6 +289,14 @@ class Workload:
             return None
         if self.fake and line.startswith("ok"):
             self.total += mib
+        elif self.fake and line == "err 2":
+            self.refused = (self.total, "CUDA_ERROR_OUT_OF_MEMORY")
+        elif line.startswith("refused "):
+            words = line.split()
+            self.refused = (int(words[1]), words[2] if len(words) > 2 else "?")
+            after = self.lines.next(timeout) or ""
+            if after.startswith("recovered "):
+                self.recovered = self.total = int(after.split()[1])
         elif line.startswith("allocated "):
             self.total = int(line.split()[1])
         else:
@@ -293,7 +336,7 @@ def check(args, env, daemon, name):
             near = workload.total * MIB + overhead + args.step * MIB > cap - args.approach * MIB
             requested = args.fine_step if near else args.step
             total = workload.allocate(requested, args.timeout)
-            if total is None:
+            if total is None or workload.refused:
                 break
             last_seen = nvml.at_least(total * MIB + overhead - tol)
             if last_seen < total * MIB + overhead - tol:
@@ -306,6 +349,8 @@ def check(args, env, daemon, name):
         if workload.process.poll() is None:
             workload.process.kill()
     pid, returned = workload.process.pid, workload.total
+    if args.mode == "refuse":
+        return refused_row(args, daemon, since, workload, (status, overhead, requested), nvml)
     if status != -signal.SIGKILL:
         problems.append(f"the workload ended with {status}, not SIGKILL")
     else:
@@ -336,6 +381,49 @@ def check(args, env, daemon, name):
     return row, said, not problems
 
 
+def refused_row(args, daemon, since, workload, run, nvml):
+    """`--mode refuse`: the row of a workload that should have been refused at the cap
+    (the library raising the driver's out-of-memory), lived, allocated less and
+    finished."""
+    status, overhead, requested = run
+    cap, tol, pid = parse_size(args.cap), args.tolerance * MIB, workload.process.pid
+    problems = []
+    if workload.refused is None:
+        problems.append("no allocation was refused")
+        before, error = workload.total, "-"
+    else:
+        before, error = workload.refused
+        if before * MIB + overhead > cap + tol:
+            problems.append(f"{before} MiB returned, over the cap with the overhead")
+        if (before + requested) * MIB + overhead <= cap - tol:
+            problems.append(f"refused at {before + requested} MiB, with room left")
+        if "OutOfMemoryError" not in error:
+            problems.append(f"the library raised {error}, not its OutOfMemoryError")
+    if workload.recovered is None:
+        problems.append("it did not allocate less after the refusal")
+    if status != 0:
+        problems.append(f"the workload ended with {status}, not 0: it should have lived")
+    if nvml.peak > cap + tol:
+        problems.append(f"NVML's peak {nvml.peak // MIB} MiB is over the cap")
+    said = []
+    try:
+        said.append(daemon.expect(f"by process {pid} (CUDA_ERROR_OUT_OF_MEMORY)",
+                                  timeout=10, since=since))
+    except Failure as e:
+        problems.append(str(e))
+    row = (
+        f"| {workload_name(workload)} | {args.cap} | {args.step}/{args.fine_step} MiB "
+        f"| {overhead // MIB} MiB | {before} MiB | refused at {before + requested} MiB ({error}) "
+        f"| then {workload.recovered} MiB | {nvml.peak // MIB} MiB ({nvml.samples} samples) "
+        f"| {status} | {'pass' if not problems else 'FAIL: ' + '; '.join(problems)} |"
+    )
+    return row, said, not problems
+
+
+def workload_name(workload):
+    return "fake" if workload.fake else workload.name
+
+
 def die_with_parent():
     """In the daemon's child, before exec: SIGTERM when this script goes, however."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -356,8 +444,10 @@ def parse_args():
                              "the crossing is located")
     parser.add_argument("--approach", type=int, default=1024, help="MiB")
     parser.add_argument("--gpu", type=int, default=0)
-    parser.add_argument("--mode", default="kill", choices=["kill", "report"],
-                        help="--memory-at-alloc (report: the check must fail)")
+    parser.add_argument("--mode", default="kill", choices=["kill", "report", "refuse"],
+                        help="--memory-at-alloc (report: the check must fail; refuse: the "
+                             "program must be refused at the cap, live, allocate less and "
+                             "finish, which needs a kernel that lets uprobes set registers)")
     parser.add_argument("--settle", type=float, default=2.0,
                         help="seconds between CUDA's start and reading the overhead")
     parser.add_argument("--tolerance", type=int, default=64,

@@ -7,7 +7,9 @@
 use std::path::Path;
 use std::process::Command;
 
-use genv_enforcer_tests::cuda::{CudaEnv, CudaUser, capped, daemon, killed_at, setup};
+use genv_enforcer_tests::cuda::{
+    CudaEnv, CudaUser, ENUMERATION, NvmlGates, capped, daemon, killed_at, setup,
+};
 use genv_enforcer_tests::events::make_gpu_node;
 use genv_enforcer_tests::mounts::{self, SilentFuse};
 use genv_enforcer_tests::{DEATH, Genv, Node, artefact, serial};
@@ -98,6 +100,58 @@ fn a_copy_loaded_after_eight_gpu_opens_is_probed_at_cudas_own_open() {
     killed_at(&mut node, &daemon, &mut user, "alloc 600");
 }
 
+/// The daemon hears of events after the fact. A shell opened GPU 0 five times, then
+/// exec'd a program on a libcuda copy: handled after the exec, its opens' looks read
+/// the program's mappings and probed the copy, and then the exec, taken as the end of
+/// what had been read, took the copy's probes off again (`no live process maps the
+/// libcuda copy`), so that the program's first allocations went unheld until the look
+/// at its next open (found on a quiet machine: 3 s late, two allocations past the
+/// cap). The daemon is held in a memory poll (the fake NVML's gate) while the shell
+/// opens and execs, so that it catches up on them after the exec, every time.
+#[test]
+fn a_program_whose_shell_opened_gpus_before_its_exec_keeps_its_copy_probed() {
+    let _serial = serial();
+    let Some((mut node, mut cuda_env, daemon)) = setup("kill") else {
+        return;
+    };
+    let path = node.dir.join("execd/libcuda.so.1");
+    let gpu = use_copy(&node, &mut cuda_env, &path);
+    // The environment and its cap first (memory polls run once an environment has a
+    // cap), in a shell that stays.
+    let keeper = Genv::get()
+        .shell_command(
+            &node,
+            "genv activate --id execd; genv config gpu-memory 1g; exec sleep 600",
+        )
+        .spawn()
+        .unwrap();
+    node.adopt(keeper, &[]);
+    daemon.expect("caps held at the allocation: execd 1g");
+    let gates = NvmlGates::install(&node);
+    gates.hold(ENUMERATION);
+    let setup = format!(
+        "genv activate --id execd; genv attach --index 0; for i in 1 2 3 4 5; do : < {gpu}; done",
+        gpu = gpu.display()
+    );
+    let mut user = CudaUser::start(&mut node, &cuda_env, &setup);
+    gates.release(ENUMERATION);
+    daemon.expect_count(&format!("Process {} (thread", user.pid), 5);
+    daemon.expect(&format!("Process {} is held at its allocations", user.pid));
+    daemon.expect(&format!(
+        "process {} maps a libcuda not probed yet",
+        user.pid
+    ));
+    user.ok("init");
+    user.ok("ctx 0");
+    user.ok("alloc 600");
+    // Its probes were never taken off while it lived (they come off at its exit).
+    let unprobed: Vec<String> = (daemon.lines().into_iter())
+        .filter(|l| l.contains("no live process maps the libcuda copy"))
+        .collect();
+    assert!(unprobed.is_empty(), "{unprobed:#?}");
+    killed_at(&mut node, &daemon, &mut user, "alloc 600");
+}
+
 /// A uid has a few copies probed at once; its next is refused while they are, and
 /// probed once one of their processes exits (its probes come off then). So copies
 /// that come and go with their processes (containers) never use the budget up.
@@ -178,8 +232,9 @@ fn a_libcuda_on_a_fuse_mount_is_refused_unopened() {
 /// `cargo xtask gpu-check` (`tests/gpu-check.py`), the real-GPU check, run here on its
 /// `fake` workload (cuda-user on this node's libcuda and NVML): with `kill` it passes,
 /// having seen the allocation that crosses the cap killed in its call; with `report`
-/// (nothing stops the process) it fails, saying why. What it checks on a GPU node with
-/// PyTorch and CuPy is the same code.
+/// (nothing stops the process) it fails, saying why; with `refuse` on a kernel that
+/// cannot refuse (this host's), it fails too. What it checks on a GPU node with PyTorch
+/// and CuPy is the same code.
 #[test]
 fn the_gpu_check_passes_when_the_cap_holds_and_fails_when_it_does_not() {
     let _serial = serial();
@@ -245,6 +300,16 @@ fn the_gpu_check_passes_when_the_cap_holds_and_fails_when_it_does_not() {
     let row = said.lines().find(|l| l.starts_with("| fake |")).unwrap();
     assert!(
         row.contains("not SIGKILL") && row.contains("over the cap"),
+        "{row}"
+    );
+
+    // `refuse` on this host, whose kernel cannot refuse: the daemon kills instead, and
+    // the check fails saying the program was not refused and did not live.
+    let (code, said, stderr) = check("refuse");
+    assert_eq!(code, Some(1), "{said}\n{stderr}");
+    let row = said.lines().find(|l| l.starts_with("| fake |")).unwrap();
+    assert!(
+        row.contains("no allocation was refused") && row.contains("it should have lived"),
         "{row}"
     );
 }

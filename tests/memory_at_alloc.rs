@@ -14,10 +14,11 @@ use std::process::Command;
 
 use genv_enforcer_tests::DEATH;
 use genv_enforcer_tests::cuda::{
-    CAP, CudaUser, capped, daemon, killed_at, ledger_total, ready, setup,
+    CAP, CudaUser, ENUMERATION, NvmlGates, PROCESSES, capped, daemon, killed_at, ledger_total,
+    ready, setup,
 };
 use genv_enforcer_tests::events::{EventDaemon, make_gpu_node};
-use genv_enforcer_tests::{Genv, MIB, Node, artefact, serial, wait_until};
+use genv_enforcer_tests::{Genv, MIB, Node, artefact, serial};
 
 /// 600 MiB fits under 1g; 600 MiB more does not: the process is killed in that call,
 /// which never returns, and the driver never hands the memory out.
@@ -575,55 +576,6 @@ fn two_memory_polls(daemon: &EventDaemon) {
     daemon.wait_status("two more", |s| polls(s).filter(|n| *n >= now + 2));
 }
 
-/// The fake NVML's gates: [`Self::hold`] makes the daemon's next call of an entry point
-/// wait, and returns once it waits; [`Self::release`] lets it go on.
-struct NvmlGates(std::path::PathBuf);
-
-/// Where an enumeration starts (before the fake reads its ledger), and a later call.
-const ENUMERATION: &str = "nvmlDeviceGetCount_v2";
-const PROCESSES: &str = "nvmlDeviceGetComputeRunningProcesses_v3";
-
-impl NvmlGates {
-    fn install(node: &Node) -> Self {
-        let gates = Self(node.dir.clone());
-        let mut config: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(node.config_path()).unwrap()).unwrap();
-        config["gates"] = serde_json::json!({
-            ENUMERATION: gates.file(ENUMERATION),
-            PROCESSES: gates.file(PROCESSES),
-        });
-        node.write_nvml(config);
-        gates
-    }
-
-    fn file(&self, call: &str) -> std::path::PathBuf {
-        self.0.join(format!("gate-{call}"))
-    }
-
-    fn waiting(&self, call: &str, there: bool) {
-        let marker = self.0.join(format!("gate-{call}.waiting"));
-        let state = if there { "waiting" } else { "passed" };
-        wait_until(format_args!("the gate at {call} {state}"), DEATH, || {
-            marker.exists() == there
-        });
-    }
-
-    /// The next call of `call` will wait (without waiting for it).
-    fn close(&self, call: &str) {
-        std::fs::write(self.file(call), b"").unwrap();
-    }
-
-    fn hold(&self, call: &str) {
-        self.close(call);
-        self.waiting(call, true);
-    }
-
-    fn release(&self, call: &str) {
-        std::fs::remove_file(self.file(call)).unwrap();
-        self.waiting(call, false);
-    }
-}
-
 /// An allocation made while a memory poll is asking NVML may or may not be in NVML's
 /// answer: that account keeps its last baseline until a poll with nothing in flight, so
 /// the allocation is counted once. (Taking NVML's figure with the delta read before the
@@ -760,5 +712,121 @@ fn past_the_cap_after_a_quiet_poll(
     assert!(
         line.starts_with(&format!("Environment {env} would use {mb} on device 0 ")),
         "{line}"
+    );
+}
+
+/// `refuse` where the kernel lets a uprobe program set registers (`GENV_TEST_KERNEL_REFUSES=1`,
+/// which the VM sets on its newest kernel): the call that would cross the cap returns
+/// `CUDA_ERROR_OUT_OF_MEMORY` (2) without running, and the program lives. Elsewhere
+/// (this host's 6.18, Debian's 6.1 and 6.12) the daemon says at start, and in status,
+/// that it kills instead, and does. Either way the other is a failure, never a skip.
+#[test]
+fn refuse_returns_out_of_memory_where_the_kernel_lets_it_and_kills_elsewhere() {
+    let _serial = serial();
+    let Some((mut node, cuda_env, daemon)) = setup("refuse") else {
+        return;
+    };
+    let expected = std::env::var("GENV_TEST_KERNEL_REFUSES").as_deref() == Ok("1");
+    let mode = daemon.wait_status("memory_at_alloc in status", |s| {
+        s["memory_at_alloc"].as_str().map(str::to_owned)
+    });
+    let mut first = capped(&mut node, &cuda_env, &daemon, "rho", &[0]);
+    first.init(&daemon, "0");
+    first.ok("ctx 0");
+    let pointer = first.ok("alloc 600");
+    if !expected {
+        assert!(
+            mode.starts_with("kill (refuse asked for; the kernel refused the refusing programs: "),
+            "{mode}: this kernel loaded the refusing programs (set GENV_TEST_KERNEL_REFUSES=1 where it should)"
+        );
+        daemon.expect(
+            "--memory-at-alloc refuse: this kernel does not let a uprobe program set registers (",
+        );
+        killed_at(&mut node, &daemon, &mut first, "alloc 600");
+        return;
+    }
+    assert_eq!(
+        mode, "refuse",
+        "the kernel should have loaded the refusing programs"
+    );
+    // Past the cap: out-of-memory, the out-pointer untouched (still 0), the driver
+    // never called, the program alive.
+    assert_eq!(first.call("alloc 600").as_deref(), Some("err 2"));
+    assert_eq!(ledger_total(&node, &[first.pid], 0), 600 * MIB);
+    assert!(node.alive(first.pid));
+    let line = daemon.expect(&format!(
+        "refused an allocation of 629m by process {}",
+        first.pid
+    ));
+    assert!(
+        line.starts_with(
+            "Environment rho would use 1258m on device 0 which is 258m over its capacity of 1g;"
+        ),
+        "{line}"
+    );
+    // Nothing of the refused call stayed charged: the cap, to the byte, fits.
+    first.ok(&format!("bytes {}", CAP - 600 * MIB));
+    assert_eq!(first.call("bytes 1").as_deref(), Some("err 2"));
+    // A free, then an allocation that fits.
+    first.ok(&format!("free {pointer}"));
+    first.ok("alloc 300");
+    refused_racing(&mut node, &cuda_env, &daemon, first);
+}
+
+/// Two processes of the environment racing over its cap: both are refused, never both
+/// let through; both live; the lines are held back to one per process at a time.
+fn refused_racing(
+    node: &mut Node,
+    cuda_env: &[(String, String)],
+    daemon: &EventDaemon,
+    mut first: CudaUser,
+) {
+    let mut second = CudaUser::start(node, cuda_env, "genv activate --id rho");
+    second.init(daemon, "0");
+    second.ok("ctx 0");
+    let held = ledger_total(node, &[first.pid, second.pid], 0);
+    let room = (CAP - held) / (100 * MIB);
+    let calls = ["alloc 100"; 12];
+    first.send(&calls);
+    second.send(&calls);
+    let (mut granted, mut refused) = (0, Vec::new());
+    for user in [&mut first, &mut second] {
+        let mut own = 0;
+        for _ in 0..calls.len() {
+            match user.answer().as_deref() {
+                Some(a) if a.starts_with("ok ") => granted += 1,
+                Some("err 2") => own += 1,
+                other => panic!("process {}: {other:?}", user.pid),
+            }
+        }
+        refused.push(own);
+        assert!(node.alive(user.pid));
+    }
+    assert!(
+        granted <= room,
+        "{granted} × 100 MiB granted with room for {room}"
+    );
+    assert!(refused.iter().all(|n| *n > 0), "refused {refused:?}");
+    assert!(ledger_total(node, &[first.pid, second.pid], 0) <= CAP);
+    let counted = |s: &serde_json::Value| {
+        s["counts"]["refused_at_alloc"]
+            .as_u64()
+            .filter(|n| *n >= 2 + refused.iter().sum::<u64>())
+    };
+    daemon.wait_status("every refusal counted", counted);
+    let said = daemon
+        .lines()
+        .iter()
+        .filter(|l| {
+            l.contains(&format!(
+                "refused an allocation of 104m by process {}",
+                second.pid
+            ))
+        })
+        .count() as u64;
+    assert!(
+        said < refused[1],
+        "{said} lines for {} refusals",
+        refused[1]
     );
 }

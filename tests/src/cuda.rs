@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{ChildStdin, ChildStdout, Command, Stdio};
 
 use crate::events::EventDaemon;
-use crate::{DEATH, Genv, Node, artefact};
+use crate::{DEATH, Genv, Node, artefact, wait_until};
 
 /// genv's `1g`: 10^9 bytes.
 pub const CAP: u64 = 1_000_000_000;
@@ -158,7 +158,12 @@ pub fn capped(
 /// `call` takes its process past the cap: it never returns, the process dies of SIGKILL,
 /// and the daemon says so. Its line.
 pub fn killed_at(node: &mut Node, daemon: &EventDaemon, user: &mut CudaUser, call: &str) -> String {
-    assert_eq!(user.call(call), None, "{call} returned");
+    let answer = user.call(call);
+    if answer.is_some() {
+        let lines = daemon.lines();
+        let last = &lines[lines.len().saturating_sub(40)..];
+        panic!("{call} returned {answer:?}; the daemon's last lines: {last:#?}");
+    }
     assert_eq!(node.wait_exit(user.pid, DEATH), Some(libc::SIGKILL));
     daemon.expect(&format!("killed process {} at the allocation", user.pid))
 }
@@ -169,4 +174,53 @@ pub fn ledger_total(node: &Node, pids: &[u32], gpu: u32) -> u64 {
         .filter(|((pid, index), _)| pids.contains(pid) && *index == gpu)
         .map(|(_, bytes)| *bytes)
         .sum()
+}
+
+/// The fake NVML's gates: [`Self::hold`] makes the daemon's next call of an entry point
+/// wait, and returns once it waits; [`Self::release`] lets it go on.
+pub struct NvmlGates(std::path::PathBuf);
+
+/// Where an enumeration starts (before the fake reads its ledger), and a later call.
+pub const ENUMERATION: &str = "nvmlDeviceGetCount_v2";
+pub const PROCESSES: &str = "nvmlDeviceGetComputeRunningProcesses_v3";
+
+impl NvmlGates {
+    pub fn install(node: &Node) -> Self {
+        let gates = Self(node.dir.clone());
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(node.config_path()).unwrap()).unwrap();
+        config["gates"] = serde_json::json!({
+            ENUMERATION: gates.file(ENUMERATION),
+            PROCESSES: gates.file(PROCESSES),
+        });
+        node.write_nvml(config);
+        gates
+    }
+
+    fn file(&self, call: &str) -> std::path::PathBuf {
+        self.0.join(format!("gate-{call}"))
+    }
+
+    pub fn waiting(&self, call: &str, there: bool) {
+        let marker = self.0.join(format!("gate-{call}.waiting"));
+        let state = if there { "waiting" } else { "passed" };
+        wait_until(format_args!("the gate at {call} {state}"), DEATH, || {
+            marker.exists() == there
+        });
+    }
+
+    /// The next call of `call` will wait (without waiting for it).
+    pub fn close(&self, call: &str) {
+        std::fs::write(self.file(call), b"").unwrap();
+    }
+
+    pub fn hold(&self, call: &str) {
+        self.close(call);
+        self.waiting(call, true);
+    }
+
+    pub fn release(&self, call: &str) {
+        std::fs::remove_file(self.file(call)).unwrap();
+        self.waiting(call, false);
+    }
 }

@@ -79,6 +79,10 @@ pub(crate) fn script(guest: &Guest, series: Series, tiers: &[String], options: &
         path = quote(&std::env::var("PATH").unwrap_or_default()),
         tests = quote(&guest.root.join("tests").display().to_string()),
     );
+    script.push_str(&format!(
+        "export GENV_TEST_KERNEL_REFUSES={}\n",
+        u8::from(series.refuses_at_alloc)
+    ));
     if options.test_args.is_empty() && !series.preempts_programs {
         script.push_str(&format!("export GENV_TEST_ATTEMPTS={WHOLE_RUN_ATTEMPTS}\n"));
     }

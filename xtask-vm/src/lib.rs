@@ -71,8 +71,9 @@ const EACH_TIER_KERNEL: &str = "6.12";
 /// CI runs there (every test of it, when `vm-test` is given test arguments). Each of
 /// its tests starts a daemon and the real genv (a dozen Python starts), one to two
 /// minutes under TCG: the whole suite would take CI past its budget. These two prove
-/// what the kernel does: it kills in the call, and places the breakpoints only in the
-/// processes that carry the probes; the rest (racing processes, other GPUs, every
+/// what the kernel does: it kills in the call, and it lets the refusing programs make
+/// the call return out-of-memory (racing processes included); the rest (the breakpoints
+/// placed system-wide, which every kernel's uprobes do alike, other GPUs, every
 /// allocation call) is the same programs' arithmetic, run on the host.
 pub const KERNEL_SUITES: [&str; 1] = ["memory_at_alloc"];
 /// The kernel that runs the kernel suites: the newest, the first whose uprobe programs
@@ -80,7 +81,7 @@ pub const KERNEL_SUITES: [&str; 1] = ["memory_at_alloc"];
 const KERNEL_SUITE_KERNEL: &str = "7";
 const KERNEL_SUITE_TESTS: [&str; 2] = [
     "the_allocation_that_crosses_the_cap",
-    "only_processes_in_capped_environments",
+    "refuse_returns_out_of_memory",
 ];
 
 /// Every suite a boot of [`run_kernel`] may run: what the caller builds.

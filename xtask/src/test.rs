@@ -6,9 +6,9 @@
 //! side by side, on this machine's two cores:
 //!
 //! 1. the 6.12 guest (every VM tier, and the `each_tier_` tests on each), then the 6.1
-//!    guest, the harness's refusal check, and the unit under systemd (the `.deb` built
-//!    first), the last two on 6.1's kernel;
-//! 2. the host's suites (the tier-dependent ones on the tracepoint tier);
+//!    guest and the harness's refusal check on 6.1's kernel;
+//! 2. the host's suites (the tier-dependent ones on the tracepoint tier), then the unit
+//!    under systemd (the `.deb` built first) on 6.1's kernel, once lane 1 is done with it;
 //! 3. the newest kernel's guest (7, with the `memory_at_alloc` tests).
 //!
 //! A guest under TCG keeps about one core busy, and the host's suites mostly wait on
@@ -71,23 +71,41 @@ fn phases(cargo_args: &[String]) -> Result<()> {
     let [first, middle, newest] = [kernel("6.1")?, kernel("6.12")?, kernel("7")?];
     let outcome = std::sync::Mutex::new(Outcome { runs: Vec::new() });
     let boot = |prepared| boot_job(&guest, &options, &outcome, prepared);
+    // The refusal check and the systemd boot use 6.1's kernel, whose files one boot at
+    // a time may write: each of the three holds this while it runs.
+    let first_kernel = std::sync::Mutex::new(());
+    let holding = |named| holding(&first_kernel, named);
     // Three lanes on two cores: the host's suites mostly wait on processes, and a third
     // lane fills what they leave (`docs/dev/testing.md`, where the time goes). The
-    // refusal check and the systemd boot use 6.1's kernel, whose files one boot at a
-    // time may write: they follow its guest, in its lane.
+    // systemd boot follows the host's suites, the shortest lane.
     let lanes: Vec<Lane> = vec![
         vec![
             boot(middle),
-            boot(first),
-            job("vm refusal check", || vm::refusal_check(&guest, &first.1)),
-            job("vm systemd", || vm::systemd_check(&guest, &first.1)),
+            holding(boot(first)),
+            holding(job("vm refusal check", || {
+                vm::refusal_check(&guest, &first.1)
+            })),
         ],
-        vec![job("host tests", host_tests)],
+        vec![
+            job("host tests", host_tests),
+            holding(job("vm systemd", || vm::systemd_check(&guest, &first.1))),
+        ],
         vec![boot(newest)],
     ];
     let failures = timings::lanes("host tests and vm (side by side)", lanes);
     let outcome = outcome.into_inner().unwrap();
     summary(&outcome, &failures)
+}
+
+/// `named`, run while it holds `files`.
+fn holding<'a>(
+    files: &'a std::sync::Mutex<()>,
+    (name, run): (String, timings::Job<'a>),
+) -> (String, timings::Job<'a>) {
+    job(name, move || {
+        let _files = files.lock().unwrap_or_else(|e| e.into_inner());
+        run()
+    })
 }
 
 /// One kernel's guest, every VM tier, as a lane's job; its run kept in `outcome`.

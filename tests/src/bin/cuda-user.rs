@@ -1,7 +1,8 @@
 //! A CUDA program, in tests: it loads a libcuda (`GENV_FAKE_CUDA_LIB`, the fake one in
 //! `tests/fake-cuda`, or the real one) with `dlopen`, as the CUDA runtime does, and
 //! makes the calls its stdin asks for, one per line, answering each on stdout (`ok
-//! VALUE` or `err CODE`). A process killed in a call answers nothing more.
+//! VALUE` or `err CODE`, `err CODE VALUE` where the failed call wrote a value). A
+//! process killed in a call answers nothing more.
 //!
 //! - `init`: `cuInit(0)`;
 //! - `ctx D`: `cuDevicePrimaryCtxRetain` on device D, then `cuCtxSetCurrent` (what the
@@ -17,7 +18,9 @@
 //! - `free PTR`: `cuMemFree_v2`; `freeasync PTR`: `cuMemFreeAsync`; `release HANDLE`:
 //!   `cuMemRelease` (PTR and HANDLE as answered, in hex);
 //! - `loop N`: N pairs of `cuMemAlloc_v2` (1 MiB) and `cuMemFree_v2`, answering the
-//!   nanoseconds they took in all (the benchmark of the probes' cost);
+//!   nanoseconds they took in all (the benchmark of the probes' cost); `refusals N
+//!   MIB`: N calls of `cuMemAlloc_v2` of MIB that must all return out-of-memory, the
+//!   nanoseconds they took (the cost of a refusal);
 //! - `peek SYMBOL`: the first byte of SYMBOL's code as this process maps it (`0xcc`
 //!   where a uprobe placed its breakpoint);
 //! - `open PATH`: opens PATH (a GPU node) and keeps it open, as NVML's init does;
@@ -126,10 +129,13 @@ fn outside_cuda(
     }
 }
 
+/// `ok VALUE`; `err CODE`, with the value where a failed call wrote one (it starts at
+/// 0: a refused allocation leaves its out-pointer untouched).
 fn answer(code: c_int, value: u64) -> String {
-    match code {
-        0 => format!("ok {value:#x}"),
-        code => format!("err {code}"),
+    match (code, value) {
+        (0, value) => format!("ok {value:#x}"),
+        (code, 0) => format!("err {code}"),
+        (code, value) => format!("err {code} {value:#x}"),
     }
 }
 
@@ -221,6 +227,7 @@ fn in_cuda(
         "pitch" => pitched(cuda, MIB, number(1) as usize, &mut *value),
         "vmm" => vmm(cuda, number(1) as usize * MIB, number(2) as c_int, value),
         "loop" => alloc_free_loop(cuda, number(1), value),
+        "refusals" => refused_loop(cuda, number(1), number(2) as usize * MIB, value),
         "managed" => call!(
             cuda,
             "cuMemAllocManaged",
@@ -281,6 +288,24 @@ fn alloc_free_loop(cuda: &Cuda, times: u64, value: &mut u64) -> c_int {
     }
     *value = started.elapsed().as_nanos() as u64;
     code
+}
+
+/// `times` calls of `cuMemAlloc_v2` of `bytes` each that must all be refused
+/// (`CUDA_ERROR_OUT_OF_MEMORY`, a cap's refusal), the nanoseconds they took into
+/// `value`; the first other answer ends it, as its code (1 for a success).
+fn refused_loop(cuda: &Cuda, times: u64, bytes: usize, value: &mut u64) -> c_int {
+    const OUT_OF_MEMORY: c_int = 2;
+    let started = std::time::Instant::now();
+    for _ in 0..times {
+        let mut pointer = 0u64;
+        match alloc(cuda, bytes, &mut pointer) {
+            OUT_OF_MEMORY => {}
+            0 => return 1,
+            code => return code,
+        }
+    }
+    *value = started.elapsed().as_nanos() as u64;
+    0
 }
 
 /// The first instruction byte of `symbol` into `value` (where a uprobe writes its
