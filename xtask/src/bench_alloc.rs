@@ -11,8 +11,10 @@
 //! - Overshoot: a process in an environment capped at 1g allocates 100 MiB every 20 ms,
 //!   as a growing training job does, until it is stopped: by the memory rule after the
 //!   fact (`--memory-at-alloc off`, the memory poll every second) or at the call
-//!   (`kill`). How far past the cap it got, by the fake driver's account, and how long
-//!   it ran past it.
+//!   (`kill`, and `refuse`, which returns out-of-memory where the kernel allows it and
+//!   kills elsewhere, as the row says). How far past the cap it got, by the fake
+//!   driver's account, and how long it ran past it; a refused program's cost of a
+//!   refused call.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -177,7 +179,7 @@ fn overshoot(node: &Node) -> Result<String> {
          account, and how long it ran once past it.\n\n\
          | stopped by | overshoot (bytes) | ran past the cap (ms) | how |\n|---|---:|---:|---|\n",
     );
-    for mode in ["off", "kill"] {
+    for mode in ["off", "kill", "refuse"] {
         let run_dir = node.dir.join(format!("run-{mode}"));
         let (mut daemon, _lines) = daemon(node, &run_dir, mode, &[])?;
         let mut user = CudaUser::start(node, Some("capped"), true)?;
@@ -189,11 +191,15 @@ fn overshoot(node: &Node) -> Result<String> {
         }
         user.ok("init")?;
         user.ok("ctx 0")?;
-        let (mut granted, mut crossed) = (0u64, None);
+        let (mut granted, mut crossed, mut refused) = (0u64, None, false);
         let started = Instant::now();
         while started.elapsed() < Duration::from_secs(30) {
             match user.call("alloc 100")? {
                 Some(answer) if answer.starts_with("ok ") => granted += CHUNK,
+                Some(answer) if mode == "refuse" && answer == "err 2" => {
+                    refused = true;
+                    break;
+                }
                 Some(answer) => bail!("alloc 100: {answer}"),
                 None => break,
             }
@@ -203,16 +209,17 @@ fn overshoot(node: &Node) -> Result<String> {
             std::thread::sleep(Duration::from_millis(20));
         }
         let ran_past = crossed.map_or(0.0, |at| at.elapsed().as_secs_f64() * 1000.0);
+        let how = how_stopped(mode, refused, &mut user, &run_dir)?;
+        if refused {
+            // It lives on, which is the point: ended here.
+            let _ = user.child.kill();
+        }
         let status = user.child.wait()?;
-        let how = match mode {
-            "off" => "the memory rule at its next poll (SIGTERM)",
-            _ => "SIGKILL in the allocation call",
-        };
-        let counted = mode == "off" || killed_at_alloc(&run_dir);
+        let counted = mode == "off" || counted_at_alloc(&run_dir, refused);
         let _ = daemon.kill();
         let _ = daemon.wait();
         if !counted {
-            bail!("--memory-at-alloc kill: the daemon did not count the kill ({status})");
+            bail!("--memory-at-alloc {mode}: the daemon did not count its stop ({status})");
         }
         table += &format!(
             "| `--memory-at-alloc {mode}` | {} | {ran_past:.0} | {how} |\n",
@@ -246,14 +253,49 @@ fn daemon(
     Ok((daemon, lines))
 }
 
-/// Whether the daemon's status counts a kill at the allocation (the status file is
-/// rewritten within seconds of a change).
-fn killed_at_alloc(run_dir: &Path) -> bool {
+/// How the bench's program was stopped, for the table.
+fn how_stopped(mode: &str, refused: bool, user: &mut CudaUser, run_dir: &Path) -> Result<String> {
+    Ok(match (mode, refused) {
+        ("off", _) => "the memory rule at its next poll (SIGTERM)".to_owned(),
+        (_, true) => refusal_cost(user)?,
+        ("refuse", false) => format!(
+            "SIGKILL in the allocation call: this kernel cannot refuse, so refuse is kill here ({})",
+            status_field(run_dir, "memory_at_alloc")
+        ),
+        _ => "SIGKILL in the allocation call".to_owned(),
+    })
+}
+
+/// The program lives past the refusal: what a refused call costs it, measured over
+/// 1,000 more.
+fn refusal_cost(user: &mut CudaUser) -> Result<String> {
+    const TRIES: u64 = 1000;
+    let ns = user.ok(&format!("refusals {TRIES} 100"))?;
+    Ok(format!(
+        "CUDA_ERROR_OUT_OF_MEMORY from the call, which never ran; the program lives ({:.0} ns per refused call)",
+        ns as f64 / TRIES as f64
+    ))
+}
+
+/// A field of the daemon's status, as text.
+fn status_field(run_dir: &Path, field: &str) -> String {
+    let status = std::fs::read_to_string(run_dir.join("status.json")).unwrap_or_default();
+    let status: Value = serde_json::from_str(&status).unwrap_or_default();
+    status[field].as_str().unwrap_or("not in status").to_owned()
+}
+
+/// Whether the daemon's status counts a kill (or, `refused`, a refusal) at the
+/// allocation (the status file is rewritten within seconds of a change).
+fn counted_at_alloc(run_dir: &Path, refused: bool) -> bool {
+    let counter = match refused {
+        true => "refused_at_alloc",
+        false => "killed_at_alloc",
+    };
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         let status = std::fs::read_to_string(run_dir.join("status.json")).unwrap_or_default();
         let status: Value = serde_json::from_str(&status).unwrap_or_default();
-        if status["counts"]["killed_at_alloc"].as_u64().unwrap_or(0) > 0 {
+        if status["counts"][counter].as_u64().unwrap_or(0) > 0 {
             return true;
         }
         std::thread::sleep(Duration::from_millis(200));
