@@ -38,7 +38,10 @@ pub fn wait_line(
 ) -> Result<String> {
     match harness::until_line(lines, needles, timeout) {
         Ok((line, _)) => Ok(line),
-        Err(_) => bail!("the daemon printed no line with {needles:?} within {timeout:?}"),
+        Err(seen) => {
+            let last = &seen[seen.len().saturating_sub(20)..];
+            bail!("the daemon printed no line with {needles:?} within {timeout:?}; its last lines: {last:#?}")
+        }
     }
 }
 
@@ -100,6 +103,23 @@ pub fn start_event_daemon(
         .stdout(std::process::Stdio::null())
         .spawn()?;
     let lines = stream(&mut daemon, None);
-    wait_line(&lines, &["Watching GPU nodes"], Duration::from_secs(60))?;
-    Ok((daemon, lines))
+    let needles = ["Watching GPU nodes"];
+    let (line, seen) = match harness::until_line(&lines, &needles, Duration::from_secs(60)) {
+        Ok(found) => found,
+        Err(seen) => bail!("the daemon did not start; its lines: {seen:#?}"),
+    };
+    // The lines read meanwhile stay readable: the start's own lines (the caps held, the
+    // libraries probed) may come before that one.
+    let (again, replayed) = mpsc::channel();
+    for line in seen.into_iter().chain([line]) {
+        let _ = again.send(line);
+    }
+    std::thread::spawn(move || {
+        for line in lines {
+            if again.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    Ok((daemon, replayed))
 }
