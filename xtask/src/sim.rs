@@ -40,7 +40,9 @@ pub fn wait_line(
         Ok((line, _)) => Ok(line),
         Err(seen) => {
             let last = &seen[seen.len().saturating_sub(20)..];
-            bail!("the daemon printed no line with {needles:?} within {timeout:?}; its last lines: {last:#?}")
+            bail!(
+                "the daemon printed no line with {needles:?} within {timeout:?}; its last lines: {last:#?}"
+            )
         }
     }
 }
