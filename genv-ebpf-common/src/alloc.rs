@@ -36,7 +36,7 @@ pub const PROC_CAP_MAP: &str = "PROC_CAP";
 
 /// Every map of the probes, the kernel side's own included: sized down to one entry
 /// when `--memory-at-alloc` is off, so that they cost no kernel memory.
-pub const ALL_MAPS: [&str; 12] = [
+pub const ALL_MAPS: [&str; 13] = [
     ENV_MEMORY_MAP,
     ALLOC_DELTA_MAP,
     ALLOC_BASE_MAP,
@@ -49,7 +49,21 @@ pub const ALL_MAPS: [&str; 12] = [
     "PENDING",
     "SWITCHES",
     "ANNOUNCED",
+    "REFUSAL_PACE",
 ];
+
+/// A process's refusals are reported at most this often (`--memory-at-alloc refuse`);
+/// those in between are counted, and the next report carries the count.
+pub const REFUSAL_PACE_NS: u64 = 1_000_000_000;
+
+/// When a process's last refusal was reported, and how many it had since (moved by
+/// atomic adds: threads of one process refuse at once).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RefusalPace {
+    pub reported_ns: u64,
+    pub held_back: u64,
+}
 
 /// The largest allocation a call is charged for: 256 TiB, more than any GPU has, and
 /// far enough from `i64::MAX` that no sum of charges wraps.

@@ -54,7 +54,8 @@ pub struct OpenEvent {
 
 /// An `ALLOC` event: the common record and what only it carries, written as a record
 /// of its own size so that every other event (a GPU open, an exec) stays
-/// [`RawEvent`]'s size in the ring buffer.
+/// [`RawEvent`]'s size in the ring buffer. A refusal's `head.arg` is the process's
+/// refusals not reported since its last (see [`crate::alloc::REFUSAL_PACE_NS`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AllocEvent {

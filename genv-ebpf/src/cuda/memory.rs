@@ -285,12 +285,14 @@ fn charge<const REFUSE: bool>(ctx: &ProbeContext, account: Account, size: u64) -
         charge_process(pid, env, gpu, size);
         return true;
     };
-    let say = |verdict| report(account, usage, size, verdict);
+    let say = |verdict| report(account, usage, (size, 0), verdict);
     // Refused only by a refusing program (a constant: the plain ones hold no store to
     // their registers); one that cannot refuse this call kills it instead.
     if REFUSE && flags & policy::MEMORY_REFUSE != 0 && super::refuse::return_out_of_memory(ctx) {
         shift(delta, -size);
-        say(verdict::ALLOC_REFUSED);
+        if let Some(held_back) = super::refuse::paced(pid, now_ns()) {
+            report(account, usage, (size, held_back), verdict::ALLOC_REFUSED);
+        }
         return false;
     }
     if flags & policy::MEMORY_KILL != 0 {
@@ -336,8 +338,9 @@ fn charge_process(pid: u32, env: u64, gpu: u32, size: i64) {
     }
 }
 
+/// `held_back`: refusals of the process's not reported since its last one.
 #[inline(always)]
-fn report(account: Account, usage: i64, size: i64, verdict: u32) {
+fn report(account: Account, usage: i64, (size, held_back): (i64, u64), verdict: u32) {
     let Account { pid, env, gpu } = account;
     let (_, tid) = current();
     let event = AllocEvent {
@@ -349,8 +352,8 @@ fn report(account: Account, usage: i64, size: i64, verdict: u32) {
             hook: hook::UPROBE,
             uid: bpf_get_current_uid_gid() as u32,
             verdict,
+            arg: held_back.min(u32::MAX as u64) as u32,
             ktime_ns: now_ns(),
-            ..RawEvent::default()
         },
         env,
         would_use: usage.max(0) as u64,

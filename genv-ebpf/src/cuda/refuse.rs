@@ -21,8 +21,12 @@
 
 use aya_ebpf::helpers::{bpf_probe_read_user, bpf_probe_read_user_buf};
 use aya_ebpf::macros::map;
-use aya_ebpf::maps::PerCpuArray;
+use aya_ebpf::maps::{LruHashMap, PerCpuArray};
 use aya_ebpf::programs::ProbeContext;
+use genv_ebpf_common::alloc::{MAX_CUDA_PROCESSES, REFUSAL_PACE_NS, RefusalPace};
+
+use super::BPF_NOEXIST;
+use super::account::add;
 
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 const OUT_OF_MEMORY: u64 = 2;
@@ -64,35 +68,30 @@ pub(super) fn return_out_of_memory(ctx: &ProbeContext) -> bool {
     };
     // The page is searched in this CPU's buffer, which another run of the program can
     // overwrite if the kernel preempts this one (7.x preempts inside programs): the
-    // byte found is read again from the thread's own memory before it is used, and a
-    // mismatch searches once more.
-    let mut tries = 0;
-    while tries < 2 {
-        tries += 1;
-        // SAFETY: this CPU's slot; see above for what may write it meanwhile.
-        let bytes = unsafe { &mut (*code).bytes };
-        // SAFETY: bpf_probe_read_user checks the address and fails instead of
-        // faulting; the page holds the instruction the thread stopped at, so it is
-        // mapped.
-        if unsafe { bpf_probe_read_user_buf(page as *const u8, bytes) }.is_err() {
-            return false;
-        }
-        let Some(ret) = first_ret(bytes) else {
-            return false;
-        };
-        let target = page + ret as u64;
-        if read_byte(target) != Some(RET) {
-            continue;
-        }
-        // SAFETY: stores to the context, which the verifier allows a uprobe program on
-        // the kernels that load this one; the thread resumes with these registers.
-        unsafe {
-            (*regs).rax = OUT_OF_MEMORY;
-            (*regs).rip = target;
-        }
-        return true;
+    // byte found is read again from the thread's own memory before it is used (a
+    // mismatch, which takes that race, kills instead). One search only: a second would
+    // double the states the verifier keeps for the loop.
+    // SAFETY: this CPU's slot; see above for what may write it meanwhile.
+    let bytes = unsafe { &mut (*code).bytes };
+    // SAFETY: bpf_probe_read_user checks the address and fails instead of faulting; the
+    // page holds the instruction the thread stopped at, so it is mapped.
+    if unsafe { bpf_probe_read_user_buf(page as *const u8, bytes) }.is_err() {
+        return false;
     }
-    false
+    let Some(ret) = first_ret(bytes) else {
+        return false;
+    };
+    let target = page + ret as u64;
+    if read_byte(target) != Some(RET) {
+        return false;
+    }
+    // SAFETY: stores to the context, which the verifier allows a uprobe program on the
+    // kernels that load this one; the thread resumes with these registers.
+    unsafe {
+        (*regs).rax = OUT_OF_MEMORY;
+        (*regs).rip = target;
+    }
+    true
 }
 
 /// One byte of the thread's memory.
@@ -113,4 +112,41 @@ fn first_ret(bytes: &[u8; PAGE]) -> Option<usize> {
         i += 1;
     }
     None
+}
+
+/// Process → when its last refusal was reported, and how many it had since. LRU: a
+/// process evicted is reported afresh.
+#[map]
+pub(crate) static REFUSAL_PACE: LruHashMap<u32, RefusalPace> =
+    LruHashMap::with_max_entries(MAX_CUDA_PROCESSES, 0);
+
+/// Whether a refusal of `pid`'s at `now` is reported: `Some(n)`, with the `n` refusals
+/// held back since its last report; `None`: held back (counted). A program that lives
+/// often retries at once, in a loop: one event a second per process reaches the ring
+/// buffer, so that no process can crowd other events out of it.
+#[inline(always)]
+pub(super) fn paced(pid: u32, now: u64) -> Option<u64> {
+    let Some(pace) = REFUSAL_PACE.get_ptr_mut(pid) else {
+        let fresh = RefusalPace {
+            reported_ns: now,
+            held_back: 0,
+        };
+        let _ = REFUSAL_PACE.insert(pid, fresh, BPF_NOEXIST);
+        return Some(0);
+    };
+    // SAFETY: map memory; threads of one process racing here at most report twice in a
+    // second, and the count is moved by atomic adds.
+    unsafe {
+        if now.wrapping_sub((*pace).reported_ns) < REFUSAL_PACE_NS {
+            add((&raw mut (*pace).held_back).cast::<i64>(), 1);
+            return None;
+        }
+        (*pace).reported_ns = now;
+        let held_back = core::ptr::read_volatile(&raw const (*pace).held_back);
+        add(
+            (&raw mut (*pace).held_back).cast::<i64>(),
+            -(held_back as i64),
+        );
+        Some(held_back)
+    }
 }

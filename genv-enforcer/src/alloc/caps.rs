@@ -341,6 +341,7 @@ mod tests {
             index: 0,
             would_use: 1_200_000_000,
             size: 600 << 20,
+            held_back: 0,
             outcome: AllocOutcome::Killed,
             at_ns: 0,
             subject: Default::default(),

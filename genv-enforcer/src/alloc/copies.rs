@@ -108,6 +108,14 @@ impl Copies {
         self.looks.next_due()
     }
 
+    /// `pid`'s mappings were read at `stamp`.
+    fn read_at(&mut self, pid: u32, stamp: u64) {
+        if self.looked_at.len() >= MAX_LOOKED && !self.looked_at.contains_key(&pid) {
+            self.looked_at.clear();
+        }
+        self.looked_at.insert(pid, stamp);
+    }
+
     /// `pid` exec'ed at `at_ns`: as [`Self::gone`], unless its mappings were read since
     /// (an open of the old image's handled after the exec looks at the new image): they
     /// are the new image's, and stay. Its looks start again either way.
@@ -147,15 +155,16 @@ impl Copies {
         let Ok(stat) = procfs::stat(pid) else {
             return; // gone
         };
-        // Stamped before the read: an exec between the two counts as after it.
-        if self.looked_at.len() >= MAX_LOOKED && !self.looked_at.contains_key(&pid) {
-            self.looked_at.clear();
-        }
-        self.looked_at.insert(pid, crate::clock::monotonic_ns());
+        // Stamped before the read (an exec between the two counts as after it), kept
+        // once the read answered.
+        let stamp = crate::clock::monotonic_ns();
         let started = stat.start_time;
         let process = stat.image_of(pid);
         let opened = match address_space::read(process, SpaceFile::Maps, move || open_mapped(pid)) {
-            Ok(Ok(opened)) => opened,
+            Ok(Ok(opened)) => {
+                self.read_at(pid, stamp);
+                opened
+            }
             Ok(Err(e)) => {
                 if let Some(e) = e {
                     tracing::warn!(

@@ -39,8 +39,7 @@ pub struct AllocSide {
     probes: Probes,
     identities: IdentityReader,
     caps: Caps,
-    /// The libraries given (or found by ldconfig and beside NVML) are known here too,
-    /// so that a process mapping one is not looked into for it.
+    /// The copies probed, and the libraries given or found (not looked into again).
     copies: copies::Copies,
     /// Whether any library is attached.
     attached_any: bool,
@@ -48,8 +47,8 @@ pub struct AllocSide {
     beside_nvml: Option<PathBuf>,
     /// The caps processes that started CUDA were started with, for the line.
     started_caps: HashMap<u32, StartedWith>,
-    /// Processes seen starting CUDA: only their exits have charges to take off.
-    /// With the start time each had: a pid reused after a lost exit is another process.
+    /// Processes seen starting CUDA (only their exits have charges to take off), with
+    /// their start times: a pid reused after a lost exit is another process.
     cuda_pids: HashMap<u32, u64>,
     /// Processes that began exiting but are not gone yet.
     exiting: Exiting,
@@ -324,8 +323,7 @@ impl AllocSide {
     }
 
     /// Processes a copy was just probed for have started CUDA, or are about to (the
-    /// probes may have missed their `cuInit`): they are read as at their first CUDA
-    /// call, and only then is the copy said to be probed.
+    /// probes may have missed their `cuInit`): read as at their first CUDA call.
     fn probed(&mut self, gpus: &[GpuInfo]) {
         for pid in self.copies.take_probed() {
             self.cuda_started(pid, gpus);
@@ -337,12 +335,16 @@ impl AllocSide {
         self.copies.next_look()
     }
 
-    /// A process exec'ed (at `at_ns`): its old image's memory is gone with its address
-    /// space, and its charges come off now. What was read of it since (heard of late,
-    /// an open of the old image's has its look read the new one) is the new image's,
-    /// and stays: forgotten, the copy it maps went unprobed until its next look.
+    /// A process exec'ed (at `at_ns`): its old image's charges come off now. What was
+    /// read of it since (an open of the old image's, heard of late, read the new one)
+    /// is the new image's and stays: forgotten, its copy went unprobed until a look.
     pub fn execed(&mut self, pid: u32, at_ns: u64) {
         self.copies.execed(&mut self.probes, pid, at_ns);
+        // The old image's memory went with it (and a charge of the new one made before
+        // this was heard of: NVML counts it at the next poll; kept, it could stop others).
+        if self.cuda_pids.contains_key(&pid) {
+            self.maps.take_off_charges(pid);
+        }
         let read_since = self.environ_read.get(&pid).is_some_and(|at| *at > at_ns);
         if !read_since && self.forget_image(pid).is_some() {
             self.maps.process_exited(pid);

@@ -60,6 +60,9 @@ pub struct OverCap {
     /// The allocation's size, as charged.
     pub size: u64,
     pub outcome: AllocOutcome,
+    /// A refusal: the process's refusals the kernel did not report since its last one
+    /// (it reports one a second per process).
+    pub held_back: u64,
     pub at_ns: u64,
     /// The process, as the program read it in the call.
     pub subject: KernelSubject,
@@ -258,6 +261,7 @@ impl TryFrom<AllocEvent> for KernelEvent {
             index: raw.index,
             would_use: alloc.would_use,
             size: alloc.size,
+            held_back: u64::from(raw.arg),
             outcome: match raw.verdict {
                 verdict::ALLOC_KILLED => AllocOutcome::Killed,
                 verdict::ALLOC_REPORTED => AllocOutcome::Reported,

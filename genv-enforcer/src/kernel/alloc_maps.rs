@@ -189,6 +189,12 @@ impl AllocMaps {
     pub fn process_exited(&mut self, pid: u32) {
         let _ = remove_if_there(&mut self.ordinals, &pid);
         let _ = remove_if_there(&mut self.started_caps, &pid);
+        self.take_off_charges(pid);
+    }
+
+    /// What the process held comes off its environments (its image ended: an exit, or
+    /// an exec, whose new image keeps its numbering where the daemon read it since).
+    pub fn take_off_charges(&mut self, pid: u32) {
         let held: Vec<ProcGpu> = self
             .charges
             .keys()

@@ -62,7 +62,7 @@ impl Reactions {
                 unresolved,
                 at_ns,
             } => {
-                self.refusals.forget(pid);
+                self.refusals_gone(pid);
                 Some(lifecycle::exec((pid, at_ns), unresolved, verbose, around))
             }
             KernelEvent::Fork {
@@ -72,7 +72,7 @@ impl Reactions {
                 None
             }
             KernelEvent::Exit { pid } => {
-                self.refusals.forget(pid);
+                self.refusals_gone(pid);
                 Some(lifecycle::exit(pid, around))
             }
             KernelEvent::CudaStart(start) => cuda::start(&start, around),
@@ -81,6 +81,16 @@ impl Reactions {
                 cuda::over_cap(&over, said, around)
             }
             KernelEvent::Open(open) => self.opens.on_open(open, now, verbose, around),
+        }
+    }
+
+    /// A process's image ended (exec or exit): the refusals held back since its last
+    /// line, if any, are said now (its user saw the first; the log gets the count).
+    fn refusals_gone(&mut self, pid: u32) {
+        if let Some(held_back) = self.refusals.forget(pid) {
+            println!(
+                "Process {pid} had {held_back} more allocations refused since its last line (--memory-at-alloc refuse)"
+            );
         }
     }
 

@@ -45,18 +45,22 @@ impl Refusals {
         if over.outcome != AllocOutcome::Refused {
             return Paced::Now { held_back: 0 };
         }
-        match self.refused(over.pid, now) {
-            Some(held_back) => Paced::Now { held_back },
+        // The kernel reports one a second per process, with those it held back.
+        match self.refused(over.pid, now, over.held_back) {
+            Some(held_back) => Paced::Now {
+                held_back: held_back + over.held_back,
+            },
             None => Paced::HeldBack,
         }
     }
 
-    /// Whether a refusal of `pid`'s at `now` is said: `Some(n)`, `n` refusals having
-    /// been held back since the last one said; `None`: held back.
-    fn refused(&mut self, pid: u32, now: Instant) -> Option<u64> {
+    /// Whether a refusal of `pid`'s at `now` (with `also` more the kernel held back
+    /// before it) is said: `Some(n)`, `n` refusals having been held back here since the
+    /// last one said; `None`: held back.
+    fn refused(&mut self, pid: u32, now: Instant, also: u64) -> Option<u64> {
         if let Some(said) = self.by_pid.get_mut(&pid) {
             if now.saturating_duration_since(said.at) < EVERY {
-                said.held_back += 1;
+                said.held_back += 1 + also;
                 return None;
             }
             let held_back = said.held_back;
@@ -83,9 +87,11 @@ impl Refusals {
         Some(0)
     }
 
-    /// The process's image is gone (exec or exit): a pid reused is said afresh.
-    pub fn forget(&mut self, pid: u32) {
-        self.by_pid.remove(&pid);
+    /// The process's image is gone (exec or exit): a pid reused is said afresh. The
+    /// refusals held back since its last line, if any.
+    pub fn forget(&mut self, pid: u32) -> Option<u64> {
+        let held_back = self.by_pid.remove(&pid)?.held_back;
+        (held_back > 0).then_some(held_back)
     }
 }
 
@@ -97,19 +103,23 @@ mod tests {
     fn a_retrying_process_is_said_once_then_once_every_ten_seconds_with_the_count() {
         let mut refusals = Refusals::default();
         let start = Instant::now();
-        assert_eq!(refusals.refused(7, start), Some(0));
+        assert_eq!(refusals.refused(7, start, 0), Some(0));
         for ms in 1..=1000 {
-            assert_eq!(refusals.refused(7, start + Duration::from_millis(ms)), None);
+            let at = start + Duration::from_millis(ms);
+            assert_eq!(refusals.refused(7, at, 0), None);
         }
+        let other = refusals.refused(8, start, 0);
+        assert_eq!(other, Some(0), "another process is its own");
+        assert_eq!(refusals.refused(7, start + EVERY, 0), Some(1000));
+        // The kernel's own held-back count adds to this one's.
+        assert_eq!(refusals.refused(7, start + EVERY, 4), None);
+        assert_eq!(refusals.forget(7), Some(5), "said when the process goes");
         assert_eq!(
-            refusals.refused(8, start),
+            refusals.refused(7, start + EVERY, 0),
             Some(0),
-            "another process is its own"
+            "a pid reused"
         );
-        assert_eq!(refusals.refused(7, start + EVERY), Some(1000));
-        assert_eq!(refusals.refused(7, start + EVERY), None);
-        refusals.forget(7);
-        assert_eq!(refusals.refused(7, start + EVERY), Some(0), "a pid reused");
+        assert_eq!(refusals.forget(7), None, "nothing held back");
     }
 
     #[test]
@@ -117,7 +127,7 @@ mod tests {
         let mut refusals = Refusals::default();
         let now = Instant::now();
         for pid in 0..3 * MAX_PROCESSES as u32 {
-            assert_eq!(refusals.refused(pid, now), Some(0));
+            assert_eq!(refusals.refused(pid, now, 0), Some(0));
             assert!(refusals.by_pid.len() <= MAX_PROCESSES);
         }
     }
