@@ -157,7 +157,10 @@ pub mod decision {
     /// A process's identity could not be recorded (`PROC_ENV` full): it counts as
     /// outside until the daemon's resynchronisation records it.
     pub const IDENTITY_LOST: u32 = 3;
-    pub const SLOTS: u32 = 4;
+    /// An allocation past its cap returned out-of-memory (`--memory-at-alloc refuse`):
+    /// every one, reported or held back (see [`crate::alloc::REFUSAL_PACE_NS`]).
+    pub const ALLOC_REFUSED: u32 = 4;
+    pub const SLOTS: u32 = 5;
 }
 
 /// What the kernel side decided about a GPU open ([`RawEvent::verdict`]).
@@ -401,7 +404,8 @@ mod tests {
         assert_eq!(size_of::<RawEvent>(), 40);
         assert_eq!(size_of::<Subject>(), 24);
         assert_eq!(size_of::<OpenEvent>(), 64);
-        assert_eq!(size_of::<AllocEvent>(), 80);
+        assert_eq!(size_of::<AllocEvent>(), 88);
+        assert_eq!(size_of::<alloc::RefusalPace>(), 16);
         assert_eq!(size_of::<alloc::EnvGpu>(), 16);
         assert_eq!(size_of::<alloc::Baseline>(), 16);
         assert_eq!(size_of::<alloc::Delta>(), 16);

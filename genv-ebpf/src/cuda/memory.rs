@@ -5,7 +5,7 @@ use aya_ebpf::helpers::{bpf_get_current_uid_gid, bpf_send_signal};
 use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use genv_ebpf_common::alloc::{Charge, EnvGpu, MAX_CHARGE, ProcGpu};
-use genv_ebpf_common::{AllocEvent, RawEvent, hook, identity, kind, policy, verdict};
+use genv_ebpf_common::{AllocEvent, RawEvent, decision, hook, identity, kind, policy, verdict};
 
 use super::account::{add, counter, shift};
 use super::context::{current_device, nvml_index};
@@ -15,7 +15,7 @@ use super::{
     SIGKILL, handle, held, read_user_u64, take_pending,
 };
 use crate::kernel::current;
-use crate::maps::{ENVS, PROC_ENV, Wake, now_ns, offsets, policy, send};
+use crate::maps::{ENVS, PROC_ENV, Wake, count_decision, now_ns, offsets, policy, send};
 use crate::told::subject;
 
 /// `cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)`, and the two asynchronous ones
@@ -290,6 +290,7 @@ fn charge<const REFUSE: bool>(ctx: &ProbeContext, account: Account, size: u64) -
     // their registers); one that cannot refuse this call kills it instead.
     if REFUSE && flags & policy::MEMORY_REFUSE != 0 && super::refuse::return_out_of_memory(ctx) {
         shift(delta, -size);
+        count_decision(decision::ALLOC_REFUSED);
         if let Some(held_back) = super::refuse::paced(pid, now_ns()) {
             report(account, usage, (size, held_back), verdict::ALLOC_REFUSED);
         }

@@ -55,6 +55,8 @@ pub struct Decisions {
     pub kill_failed: u64,
     /// Identities that could not be recorded (the map was full).
     pub identity_lost: u64,
+    /// Allocations past a cap refused (`--memory-at-alloc refuse`), reported or not.
+    pub refused_at_alloc: u64,
 }
 
 /// What `--deny` covers.
@@ -251,6 +253,7 @@ impl PolicyMaps {
             killed: sum(decision::KILLED),
             kill_failed: sum(decision::KILL_FAILED),
             identity_lost: sum(decision::IDENTITY_LOST),
+            refused_at_alloc: sum(decision::ALLOC_REFUSED),
         }
     }
 }

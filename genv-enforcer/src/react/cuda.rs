@@ -42,7 +42,8 @@ pub fn over_cap(over: &OverCap, said: Paced, around: &mut Around<'_>) -> Option<
     match over.outcome {
         AllocOutcome::Killed => counts.killed_at_alloc += 1,
         AllocOutcome::Reported => counts.reported_at_alloc += 1,
-        AllocOutcome::Refused => counts.refused_at_alloc += 1 + over.held_back,
+        // Counted by the kernel, every one (`Mirror::report`).
+        AllocOutcome::Refused => {}
         AllocOutcome::KillFailed => {}
     }
     let held_back = match said {

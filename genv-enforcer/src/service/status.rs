@@ -136,7 +136,7 @@ pub struct Counts {
     #[serde(default)]
     pub reported_at_alloc: u64,
     /// Allocations past a cap that returned out-of-memory (`--memory-at-alloc refuse`),
-    /// every one, said or held back.
+    /// every one, said or held back, as the kernel counts them.
     #[serde(default)]
     pub refused_at_alloc: u64,
 }

@@ -289,6 +289,7 @@ impl Mirror {
         status.counts.refused_in_kernel = decided.refused;
         status.counts.killed_in_kernel = decided.killed;
         status.counts.kill_failed_in_kernel = decided.kill_failed;
+        status.counts.refused_at_alloc = decided.refused_at_alloc;
     }
 
     /// Whether the kernel could not record identities (its map was full) since the last
