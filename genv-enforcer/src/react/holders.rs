@@ -31,12 +31,13 @@ pub struct Killed {
 }
 
 /// Kills every process outside any environment that holds one of `gpus` open (any GPU
-/// node, for `None`; root's only when `deny_root`); the enforcer, its ancestors,
-/// allow-listed tools and environments' processes are left alone.
+/// node, for `None`; root's only when `deny_root`), but those `spared` (the openers the
+/// kernel killed, dying already); the enforcer, its ancestors, allow-listed tools and
+/// environments' processes are left alone.
 pub fn sweep(
     maps: &PolicyMaps,
     device_map: &DeviceMap,
-    gpus: Option<&HashSet<u32>>,
+    (gpus, spared): (Option<&HashSet<u32>>, &HashSet<u32>),
     deny_root: bool,
 ) -> Vec<Killed> {
     let index_of = |major, minor| {
@@ -50,6 +51,9 @@ pub fn sweep(
     let protected = Protected::for_this_process();
     let mut killed = Vec::new();
     for (pid, held) in holders {
+        if spared.contains(&pid) {
+            continue; // killed in its open already (not reaped yet, so its pid is its own)
+        }
         // The start time first: the pidfd opened below must name this very process.
         let (Ok(stat), Ok(uid)) = (procfs::stat(pid), procfs::real_uid(pid)) else {
             continue; // gone

@@ -16,6 +16,9 @@ pub struct Opens {
     lines: LineLimiter,
     /// GPUs the kernel killed an opener of since the last sweep for other holders.
     to_sweep: HashSet<u32>,
+    /// The openers it killed meanwhile: told already, and dying, but maybe still
+    /// holding the node when the sweep looks (they were killed, and told, twice).
+    killed_openers: HashSet<u32>,
     /// Every GPU node is to be swept: the kernel skipped a run of an open program, so
     /// an open of any of them may have gone undecided.
     sweep_every: bool,
@@ -61,6 +64,7 @@ impl Opens {
             Verdict::Killed => {
                 counts.killed += 1;
                 self.to_sweep.insert(open.index);
+                self.killed_openers.insert(open.pid);
                 None
             }
             Verdict::KillFailed => {
@@ -92,11 +96,12 @@ impl Opens {
         }
         let gpus = std::mem::take(&mut self.to_sweep);
         let every = std::mem::take(&mut self.sweep_every);
+        let spared = std::mem::take(&mut self.killed_openers);
         let Some((policy, device_map)) = around.mirror.holders_view() else {
             return;
         };
         let which = (!every).then_some(&gpus);
-        for killed in holders::sweep(policy, device_map, which, deny_root) {
+        for killed in holders::sweep(policy, device_map, (which, &spared), deny_root) {
             println!("{}", killed.line());
             told::holder(around.notifier, &killed);
             around.counts.killed_holders += 1;
