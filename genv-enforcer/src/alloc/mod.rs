@@ -347,7 +347,7 @@ impl AllocSide {
         }
         let read_since = self.environ_read.get(&pid).is_some_and(|at| *at > at_ns);
         if !read_since && self.forget_image(pid).is_some() {
-            self.maps.process_exited(pid);
+            self.maps.forget_numbering(pid);
         }
     }
 

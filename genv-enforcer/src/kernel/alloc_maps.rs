@@ -187,9 +187,15 @@ impl AllocMaps {
     /// environments (through the baseline, which only the daemon writes: the probes'
     /// atomic adds to the delta are never raced); its device numbering goes.
     pub fn process_exited(&mut self, pid: u32) {
+        self.forget_numbering(pid);
+        self.take_off_charges(pid);
+    }
+
+    /// The process's device numbering and started cap go (its image ended, and no
+    /// later one was read).
+    pub fn forget_numbering(&mut self, pid: u32) {
         let _ = remove_if_there(&mut self.ordinals, &pid);
         let _ = remove_if_there(&mut self.started_caps, &pid);
-        self.take_off_charges(pid);
     }
 
     /// What the process held comes off its environments (its image ended: an exit, or
