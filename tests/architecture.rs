@@ -12,7 +12,7 @@ use genv_enforcer_tests::{rust_files, workspace_root};
 
 /// `genv-enforcer/src`'s top-level modules, lowest first: a module may use only
 /// modules listed before it. What all use (a warning said once, the clocks, the exit
-/// codes, the bounds kept against users), the batch path (backends and state → snapshot
+/// codes, genv's lines made safe for a terminal, the bounds kept against users), the batch path (backends and state → snapshot
 /// → rules → report → actions → cycle), then the event side by stage: the kernel
 /// programs' handles, the intake of their events, what the daemon publishes as a
 /// service, `--memory-at-alloc`'s userspace half, the mirror of the maps with genv's
@@ -21,10 +21,11 @@ use genv_enforcer_tests::{rust_files, workspace_root};
 /// was done to their processes and why, sits low: it needs only the backends and the
 /// snapshot's index formatting, and the rules, the report, the executor and the kernel's
 /// side all report through it.
-const LAYERS: [&str; 21] = [
+const LAYERS: [&str; 22] = [
     "warn_once",
     "clock",
     "exit_code",
+    "genv_lines",
     "limits",
     "backends",
     "state",

@@ -79,7 +79,7 @@ fn any_tier_a_terminated_outsider_is_told_once_why_on_its_own_terminal() {
     assert_eq!(
         lines(&terminal.shown()),
         [format!(
-            "genv-enforcer: stopped sleep (pid {pid}) on GPU 1: not in a genv environment; run 'genv activate --gpus 1' first"
+            "genv-enforcer: stopped process \"sleep\" (pid {pid}) on GPU 1: not in a genv environment; run 'genv activate --gpus 1' first"
         )],
         "{}",
         run.stderr
@@ -115,7 +115,8 @@ fn any_tier_notify_none_writes_to_no_terminal() {
 }
 
 /// An environment named to clear the screen and fake a prompt, and a program named to
-/// retitle the window and break the line: the terminal gets one line, with neither.
+/// retitle the window, break the line and send CSI to an 8-bit terminal: the terminal
+/// gets one line, printable ASCII only, the names escaped, quoted and labelled.
 #[test]
 fn any_tier_hostile_names_never_reach_the_terminal_raw() {
     let mut node = Node::new(2);
@@ -126,9 +127,9 @@ fn any_tier_hostile_names_never_reach_the_terminal_raw() {
         json!([env]),
         json!([device_record(0, &["e1"]), device_record(1, &[])]),
     );
-    // A copy of sleep whose name (its comm) holds an OSC title, a clear-screen and a
-    // line break.
-    let hostile = node.dir.join("\u{1b}]0;pw\u{7}\u{1b}[2J\nx");
+    // A copy of sleep whose name (its comm) holds an OSC title, a clear-screen, a
+    // line break, and `Û` (c3 9b: 0x9B is CSI to a terminal not in UTF-8 mode).
+    let hostile = node.dir.join("\u{1b}]0;pw\u{7}\u{1b}[2J\nx\u{db}");
     std::fs::copy(sleep(), &hostile).unwrap();
     let terminal = Terminal::new(ALICE);
     let child = on_terminal(&terminal, ALICE, &hostile, Some("e1"));
@@ -136,12 +137,14 @@ fn any_tier_hostile_names_never_reach_the_terminal_raw() {
     let run = node.enforce_once(&[]);
     assert_eq!(run.terminated(), [pid], "{}", run.stderr);
     let shown = terminal.shown();
+    // Printable ASCII only: no control, and no byte an 8-bit terminal reads as one.
     assert!(inert(&shown), "{:?}", String::from_utf8_lossy(&shown));
+    assert!(!shown.contains(&0x9b), "{shown:?}");
     let lines = lines(&shown);
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(
         lines[0].contains(&format!(
-            "stopped  x (pid {pid}) on GPU 1: environment 'root's env  $ sudo ' is not attached to GPU 1; run 'genv attach --index 1' first"
+            "stopped process \"\\u{{1b}}]0;pw\\u{{7}}\\u{{1b}}[2J\\u{{a}}x\\u{{db}}\" (pid {pid}) on GPU 1: environment named \"\\u{{1b}}[2J\\u{{1b}}[1;1Hroot's env\\u{{d}}\\u{{a}}$ sud...\" in envs.json is not attached to GPU 1; run 'genv attach --index 1' first"
         )),
         "{}",
         lines[0]
@@ -222,7 +225,7 @@ fn any_tier_a_terminal_nobody_reads_holds_up_nothing() {
     let reading = Terminal::new(ALICE);
     let second = node.adopt(gpu_process(&reading, ALICE, None, &open), &[(0, 100)]);
     reading.wait_for(&format!(
-        "genv-enforcer: stopped gpu-process (pid {second}) on GPU 0"
+        "genv-enforcer: stopped process \"gpu-process\" (pid {second}) on GPU 0"
     ));
     assert_eq!(node.wait_exit(first, PATIENCE), Some(libc::SIGTERM));
     assert_eq!(node.wait_exit(second, PATIENCE), Some(libc::SIGTERM));
@@ -245,12 +248,12 @@ fn each_tier_a_refused_or_killed_opener_is_told_once_why() {
     node.attempt(pid);
     let expected = match tier_refuses(&daemon.tier) {
         true => format!(
-            "genv-enforcer: refused GPU 0 to gpu-process (pid {pid}): not in a genv environment; run 'genv activate --gpus 1' first"
+            "genv-enforcer: refused GPU 0 to process \"gpu-process\" (pid {pid}): not in a genv environment; run 'genv activate --gpus 1' first"
         ),
         false => {
             assert_eq!(node.wait_exit(pid, PATIENCE), Some(libc::SIGKILL));
             format!(
-                "genv-enforcer: killed gpu-process (pid {pid}) on GPU 0: not in a genv environment; run 'genv activate --gpus 1' first"
+                "genv-enforcer: killed process \"gpu-process\" (pid {pid}) on GPU 0: not in a genv environment; run 'genv activate --gpus 1' first"
             )
         }
     };
@@ -284,7 +287,7 @@ fn each_tier_a_process_sharing_a_killed_openers_descriptors_is_told_too() {
     }
     assert_eq!(node.wait_exit(sharer, PATIENCE), Some(libc::SIGKILL));
     terminal.wait_for(&format!(
-        "genv-enforcer: killed gpu-process (pid {sharer}) on GPU 0: not in a genv environment; run 'genv activate --gpus 1' first"
+        "genv-enforcer: killed process \"gpu-process\" (pid {sharer}) on GPU 0: not in a genv environment; run 'genv activate --gpus 1' first"
     ));
 }
 
@@ -343,7 +346,7 @@ fn any_tier_a_process_killed_in_an_allocation_is_told_why() {
     assert_eq!(call("alloc 600"), "", "the allocation returned");
     assert_eq!(node.wait_exit(pid, PATIENCE), Some(libc::SIGKILL));
     let expected = format!(
-        "genv-enforcer: killed cuda-user (pid {pid}) in a memory allocation on GPU 0: the allocation would take environment 'alpha' to 1258m, over its gpu_memory of 1g"
+        "genv-enforcer: killed process \"cuda-user\" (pid {pid}) in a memory allocation on GPU 0: the allocation would take environment with id \"alpha\" in envs.json to 1258m, over its gpu_memory of 1g"
     );
     let shown = terminal.wait_for(&expected);
     assert_eq!(told(shown.as_bytes()).len(), 1, "{shown:?}");

@@ -133,6 +133,49 @@ fn per_host_rules_act_only_on_their_host() {
     assert!(fleet.hosts[1].node.alive(pids[1]));
 }
 
+/// A host's environment id that would retitle and clear the admin's terminal: the admin
+/// side escapes it in the findings it prints and in the host's lines it reprints (here
+/// from genv 1.4.3 on the host, which prints it raw), as `enforce` does locally.
+#[test]
+fn a_hosts_environment_id_never_reaches_the_admins_terminal_raw() {
+    let mut fleet = SshFleet::start(&[Runs::PythonGenv], 2);
+    let eid = "\u{1b}]0;pwned\u{7}\u{1b}[2J";
+    let node: &mut Node = &mut fleet.hosts[0].node;
+    let shell = node.shell();
+    node.write_state(
+        json!([env_record(eid, 0, "bob", None, shell)]),
+        json!([device_record(0, &[eid]), device_record(1, &[])]),
+    );
+    let pid = node.spawn(Some(eid), &[(0, 100), (1, 100)]);
+    let command = fleet.remote(&[
+        "--remote-command",
+        "sudo genv",
+        "enforce",
+        "--interval",
+        "0",
+    ]);
+    let (output, stdout, stderr) = run(command);
+    assert!(output.status.success(), "{stderr}");
+    let (host, shown) = (&fleet.hosts[0].name, "$'\\e]0;pwned\\a\\e[2J'");
+    assert_eq!(
+        stdout,
+        [
+            format!(
+                "[{host}] Process {pid} from environment {shown} is using non-attached GPU(s) 1"
+            ),
+            format!(
+                "[{host}] Terminating process {pid} from environment {shown} that is running on GPU(s) 0,1"
+            ),
+        ],
+        "stderr: {stderr}"
+    );
+    assert!(!stderr.contains(['\u{1b}', '\u{7}']), "{stderr:?}");
+    assert_eq!(
+        fleet.hosts[0].node.wait_exit(pid, DEATH),
+        Some(libc::SIGTERM)
+    );
+}
+
 /// Anyone on a host can hold genv's lock for ever (`flock genv.lock sleep inf`), or put
 /// a FIFO or a link where it goes, which is refused as a lock and counts as held. `usage
 /// snapshot` and `usage execute` wait a moment, then go on without it: each host's

@@ -76,6 +76,64 @@ fn env_devices() {
     agree(&mut node, &[], &expected, &[good, bad]);
 }
 
+/// What bash's `printf %s` makes of one word of a line: `$'…'` quoting undone.
+fn bash_reads(word: &str) -> String {
+    if !word.starts_with("$'") {
+        return word.to_owned();
+    }
+    let output = std::process::Command::new("bash")
+        .args(["-c", &format!("printf %s {word}")])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "bash read {word:?}");
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// An environment id that retitles the terminal (OSC … BEL), clears it and homes the
+/// cursor, as any user can write into `envs.json`: genv prints it raw; genv-enforcer
+/// prints genv's lines with that word in `$'…'` quoting, which bash reads back into
+/// genv's bytes exactly, and nothing else of the lines differs.
+#[test]
+fn an_environment_id_a_terminal_would_act_on_is_escaped_and_reads_back_as_genvs() {
+    let mut node = Node::new(2);
+    let shell = node.shell();
+    let eid = "\u{1b}]0;pwned\u{7}\u{1b}[2J\u{1b}[H";
+    node.write_state(
+        json!([env_record(eid, 0, "root", None, shell)]),
+        json!([device_record(0, &[eid]), device_record(1, &[])]),
+    );
+    let bad = node.spawn(Some(eid), &[(0, 100), (1, 100)]);
+    let genv = Genv::get().enforce_dry(&node, &[]);
+    assert_eq!(
+        genv.stdout,
+        [
+            format!("Process {bad} from environment {eid} is using non-attached GPU(s) 1"),
+            format!(
+                "Terminating process {bad} from environment {eid} that is running on GPU(s) 0,1"
+            ),
+        ],
+        "genv's own output"
+    );
+    let ours = node.enforce_once(&[]);
+    assert!(ours.success, "{}", ours.stderr);
+    assert_eq!(ours.terminated(), [bad], "{}", ours.stderr);
+    let escaped = "$'\\e]0;pwned\\a\\e[2J\\e[H'";
+    let expected: Vec<String> = genv
+        .stdout
+        .iter()
+        .map(|l| l.replace(eid, escaped))
+        .collect();
+    assert_eq!(ours.stdout, expected, "stderr: {}", ours.stderr);
+    for (line, theirs) in ours.stdout.iter().zip(&genv.stdout) {
+        assert!(line.bytes().all(|b| (0x20..0x7f).contains(&b)), "{line:?}");
+        let read: Vec<String> = line.split(' ').map(bash_reads).collect();
+        assert_eq!(&read.join(" "), theirs);
+    }
+    // Nor does the log carry it raw.
+    assert!(!ours.stderr.contains('\u{1b}'), "{:?}", ours.stderr);
+    assert_eq!(node.wait_exit(bad, DEATH), Some(libc::SIGTERM));
+}
+
 #[test]
 fn env_memory_is_greedy() {
     let mut node = Node::new(1);

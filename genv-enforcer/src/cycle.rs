@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use crate::genv_lines;
 use crate::actions::Executor;
 use crate::report::Report;
 use crate::rules::{self, Finding, Rules, Survey};
@@ -184,7 +185,7 @@ impl Enforcer {
             snapshot: &snapshot,
         }];
         for finding in &findings {
-            println!("{}", finding.line(&[None]));
+            genv_lines::print(&finding.line(&[None]));
         }
         let report = Report::build(&surveys, &findings).remove(0);
         let mut summary = CycleSummary {

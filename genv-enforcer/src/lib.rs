@@ -30,6 +30,7 @@ pub mod clock;
 pub mod cycle;
 pub mod daemon;
 pub mod exit_code;
+pub mod genv_lines;
 pub mod intake;
 pub mod kernel;
 pub mod limits;

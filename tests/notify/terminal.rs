@@ -168,7 +168,7 @@ pub fn told(bytes: &[u8]) -> Vec<String> {
 
 /// Nothing a terminal acts on: only printable text, and the line breaks around it.
 pub fn inert(bytes: &[u8]) -> bool {
-    String::from_utf8_lossy(bytes)
-        .chars()
-        .all(|c| c == '\r' || c == '\n' || !c.is_control())
+    bytes
+        .iter()
+        .all(|&b| b == b'\r' || b == b'\n' || (0x20..0x7f).contains(&b))
 }

@@ -11,6 +11,7 @@ use rustix::process::Signal;
 
 pub use kill::{Outcome, Protected};
 
+use crate::genv_lines;
 use crate::notify::{self, Facts, Notifier, Subject};
 use crate::report::{Report, Why};
 use crate::snapshot::{GpuProcess, join_indices};
@@ -89,13 +90,13 @@ impl Executor {
         }
         for detach in &report.detach {
             for env in &detach.envs {
-                println!(
+                genv_lines::print(&format!(
                     "{}Detaching environment {} of user {} from device {}",
                     self.prefix(),
                     env.eid,
                     env.username.as_deref().unwrap_or("N/A"),
                     detach.index
-                );
+                ));
                 if self.config.dry_run {
                     continue;
                 }
@@ -117,12 +118,12 @@ impl Executor {
             tracing::warn!("Not terminating process {pid}: {reason}");
             return;
         }
-        println!(
+        genv_lines::print(&format!(
             "{}Terminating process {pid} from environment {} that is running on GPU(s) {}",
             self.prefix(),
             eid.unwrap_or("N/A"),
             join_indices(process.indices())
-        );
+        ));
         if self.config.dry_run || !self.config.signals {
             return;
         }
@@ -196,11 +197,11 @@ impl Executor {
             if now < p.deadline {
                 return true;
             }
-            println!(
+            genv_lines::print(&format!(
                 "Killing process {} from environment {} that is still running {grace}s after SIGTERM",
                 p.pid,
                 p.eid.as_deref().unwrap_or("N/A")
-            );
+            ));
             match kill::send(&p.pidfd, Signal::KILL) {
                 Ok(()) => killed.extend(p.told.take().map(|told| (p.pid, p.eid.take(), told))),
                 Err(Outcome::PermissionDenied) => {

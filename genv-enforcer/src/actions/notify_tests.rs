@@ -70,7 +70,7 @@ fn a_terminated_process_is_told_why_on_its_own_terminal() {
     assert_eq!(
         lines(&pty),
         [format!(
-            "genv-enforcer: stopped sleep (pid {pid}) on GPU 0: not in a genv environment; run 'genv activate --gpus 1' first"
+            "genv-enforcer: stopped process \"sleep\" (pid {pid}) on GPU 0: not in a genv environment; run 'genv activate --gpus 1' first"
         )]
     );
     let me = rustix::process::getuid().as_raw();
@@ -104,8 +104,8 @@ fn the_kill_after_the_grace_period_is_told_too() {
     notifier.flush();
     let lines = lines(&pty);
     assert_eq!(lines.len(), 2, "{lines:?}");
-    assert!(lines[0].starts_with(&format!("genv-enforcer: stopped sh (pid {pid})")));
-    assert!(lines[1].starts_with(&format!("genv-enforcer: killed sh (pid {pid}) on GPU 0")));
+    assert!(lines[0].starts_with(&format!("genv-enforcer: stopped process \"sh\" (pid {pid})")));
+    assert!(lines[1].starts_with(&format!("genv-enforcer: killed process \"sh\" (pid {pid}) on GPU 0")));
 }
 
 fn ignores_term(pid: u32) -> bool {

@@ -1,4 +1,6 @@
-//! Diagnostics go through `tracing` to stderr; genv's lines stay on stdout, untouched.
+//! Diagnostics go through `tracing` to stderr; genv's lines stay on stdout, as genv's
+//! (escaped only where a user-written field holds what a terminal would act on: see
+//! [`crate::genv_lines`]).
 //!
 //! `--log-format text` (the default) prints each event as the enforcer always has:
 //! `[INFO] …`, `[WARNING] …`, `[ERROR] …`, `[DEBUG] …`, and `[EVENT] …` / `[BPF] …` for
@@ -56,8 +58,11 @@ where
             (_, Level::DEBUG) => "DEBUG",
             (_, Level::TRACE) => "TRACE",
         };
-        write!(writer, "[{tag}] ")?;
-        ctx.field_format().format_fields(writer.by_ref(), event)?;
-        writeln!(writer)
+        // Fields carry names users wrote (environment ids, user names): escaped as
+        // genv's lines are, so a log read on a terminal cannot drive it.
+        let mut line = format!("[{tag}] ");
+        ctx.field_format()
+            .format_fields(Writer::new(&mut line), event)?;
+        writeln!(writer, "{}", crate::genv_lines::escaped(&line))
     }
 }

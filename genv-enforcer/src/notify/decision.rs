@@ -63,16 +63,12 @@ impl Decision {
             comm: &decision.comm,
             pid: decision.pid,
             gpus: &decision.gpus,
-            env: decision.env_shown(),
+            env_name: decision.env_name.as_deref(),
+            env_id: decision.env.as_deref(),
             rule: &decision.rule,
             action: decision.action,
         });
         decision
-    }
-
-    /// The environment as the user knows it: its name, else its id.
-    pub fn env_shown(&self) -> Option<&str> {
-        self.env_name.as_deref().or(self.env.as_deref())
     }
 }
 

@@ -1,11 +1,14 @@
 //! The line a user sees on the terminal, in genv's words where genv has them:
 //!
-//! `genv-enforcer: stopped python (pid 1234) on GPU 1: not in a genv environment; run
-//! 'genv activate --gpus 1' first`
+//! `genv-enforcer: stopped process "python" (pid 1234) on GPU 1: not in a genv
+//! environment; run 'genv activate --gpus 1' first`
 //!
 //! What happened, to which process, on which GPU; then why (the rule), then the genv
 //! command that fixes it. Every name in it was sanitised when its
-//! [`Decision`](super::Decision) was made.
+//! [`Decision`](super::Decision) was made, and each one another user could have written
+//! (the process's name, the environment's name or id, a user name) is in double quotes
+//! and labelled with what it is, so it cannot pass for the enforcer's own words. The
+//! command the user is told to run holds none of them.
 
 use super::rule::{Done, Rule};
 use crate::snapshot::join_indices;
@@ -15,8 +18,10 @@ pub struct Said<'a> {
     pub comm: &'a str,
     pub pid: u32,
     pub gpus: &'a [u32],
-    /// The environment as its user knows it (its name, else its id).
-    pub env: Option<&'a str>,
+    /// The environment's name (`config.name` in `envs.json`), where it has one.
+    pub env_name: Option<&'a str>,
+    /// The environment's id, shown where it has no name.
+    pub env_id: Option<&'a str>,
     pub rule: &'a Rule,
     pub action: Done,
 }
@@ -36,7 +41,7 @@ fn gpus(d: &Said<'_>) -> String {
 
 /// `stopped python (pid 1234) on GPU 1`.
 fn what(d: &Said<'_>) -> String {
-    let who = format!("{} (pid {})", d.comm, d.pid);
+    let who = format!("process \"{}\" (pid {})", d.comm, d.pid);
     let on = gpus(d);
     match d.action {
         Done::Terminated => format!("stopped {who} on {on}"),
@@ -56,11 +61,13 @@ fn what(d: &Said<'_>) -> String {
     }
 }
 
-/// `environment 'train'`, or `its environment` where it has none to show.
+/// `environment named "train" in envs.json`, `environment with id "21364" in
+/// envs.json`, or `its environment` where it has none to show.
 fn env_phrase(d: &Said<'_>) -> String {
-    match d.env {
-        Some(env) => format!("environment '{env}'"),
-        None => "its environment".to_owned(),
+    match (d.env_name, d.env_id) {
+        (Some(name), _) => format!("environment named \"{name}\" in envs.json"),
+        (None, Some(id)) => format!("environment with id \"{id}\" in envs.json"),
+        (None, None) => "its environment".to_owned(),
     }
 }
 
@@ -86,7 +93,7 @@ fn why(d: &Said<'_>) -> String {
             devices,
             maximum,
         } => format!(
-            "user {user} had {devices} GPUs attached, {maximum} allowed; run 'genv detach' in the environments you do not need"
+            "user \"{user}\" had {devices} GPUs attached, {maximum} allowed; run 'genv detach' in the environments you do not need"
         ),
         Rule::MemoryAtAlloc {
             would_use_mb,
@@ -129,7 +136,8 @@ mod tests {
     fn the_issues_example_reads_as_written() {
         let d = decision(Rule::NonEnvProcesses, Done::Terminated, vec![1]);
         let said = Said {
-            env: None,
+            env_name: None,
+            env_id: None,
             comm: &d.comm,
             pid: d.pid,
             gpus: &d.gpus,
@@ -138,7 +146,7 @@ mod tests {
         };
         assert_eq!(
             line(&said),
-            "genv-enforcer: stopped python (pid 1234) on GPU 1: not in a genv environment; run 'genv activate --gpus 1' first"
+            "genv-enforcer: stopped process \"python\" (pid 1234) on GPU 1: not in a genv environment; run 'genv activate --gpus 1' first"
         );
     }
 
@@ -147,7 +155,7 @@ mod tests {
         let cases = [
             (
                 decision(Rule::EnvDevices, Done::Terminated, vec![2, 3]),
-                "stopped python (pid 1234) on GPUs 2,3: environment 'train' is not attached to GPUs 2,3; run 'genv attach --index 2' first",
+                "stopped process \"python\" (pid 1234) on GPUs 2,3: environment named \"train\" in envs.json is not attached to GPUs 2,3; run 'genv attach --index 2' first",
             ),
             (
                 decision(
@@ -158,7 +166,7 @@ mod tests {
                     Done::Terminated,
                     vec![0],
                 ),
-                "environment 'train' used 2097m on GPU 0, over its gpu_memory of 1g; use less GPU memory, or set a larger cap with 'genv config gpu-memory SIZE'",
+                "environment named \"train\" in envs.json used 2097m on GPU 0, over its gpu_memory of 1g; use less GPU memory, or set a larger cap with 'genv config gpu-memory SIZE'",
             ),
             (
                 decision(
@@ -170,7 +178,7 @@ mod tests {
                     Done::Detached,
                     vec![1],
                 ),
-                "detached GPU 1 from environment 'train' and stopped python (pid 1234): user alice had 3 GPUs attached, 2 allowed; run 'genv detach'",
+                "detached GPU 1 from environment named \"train\" in envs.json and stopped process \"python\" (pid 1234): user \"alice\" had 3 GPUs attached, 2 allowed; run 'genv detach'",
             ),
             (
                 decision(
@@ -182,7 +190,7 @@ mod tests {
                     Done::KilledAtAllocation,
                     vec![0],
                 ),
-                "killed python (pid 1234) in a memory allocation on GPU 0: the allocation would take environment 'train' to 3000m, over its gpu_memory of 2g",
+                "killed process \"python\" (pid 1234) in a memory allocation on GPU 0: the allocation would take environment named \"train\" in envs.json to 3000m, over its gpu_memory of 2g",
             ),
             (
                 decision(
@@ -194,11 +202,11 @@ mod tests {
                     Done::RefusedAtAllocation,
                     vec![0],
                 ),
-                "refused an allocation of 629m by python (pid 1234) on GPU 0: environment 'train' would use 1258m of its gpu_memory 1g; free memory, or set a larger cap with 'genv config gpu-memory SIZE'",
+                "refused an allocation of 629m by process \"python\" (pid 1234) on GPU 0: environment named \"train\" in envs.json would use 1258m of its gpu_memory 1g; free memory, or set a larger cap with 'genv config gpu-memory SIZE'",
             ),
             (
                 decision(Rule::NonEnvProcesses, Done::Refused, vec![0]),
-                "refused GPU 0 to python (pid 1234): not in a genv environment; run 'genv activate --gpus 1' first",
+                "refused GPU 0 to process \"python\" (pid 1234): not in a genv environment; run 'genv activate --gpus 1' first",
             ),
         ];
         for (d, expected) in cases {
@@ -207,12 +215,12 @@ mod tests {
     }
 
     #[test]
-    fn hostile_names_reach_the_line_cleaned() {
+    fn hostile_names_reach_the_line_escaped_quoted_and_labelled() {
         let d = Decision::new(
             Facts {
                 pid: 7,
                 uid: 1000,
-                comm: b"\x1b]0;pwned\x07py\nthon",
+                comm: "\x1b]0;pwned\x07py\nthon\u{db}".as_bytes(),
                 env: Some(("e", Some("\x1b[2J\x1b[1;1Hroot's env\r\n$ "))),
                 gpus: vec![0],
                 rule: Rule::EnvDevices,
@@ -220,12 +228,28 @@ mod tests {
             },
             0,
         );
-        assert!(!d.line.chars().any(char::is_control), "{:?}", d.line);
-        assert!(d.line.contains("stopped py thon (pid 7)"), "{}", d.line);
         assert!(
-            d.line.contains("environment 'root's env  $ '"),
+            d.line.bytes().all(|b| (0x20..0x7f).contains(&b)),
+            "{:?}",
+            d.line
+        );
+        assert!(
+            d.line
+                .contains("stopped process \"\\u{1b}]0;pwned\\u{7}py\\u{a}thon\\u{db}\" (pid 7)"),
             "{}",
             d.line
+        );
+        assert!(
+            d.line.contains(
+                "environment named \"\\u{1b}[2J\\u{1b}[1;1Hroot's env\\u{d}\\u{a}$ \" in envs.json"
+            ),
+            "{}",
+            d.line
+        );
+        // The command the user is told to run is the enforcer's words only.
+        assert!(
+            d.line
+                .ends_with("run 'genv attach --index 0' first, or use only its own GPUs")
         );
     }
 }

@@ -5,6 +5,7 @@
 
 use super::refusals::Paced;
 use super::{Around, Wanted, told};
+use crate::genv_lines;
 use crate::intake::{AllocOutcome, CudaCall, CudaStart, OverCap};
 
 /// A process started CUDA. At its first CUDA call seen its device numbering, and the
@@ -56,7 +57,7 @@ pub fn over_cap(over: &OverCap, said: Paced, around: &mut Around<'_>) -> Option<
             0 => String::new(),
             n => format!(" ({n} more refused since the last line)"),
         };
-        println!("{}{since}", alloc.line(over));
+        genv_lines::print(&format!("{}{since}", alloc.line(over)));
     }
     told::alloc(around.notifier, alloc.and_then(|a| a.held_to(over)), over);
     (over.outcome == AllocOutcome::Killed).then_some(Wanted::Settle(over.pid))

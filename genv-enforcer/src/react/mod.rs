@@ -25,6 +25,7 @@ use std::time::Instant;
 pub use around::Around;
 pub use wanted::Wanted;
 
+use crate::genv_lines;
 use crate::intake::KernelEvent;
 use open::Opens;
 
@@ -88,9 +89,9 @@ impl Reactions {
     /// line, if any, are said now (its user saw the first; the log gets the count).
     fn refusals_gone(&mut self, pid: u32) {
         if let Some(held_back) = self.refusals.forget(pid) {
-            println!(
+            genv_lines::print(&format!(
                 "Process {pid} had {held_back} more allocations refused since its last line (--memory-at-alloc refuse)"
-            );
+            ));
         }
     }
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use super::lines::LineLimiter;
 use super::{Around, Wanted, holders, told};
+use crate::genv_lines;
 use crate::intake::{GpuOpen, Verdict};
 
 /// The open reaction's state.
@@ -52,7 +53,7 @@ impl Opens {
             );
         }
         if let Some(line) = self.lines.line(&open, now) {
-            println!("{line}");
+            genv_lines::print(&line);
         }
         told::open(around.notifier, &open);
         let counts = &mut *around.counts;
@@ -102,7 +103,7 @@ impl Opens {
         };
         let which = (!every).then_some(&gpus);
         for killed in holders::sweep(policy, device_map, (which, &spared), deny_root) {
-            println!("{}", killed.line());
+            genv_lines::print(&killed.line());
             told::holder(around.notifier, &killed);
             around.counts.killed_holders += 1;
         }

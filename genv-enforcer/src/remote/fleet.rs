@@ -15,6 +15,7 @@ use super::hosts::Host;
 use super::metrics::FleetMetrics;
 use super::ssh::{HostAnswer, Ssh, SshError};
 use super::validate;
+use crate::genv_lines;
 use crate::report::Report;
 use crate::rules::{self, Rules, Survey};
 use crate::snapshot::{Snapshot, WireError};
@@ -153,7 +154,7 @@ impl Fleet {
             return Err(HostFailure::Command(answer.stderr));
         }
         for line in answer.stderr.lines() {
-            eprintln!("[{}] {line}", self.hosts[host].name);
+            genv_lines::eprint(&format!("[{}] {line}", self.hosts[host].name));
         }
         let snapshot = read_snapshot(&answer.stdout)?;
         self.answered(host);
@@ -200,7 +201,7 @@ impl Fleet {
             match self.errors {
                 ErrorPolicy::Exit => bail!(line),
                 ErrorPolicy::Quiet => {}
-                ErrorPolicy::Report => eprintln!("{line}"),
+                ErrorPolicy::Report => genv_lines::eprint(&line),
             }
         } else {
             tracing::error!(
@@ -242,7 +243,7 @@ impl Fleet {
             let acts = finding.host.is_some_and(acting)
                 || finding.actions.iter().any(|a| acting(a.host()));
             if acts {
-                println!("{}", finding.line(&names));
+                genv_lines::print(&finding.line(&names));
             }
         }
         reports
@@ -279,10 +280,10 @@ impl Fleet {
         match answer {
             Ok(answer) if answer.status.success() => {
                 for line in String::from_utf8_lossy(&answer.stdout).lines() {
-                    println!("[{name}] {line}");
+                    genv_lines::print(&format!("[{name}] {line}"));
                 }
                 for line in answer.stderr.lines() {
-                    eprintln!("[{name}] {line}");
+                    genv_lines::eprint(&format!("[{name}] {line}"));
                 }
                 Ok(true)
             }
