@@ -414,3 +414,58 @@ fn any_tier_why_shows_each_user_their_own_decisions_and_root_all() {
         "{seen}"
     );
 }
+
+/// What `why` shows root: its decisions' rows (each row is followed by its line).
+fn rows_for_root(run_dir: &Path) -> usize {
+    stdout(&why(0, run_dir, &["--limit", "100000"]))
+        .lines()
+        .filter(|l| l.starts_with("    genv-enforcer: "))
+        .count()
+}
+
+/// Nine uids whose programs are killed 460 times each at the open (4,140 decisions,
+/// past the 4,096 the journal keeps) cannot evict another user's only decision: the
+/// journal, when full, evicts the oldest of whoever holds the most, and Alice's one
+/// decision is still in her `why`. (Evicting the oldest of all, as before, lost it.)
+#[test]
+fn any_tier_many_uids_deciding_together_leave_a_users_only_decision_in_why() {
+    let _serial = serial();
+    let (mut node, gpu) = node_with_gpu();
+    let run_dir = node.dir.join("run");
+    let Some(daemon) = EventDaemon::start(&node, &["--non-env-processes", "--deny"]) else {
+        return;
+    };
+    daemon.expect("GPU opens outside any environment are ");
+    let terminal = Terminal::new(ALICE);
+    let args = ["--wait-stdin", "--open", path(&gpu)];
+    let alice = node.adopt(gpu_process(&terminal, ALICE, None, &args), &[]);
+    node.attempt(alice);
+    assert_eq!(node.wait_exit(alice, PATIENCE), Some(libc::SIGKILL));
+    daemon.expect(&format!("pid={alice}"));
+    let script = "i=0; while [ $i -lt 460 ]; do \"$P\" --open \"$G\"; i=$((i+1)); done";
+    let loops: Vec<_> = (0..9u32)
+        .map(|n| {
+            let mut command = Command::new("sh");
+            command
+                .args(["-c", script])
+                .env("P", artefact("gpu-process"))
+                .env("G", &gpu)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            std::os::unix::process::CommandExt::uid(&mut command, 61_001 + n);
+            std::os::unix::process::CommandExt::gid(&mut command, 61_001 + n);
+            command.spawn().unwrap()
+        })
+        .collect();
+    for mut child in loops {
+        child.wait().unwrap();
+    }
+    genv_enforcer_tests::wait_for_or(
+        "the journal full (4,096 decisions)",
+        PATIENCE * 4,
+        || (rows_for_root(&run_dir) >= 4096).then_some(()),
+        || format!("{} decisions", rows_for_root(&run_dir)),
+    );
+    let seen = stdout(&why(ALICE, &run_dir, &[]));
+    assert!(seen.contains(&format!("(pid {alice})")), "{seen}");
+}

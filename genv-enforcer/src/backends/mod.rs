@@ -6,6 +6,7 @@ pub mod address_space;
 pub mod devmap;
 pub mod maps;
 pub mod nvml;
+pub mod uid_owners;
 pub mod proc_events;
 pub mod procfs;
 pub mod trust;

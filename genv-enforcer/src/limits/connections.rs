@@ -1,6 +1,8 @@
-//! The connections a server holds open, by peer (a uid on a unix socket, an address on
+//! The connections a server holds open, by peer (a user on a unix socket, an address on
 //! TCP): one peer holds at most so many, and all of them at most so many more, so that
-//! a flood of connections from one peer closes its own oldest, not another's.
+//! a flood of connections from one peer closes its own oldest, not another's; and when
+//! all are taken, the one closed is the oldest of the peer holding the most, so that
+//! many peers flooding together still close their own before a peer's only one.
 
 use std::collections::VecDeque;
 
@@ -23,15 +25,16 @@ impl<P: PartialEq + Copy> Connections<P> {
     }
 
     /// Before a connection from `peer` is added: forgets those that ended, and takes
-    /// out the one to close, if any: `peer`'s oldest when it has its share, else the
-    /// oldest of all when they are all there may be.
+    /// out the one to close, if any: `peer`'s oldest when it has its share, else, when
+    /// they are all there may be, the oldest of the peer holding the most.
     pub fn make_room(&mut self, peer: P) -> Option<AbortHandle> {
         self.open.retain(|(_, task)| !task.is_finished());
-        let from_peer = self.open.iter().filter(|(p, _)| *p == peer).count();
-        let index = if from_peer >= self.per_peer {
+        let held = |who: P| self.open.iter().filter(|(p, _)| *p == who).count();
+        let index = if held(peer) >= self.per_peer {
             self.open.iter().position(|(p, _)| *p == peer)
         } else if self.open.len() >= self.all {
-            Some(0)
+            let most = self.open.iter().map(|(p, _)| held(*p)).max().unwrap_or(0);
+            self.open.iter().position(|(p, _)| held(*p) == most)
         } else {
             None
         };

@@ -31,6 +31,10 @@ pub struct Decision {
     pub time: u64,
     pub pid: u32,
     pub uid: u32,
+    /// The user whose bounds it counts against (the uid's owner,
+    /// [`crate::backends::uid_owners`]); the uid itself until the notifier says.
+    #[serde(skip)]
+    pub owner: u32,
     pub comm: String,
     pub env: Option<String>,
     pub env_name: Option<String>,
@@ -48,6 +52,7 @@ impl Decision {
             time,
             pid: facts.pid,
             uid: facts.uid,
+            owner: facts.uid,
             comm: clean(facts.comm, NAME_CHARS),
             env: facts.env.map(|(id, _)| clean_str(id, NAME_CHARS)),
             env_name: facts

@@ -1,6 +1,10 @@
 //! The recent decisions, in memory, for `genv-enforcer why`: the last [`CAPACITY`] in
 //! all, and at most [`PER_UID`] of any one user, so that one user's loop of refused
-//! programs evicts that user's own history, never everyone else's.
+//! programs evicts that user's own history, never everyone else's. A user is a
+//! decision's `owner` ([`crate::backends::uid_owners`]: a subordinate uid or a user
+//! namespace's process counts as its user). When the journal is full, the decision
+//! that goes is the oldest of the user holding the most: many users' loops together
+//! evict their own, and a user with a few decisions keeps them.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -53,17 +57,19 @@ impl Journal {
     }
 
     pub fn push(&mut self, decision: Decision) {
-        let uid = decision.uid;
+        let uid = decision.owner;
         let own = self.per_uid.get(&uid).copied().unwrap_or(0);
         let evict = if own >= self.per_uid_cap {
-            self.entries.iter().position(|d| d.uid == uid)
+            self.entries.iter().position(|d| d.owner == uid)
         } else if self.entries.len() >= self.capacity {
-            Some(0)
+            let most = self.per_uid.values().copied().max().unwrap_or(0);
+            let count = |d: &Decision| self.per_uid.get(&d.owner).copied().unwrap_or(0);
+            self.entries.iter().position(|d| count(d) == most)
         } else {
             None
         };
         if let Some(gone) = evict.and_then(|at| self.entries.remove(at)) {
-            self.forget(gone.uid);
+            self.forget(gone.owner);
         }
         *self.per_uid.entry(uid).or_default() += 1;
         self.entries.push_back(decision);
@@ -155,6 +161,38 @@ mod tests {
         let answer = journal.answer(0, &all(usize::MAX));
         assert_eq!(answer.first().unwrap().pid, 900);
         assert_eq!(answer.last().unwrap().pid, 999);
+    }
+
+    /// Nine uids making 460 decisions each (4,140, past the 4,096 kept) evict their
+    /// own: uid 1000's only decision stays.
+    #[test]
+    fn many_uids_together_cannot_evict_a_users_only_decision() {
+        let mut journal = Journal::default();
+        journal.push(decision(1, 1000));
+        for round in 0..460 {
+            for uid in 2000..2009 {
+                journal.push(decision(10_000 + round * 9 + uid, uid));
+            }
+        }
+        assert_eq!(journal.len(), CAPACITY);
+        assert_eq!(journal.answer(1000, &all(usize::MAX)).len(), 1);
+        assert_eq!(journal.per_uid.values().sum::<usize>(), journal.len());
+    }
+
+    /// Decisions about a user's subordinate uids count against that user's share.
+    #[test]
+    fn a_users_subordinate_uids_share_one_bound() {
+        let mut journal = Journal::with_bounds(CAPACITY, PER_UID);
+        for pid in 0..10 {
+            journal.push(decision(pid, 1000));
+        }
+        for pid in 100..20_000 {
+            let mut d = decision(pid, 100_000 + pid % 4096);
+            d.owner = 1666;
+            journal.push(d);
+        }
+        assert_eq!(journal.len(), 10 + PER_UID);
+        assert_eq!(journal.answer(1000, &all(usize::MAX)).len(), 10);
     }
 
     /// Mallory's loop of refusals costs Mallory's own history, not Alice's.

@@ -36,6 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::backends::uid_owners::UidOwners;
 use crate::clock::unix_now;
 pub use decision::{Decision, Facts};
 use journal::Journal;
@@ -90,6 +91,8 @@ pub struct Notifier {
     /// `--notify tty`; SIGHUP may change it.
     to_terminals: AtomicBool,
     journal: Arc<Mutex<Journal>>,
+    /// Whose each uid is: the bounds are per user, not per uid.
+    owners: Arc<UidOwners>,
     logs: Mutex<ratelimit::Buckets<u32>>,
     decisions: AtomicU64,
     logs_held_back: AtomicU64,
@@ -110,6 +113,7 @@ impl Notifier {
             logger,
             to_terminals: AtomicBool::new(mode == NotifyMode::Tty),
             journal: Arc::default(),
+            owners: Arc::default(),
             logs: Mutex::new(ratelimit::Buckets::new(LOG_RATE)),
             decisions: AtomicU64::new(0),
             logs_held_back: AtomicU64::new(0),
@@ -125,14 +129,15 @@ impl Notifier {
     /// Serves `genv-enforcer why` at `<run_dir>/why.sock` from a thread of its own.
     pub fn serve_why(&self, run_dir: &Path) -> anyhow::Result<()> {
         let listener = server::listen(run_dir)?;
-        server::start(listener, Arc::clone(&self.journal))?;
+        server::start(listener, Arc::clone(&self.journal), Arc::clone(&self.owners))?;
         Ok(())
     }
 
     /// Logs, keeps and tells one decision; `terminal` is where the process's line
     /// goes, if anywhere. Never waits on a terminal.
     pub fn decided(&self, facts: Facts<'_>, terminal: Option<Terminal>) -> Decision {
-        let decision = Decision::new(facts, unix_now());
+        let mut decision = Decision::new(facts, unix_now());
+        decision.owner = self.owners.owner(decision.uid, Some(decision.pid));
         self.decisions.fetch_add(1, Ordering::Relaxed);
         // Kept first: once its log record or its line is out, `why` has it too.
         self.journal
@@ -147,11 +152,12 @@ impl Notifier {
                     pid: decision.pid,
                     text: decision.line.clone(),
                     uid: decision.uid,
+                    owner: decision.owner,
                     rdev: terminal.rdev,
                 });
             }
         }
-        if !self.may_log(decision.uid) {
+        if !self.may_log(decision.owner) {
             self.logs_held_back.fetch_add(1, Ordering::Relaxed);
         } else if let Some(logger) = &self.logger {
             logger.send(decision.clone());
@@ -162,6 +168,12 @@ impl Notifier {
         decision
     }
 
+    /// The user `uid` (of process `pid`, where known) counts as, for the bounds kept
+    /// per user ([`crate::backends::uid_owners`]).
+    pub fn owner(&self, uid: u32, pid: Option<u32>) -> u32 {
+        self.owners.owner(uid, pid)
+    }
+
     /// What `caller` may see of the journal ([`journal::Journal::answer`]).
     pub fn answer(&self, caller: u32, query: &journal::Query) -> Vec<Decision> {
         self.journal
@@ -170,12 +182,13 @@ impl Notifier {
             .answer(caller, query)
     }
 
-    fn may_log(&self, uid: u32) -> bool {
+    /// Whether `owner`'s records may be logged now (a user's, over all their uids).
+    fn may_log(&self, owner: u32) -> bool {
         let mut logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
         let now = std::time::Instant::now();
-        let allowed = logs.has(uid, now);
+        let allowed = logs.has(owner, now);
         if allowed {
-            logs.take(uid, now);
+            logs.take(owner, now);
         }
         allowed
     }

@@ -8,8 +8,11 @@
 //! [`MAX_ANSWER`](super::journal::MAX_ANSWER) records. Each connection sends one
 //! request line (at most [`REQUEST_BYTES`]) within [`READ_WITHIN`] and takes its answer
 //! within [`WRITE_WITHIN`], else it is closed; at most [`PER_UID`] connections of one
-//! uid and [`CONNECTIONS`] in all are open (past either, the oldest it counts against
-//! is closed); and a uid's requests are rate-limited ([`REQUESTS`]).
+//! user and [`CONNECTIONS`] in all are open (past the first, the user's oldest is
+//! closed; past the second, the oldest of the user holding the most); and a user's
+//! requests are rate-limited ([`REQUESTS`]). A user is the peer uid's owner
+//! ([`crate::backends::uid_owners`]): a user's subordinate uids, or the processes of
+//! a user namespace they made, share that user's bounds.
 
 use std::io;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -25,6 +28,7 @@ use tokio::time::{Instant, timeout, timeout_at};
 use super::decision::Decision;
 use super::journal::{CAPACITY, Journal, Query};
 use super::ratelimit::{Buckets, Rate};
+use crate::backends::uid_owners::UidOwners;
 use crate::limits::Connections;
 
 /// The socket's name in the run directory.
@@ -98,6 +102,7 @@ pub fn listen(run_dir: &Path) -> Result<std::os::unix::net::UnixListener, Listen
 pub fn start(
     listener: std::os::unix::net::UnixListener,
     journal: Arc<Mutex<Journal>>,
+    owners: Arc<UidOwners>,
 ) -> io::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
@@ -108,7 +113,7 @@ pub fn start(
         .spawn(move || {
             runtime.block_on(async move {
                 match tokio::net::UnixListener::from_std(listener) {
-                    Ok(listener) => accept_loop(listener, journal).await,
+                    Ok(listener) => accept_loop(listener, journal, &owners).await,
                     Err(e) => tracing::warn!("genv-enforcer why: cannot serve: {e}"),
                 }
             })
@@ -116,7 +121,13 @@ pub fn start(
         .map(drop)
 }
 
-async fn accept_loop(listener: tokio::net::UnixListener, journal: Arc<Mutex<Journal>>) {
+/// Serves connections; the bounds are kept per user (a uid's owner, from the peer's
+/// credentials as the kernel gave them at connect), not per uid.
+async fn accept_loop(
+    listener: tokio::net::UnixListener,
+    journal: Arc<Mutex<Journal>>,
+    owners: &UidOwners,
+) {
     let mut open = Connections::new(PER_UID, CONNECTIONS);
     let mut requests = Buckets::new(REQUESTS);
     loop {
@@ -125,19 +136,22 @@ async fn accept_loop(listener: tokio::net::UnixListener, journal: Arc<Mutex<Jour
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
-        let Ok(uid) = stream.peer_cred().map(|c| c.uid()) else {
+        let Ok(cred) = stream.peer_cred() else {
             continue;
         };
+        let uid = cred.uid();
+        let pid = cred.pid().and_then(|p| u32::try_from(p).ok());
+        let user = owners.owner(uid, pid);
         let accepted = Instant::now();
-        let allowed = requests.has(uid, accepted.into_std());
+        let allowed = requests.has(user, accepted.into_std());
         if allowed {
-            requests.take(uid, accepted.into_std());
+            requests.take(user, accepted.into_std());
         }
-        if let Some(oldest) = open.make_room(uid) {
+        if let Some(oldest) = open.make_room(user) {
             oldest.abort();
         }
         let task = tokio::spawn(serve(stream, accepted, uid, allowed, Arc::clone(&journal)));
-        open.add(uid, task.abort_handle());
+        open.add(user, task.abort_handle());
     }
 }
 

@@ -31,6 +31,8 @@ pub struct Line {
     pub text: String,
     /// Whose terminal it must be.
     pub uid: u32,
+    /// The user whose share of lines it takes (the uid's owner).
+    pub owner: u32,
     pub rdev: Rdev,
 }
 
@@ -117,7 +119,7 @@ impl TtyWriter {
 fn serve(lines: &Receiver<Line>, mut limits: Limits, open: &Opener, counters: &Counters) {
     let mut held: HashMap<Rdev, u64> = HashMap::new();
     while let Ok(line) = lines.recv() {
-        let counter = if limits.allow(line.uid, line.rdev, Instant::now()) {
+        let counter = if limits.allow(line.owner, line.rdev, Instant::now()) {
             let text = with_held_back(&line.text, held.remove(&line.rdev).unwrap_or(0));
             let written = open(line.rdev, line.uid).and_then(|fd| write(&fd, &text));
             if let Err(refusal) = written {

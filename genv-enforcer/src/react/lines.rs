@@ -22,10 +22,12 @@ pub fn decision_line(open: &GpuOpen) -> Option<String> {
 
 /// At most `BURST` decision lines per user and second: a loop of refused attempts must
 /// not flood the log. What was held back is counted in the next line said for that user
-/// (and in `genv-enforcer status` either way).
+/// (and in `genv-enforcer status` either way). A user is the uid's owner
+/// ([`crate::backends::uid_owners`]), so that one with 65,536 subordinate uids still
+/// gets one share.
 #[derive(Debug, Default)]
 pub struct LineLimiter {
-    /// uid → the start of its current second, lines said in it, and lines held back.
+    /// user → the start of its current second, lines said in it, and lines held back.
     said: std::collections::HashMap<u32, Window>,
 }
 
@@ -42,13 +44,20 @@ impl LineLimiter {
     /// Users remembered at most (uids come from every process that opens a GPU).
     const MAX_USERS: usize = 4096;
 
-    /// The line to print for this decision now, if any.
-    pub fn line(&mut self, open: &GpuOpen, now: std::time::Instant) -> Option<String> {
+    /// The line to print for this decision now, if any; `user` says whose share it
+    /// takes (asked only when there is a line).
+    pub fn line(
+        &mut self,
+        open: &GpuOpen,
+        user: impl FnOnce() -> u32,
+        now: std::time::Instant,
+    ) -> Option<String> {
         let line = decision_line(open)?;
-        if self.said.len() >= Self::MAX_USERS && !self.said.contains_key(&open.uid) {
+        let user = user();
+        if self.said.len() >= Self::MAX_USERS && !self.said.contains_key(&user) {
             self.said.clear();
         }
-        let window = self.said.entry(open.uid).or_insert(Window {
+        let window = self.said.entry(user).or_insert(Window {
             start: now,
             said: 0,
             held: 0,
@@ -125,16 +134,16 @@ mod tests {
         let mut limiter = LineLimiter::default();
         let start = std::time::Instant::now();
         let said = (0..100)
-            .filter(|_| limiter.line(&open, start).is_some())
+            .filter(|_| limiter.line(&open, || open.uid, start).is_some())
             .count();
         assert_eq!(said, LineLimiter::BURST as usize);
         let other = GpuOpen { uid: 1000, ..open };
         assert!(
-            limiter.line(&other, start).is_some(),
+            limiter.line(&other, || other.uid, start).is_some(),
             "another user is said"
         );
         let later = limiter
-            .line(&open, start + std::time::Duration::from_secs(1))
+            .line(&open, || open.uid, start + std::time::Duration::from_secs(1))
             .unwrap();
         assert!(
             later.ends_with("(80 more decisions about this user's processes not shown)"),
@@ -144,6 +153,6 @@ mod tests {
             verdict: Verdict::Outside,
             ..open
         };
-        assert_eq!(limiter.line(&seen, start), None, "only decisions are said");
+        assert_eq!(limiter.line(&seen, || seen.uid, start), None, "only decisions are said");
     }
 }

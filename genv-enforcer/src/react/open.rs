@@ -37,7 +37,9 @@ impl Opens {
     ) -> Option<Wanted> {
         around.counts.open_events += 1;
         if let Some(alloc) = around.alloc.as_deref_mut() {
-            alloc.opened((open.pid, open.uid), around.devices);
+            // The examination budget is kept per user, not per uid.
+            let user = (around.notifier).map_or(open.uid, |n| n.owner(open.uid, Some(open.pid)));
+            alloc.opened((open.pid, user), around.devices);
         }
         if verbose {
             tracing::info!(
@@ -52,7 +54,9 @@ impl Opens {
                 open.verdict.describe()
             );
         }
-        if let Some(line) = self.lines.line(&open, now) {
+        let notifier = around.notifier;
+        let user = || notifier.map_or(open.uid, |n| n.owner(open.uid, Some(open.pid)));
+        if let Some(line) = self.lines.line(&open, user, now) {
             genv_lines::print(&line);
         }
         told::open(around.notifier, &open);

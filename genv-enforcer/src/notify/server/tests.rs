@@ -27,7 +27,12 @@ fn server() -> PathBuf {
     journal.push(decision(1, me()));
     journal.push(decision(2, me() + 1));
     journal.push(decision(3, me()));
-    start(listen(&dir).unwrap(), Arc::new(Mutex::new(journal))).unwrap();
+    start(
+        listen(&dir).unwrap(),
+        Arc::new(Mutex::new(journal)),
+        Arc::default(),
+    )
+    .unwrap();
     dir
 }
 
@@ -128,5 +133,30 @@ fn connections_past_a_uids_bound_close_its_oldest() {
         }
         assert_eq!(open.make_room(8).unwrap().id(), first.id());
         assert!(open.make_room(7).is_none(), "uid 7 is under its bound");
+    });
+}
+
+/// Sixteen uids holding their four connections each fill the 64: a real user's one
+/// connection, the oldest of all, is not the one closed; the flooders' own are.
+#[test]
+fn a_flood_from_many_uids_closes_their_own_not_a_users_only_connection() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let pending = || tokio::spawn(std::future::pending::<()>()).abort_handle();
+        let mut open = Connections::new(PER_UID, CONNECTIONS);
+        let alices = pending();
+        open.add(1000, alices.clone());
+        for round in 0..10 {
+            for uid in 61_001..61_017u32 {
+                if let Some(closed) = open.make_room(uid) {
+                    assert_ne!(closed.id(), alices.id(), "round {round}, uid {uid}");
+                }
+                open.add(uid, pending());
+            }
+        }
+        assert!(open.holds(&alices));
     });
 }

@@ -10,6 +10,7 @@ fn line(text: &str, pty: &Pty) -> Line {
         pid: 1,
         text: text.to_owned(),
         uid: rustix::process::getuid().as_raw(),
+        owner: rustix::process::getuid().as_raw(),
         rdev: pty.rdev,
     }
 }
