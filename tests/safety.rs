@@ -269,3 +269,62 @@ fn a_user_holding_genvs_lock_does_not_freeze_the_daemon() {
         stopping.elapsed()
     );
 }
+
+/// A copy of the binary in a directory uid 65534 owns (as `pip install --user` or a
+/// shared conda environment leaves it): root refuses to run it, naming the directory
+/// and how to install it instead; `--allow-untrusted-binary` runs it; uid 65534 itself
+/// may run it. The file itself writable by its group is refused as well.
+#[test]
+fn root_refuses_a_binary_another_user_could_replace() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let node = Node::new(1);
+    let dir = node.dir.join("nobodys-bin");
+    std::fs::create_dir(&dir).unwrap();
+    let exe = dir.join("genv-enforcer");
+    std::fs::copy(genv_enforcer_tests::artefact("genv-enforcer"), &exe).unwrap();
+    std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+    let status = |exe: &std::path::Path, extra: &[&str], uid: u32| {
+        let mut command = std::process::Command::new(exe);
+        command
+            .args(extra)
+            .args(["status", "--run-dir"])
+            .arg(node.dir.join("run"));
+        command.uid(uid).gid(uid);
+        command.output().unwrap()
+    };
+    let refused = status(&exe, &[], 0);
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains(&format!("not running as root from {}", exe.display())),
+        "{said}"
+    );
+    assert!(
+        said.contains(&format!(
+            "{}: the directory is owned by uid 65534",
+            dir.display()
+        )),
+        "{said}"
+    );
+    assert!(
+        said.contains("sudo install -o root -g root -m 0755"),
+        "{said}"
+    );
+    // Past the check, `status` finds no daemon: exit 3.
+    assert_eq!(
+        status(&exe, &["--allow-untrusted-binary"], 0).status.code(),
+        Some(3)
+    );
+    assert_eq!(
+        status(&exe, &[], 65534).status.code(),
+        Some(3),
+        "not root: no check"
+    );
+    std::os::unix::fs::chown(&dir, Some(0), Some(0)).unwrap();
+    assert_eq!(status(&exe, &[], 0).status.code(), Some(3), "root's: runs");
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o775)).unwrap();
+    let refused = status(&exe, &[], 0);
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("the file has mode 775"), "{said}");
+}

@@ -27,6 +27,12 @@ pub struct Cli {
     #[arg(long, global = true, value_enum, default_value_t = super::logging::LogFormat::Text)]
     pub log_format: super::logging::LogFormat,
 
+    /// Run as root even from a binary that another user could replace (a directory
+    /// above it, or the file itself, owned or writable by someone other than root).
+    /// Without it, root refuses to run such a binary and says how to install it.
+    #[arg(long, global = true)]
+    pub allow_untrusted_binary: bool,
+
     #[command(subcommand)]
     pub command: Command,
 }

@@ -27,6 +27,25 @@ use crate::state::StateDir;
 use args::{Cli, Command, EnforceArgs, UsageCommand};
 use config::{EnforceConfig, Mode, executor_config};
 
+/// Run as root, this binary must be one only root could have put there: otherwise the
+/// user who can replace it chooses what root runs next time.
+fn refuse_an_untrusted_binary_as_root() -> Result<()> {
+    if !rustix::process::geteuid().is_root() {
+        return Ok(());
+    }
+    let exe = std::fs::read_link("/proc/self/exe").context("reading /proc/self/exe")?;
+    crate::backends::trust::check_root_binary(&exe).map_err(|e| {
+        anyhow::anyhow!(
+            "not running as root from {}: {e}. Install it where only root can write, for \
+             instance `sudo install -o root -g root -m 0755 {} /usr/local/sbin/genv-enforcer` \
+             (or the .deb, the RPM, or the tarball as docs/install.md says), and run that; \
+             --allow-untrusted-binary runs it anyway",
+            exe.display(),
+            exe.display()
+        )
+    })
+}
+
 /// The command line as given (before `--config`'s flags were put in), for SIGHUP.
 static ARGV: std::sync::OnceLock<Vec<std::ffi::OsString>> = std::sync::OnceLock::new();
 
@@ -52,6 +71,9 @@ pub fn main() -> ExitCode {
 
 pub fn run(cli: Cli) -> Result<ExitCode> {
     logging::init(cli.log_format);
+    if !cli.allow_untrusted_binary {
+        refuse_an_untrusted_binary_as_root()?;
+    }
     match cli.command {
         Command::Enforce(args) => enforce(args),
         Command::Status { run_dir, max_age } => crate::service::status::show(&run_dir, max_age),
