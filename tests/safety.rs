@@ -291,6 +291,7 @@ fn root_refuses_a_binary_another_user_could_replace() {
             .args(["status", "--run-dir"])
             .arg(node.dir.join("run"));
         command.uid(uid).gid(uid);
+        command.env_remove("GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY");
         command.output().unwrap()
     };
     let refused = status(&exe, &[], 0);

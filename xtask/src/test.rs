@@ -158,10 +158,33 @@ fn install_tools() -> Result<()> {
 fn host_tests_command(cargo_args: &[String], extra: &[&str]) -> std::process::Command {
     let mut test = cargo(&["test", "--workspace"]);
     test.args(extra).args(cargo_args);
+    if built_binary_refused_as_root() {
+        // The suites run the binaries from the target directory as root; a checkout
+        // where another user could replace them is this machine's business, not the
+        // suites'. `tests/safety.rs` checks the refusal itself, without this variable.
+        eprintln!(
+            "xtask test: genv-enforcer refuses to run as root from this target directory \
+             (another user owns or can write a directory above it); the suites run with \
+             GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY=1"
+        );
+        test.env("GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY", "1");
+    }
     if std::env::var_os("GENV_TEST_BPF_TIER").is_none() {
         test.env("GENV_TEST_BPF_TIER", "tracepoint");
     }
     test
+}
+
+/// Whether the built `genv-enforcer`, run as root, refuses to start from where it is.
+fn built_binary_refused_as_root() -> bool {
+    let Ok(binary) = crate::target_dir().map(|t| t.join("debug/genv-enforcer")) else {
+        return false;
+    };
+    std::process::Command::new(binary)
+        .args(["status", "--run-dir", "/nonexistent"])
+        .env_remove("GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stderr).contains("not running as root from"))
 }
 
 /// Every host test, each suite timed; every suite runs even where one before it failed

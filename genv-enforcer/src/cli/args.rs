@@ -30,7 +30,12 @@ pub struct Cli {
     /// Run as root even from a binary that another user could replace (a directory
     /// above it, or the file itself, owned or writable by someone other than root).
     /// Without it, root refuses to run such a binary and says how to install it.
-    #[arg(long, global = true)]
+    #[arg(
+        long,
+        global = true,
+        env = "GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     pub allow_untrusted_binary: bool,
 
     #[command(subcommand)]
