@@ -12,8 +12,8 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use crate::rules::{Action, Finding, Survey};
-use crate::snapshot::GpuProcess;
 use crate::snapshot::WireError;
+use crate::snapshot::{GpuProcess, Snapshot};
 use crate::state::Env;
 use crate::state::model::{self, ShapeError};
 
@@ -37,6 +37,24 @@ pub struct Detach {
 impl Report {
     pub fn is_empty(&self) -> bool {
         self.terminate.is_empty() && self.detach.is_empty()
+    }
+
+    /// Whether `snapshot` shows this report carried out: none of its processes listed,
+    /// none of its detached environments attached to the device. A snapshot that does is
+    /// at least as new as the execute's effects (or shows them made some other way).
+    pub fn done_in(&self, snapshot: &Snapshot) -> bool {
+        let gone = |pid: u32| !snapshot.processes.iter().any(|p| p.pid == pid);
+        let Some(devices) = &snapshot.devices else {
+            return false;
+        };
+        let detached = |index: u32, eid: &str| {
+            devices
+                .iter()
+                .filter(|d| d.index == index)
+                .all(|d| d.attachments.iter().all(|a| a.eid != eid))
+        };
+        self.terminate.iter().all(|p| gone(p.pid))
+            && (self.detach.iter()).all(|d| d.envs.iter().all(|e| detached(d.index, &e.eid)))
     }
 
     /// One report per survey, from every finding's actions.
@@ -196,6 +214,40 @@ mod tests {
         assert_eq!(path(report), "detach[\"0\"]");
         let report = json!({"terminate": terminate, "detach": {"x": {"envs": []}}});
         assert_eq!(path(report), "detach[\"x\"]");
+    }
+
+    /// A snapshot of the host `attached` to device 0 (or not) and running `pids`.
+    fn host(attached: bool, pids: &[u32]) -> Snapshot {
+        let env = json!({"eid": "a", "uid": 1000, "creation": "01/01/2026 00:00:00",
+            "username": "u", "config": {"name": null, "gpu_memory": null, "gpus": null},
+            "pids": [5], "kernel_ids": []});
+        let attachments = match attached {
+            true => json!([{"eid": "a", "gpu_memory": null, "time": "01/01/2026 00:00:00"}]),
+            false => json!([]),
+        };
+        let processes: Vec<Value> = (pids.iter())
+            .map(|p| json!({"pid": p, "used_gpu_memory": [{"index": 0, "gpu_memory": "1mi"}], "eid": "a"}))
+            .collect();
+        let text = json!({"processes": {"processes": processes}, "envs": {"envs": [env]},
+            "devices": {"devices": [{"index": 0, "total_memory": "16g", "attachments": attachments}]}});
+        Snapshot::from_genv_json(&text.to_string()).unwrap()
+    }
+
+    /// What ends the remote engine's wait after an execute without a check: the host's
+    /// snapshot shows the detach made and the process gone; an earlier one does not.
+    #[test]
+    fn a_report_is_done_in_a_snapshot_that_shows_its_effects() {
+        let wire = json!({
+            "terminate": {"processes": [{"pid": 10, "used_gpu_memory": [{"index": 0, "gpu_memory": "1mi"}], "eid": "a"}]},
+            "detach": {"0": {"envs": [{"eid": "a", "uid": 1000, "creation": "01/01/2026 00:00:00",
+                "username": "u", "config": {"name": null, "gpu_memory": null, "gpus": null},
+                "pids": [5], "kernel_ids": []}]}},
+        });
+        let report = Report::from_genv_json(&wire.to_string()).unwrap();
+        assert!(report.done_in(&host(false, &[])));
+        assert!(!report.done_in(&host(true, &[])), "still attached");
+        assert!(!report.done_in(&host(false, &[10])), "still running");
+        assert!(Report::default().done_in(&host(true, &[10])));
     }
 }
 

@@ -8,7 +8,13 @@
 //! After a report is executed on a host, the rules wait for a snapshot of that host taken
 //! after the execute (a line streamed, or a poll answered, meanwhile may predate it):
 //! judging an older one would act twice on what was just done, and a detach already made
-//! would still count against the user on the other hosts. That wait has a deadline, past
+//! would still count against the user on the other hosts. The snapshot asked for after
+//! the execute ends the wait; so does a streamed one that shows the report carried out
+//! (its processes gone, its detaches made), which the host's `usage watch` sends as soon
+//! as the execute writes `devices.json`, long before an answer over a new SSH command:
+//! the rules are not held up behind the check while other hosts change (a user's next
+//! attach, right after); and one streamed before the execute's answer is back saves the
+//! check altogether. That wait has a deadline, past
 //! which the host counts as unknown and the others are judged without it. The same
 //! actions are not repeated on a host within `--interval`; a violation that outlives it
 //! is acted on again then, as genv's cycle would. A host whose state is unknown (its
@@ -151,7 +157,10 @@ pub async fn run(fleet: Arc<Fleet>, interval: Duration) -> anyhow::Result<()> {
 impl Engine {
     fn apply(&mut self, update: Update) -> anyhow::Result<()> {
         match update {
-            Update::Streamed(host, Ok(snapshot)) => self.take(host, snapshot),
+            Update::Streamed(host, Ok(snapshot)) => {
+                self.shown_done(host, &snapshot);
+                self.take(host, snapshot);
+            }
             Update::Streamed(host, Err(failure)) | Update::StreamFailed(host, failure) => {
                 self.lost(host, &failure)?;
             }
@@ -159,8 +168,17 @@ impl Engine {
             Update::Executed(host, answer) => {
                 let ran = self.fleet.executed(host, answer)?;
                 let view = &mut self.views[host];
+                // Streamed while it ran, a snapshot may show it done already: no check
+                // then (one more SSH command, on a host just asked to do work).
+                let shown = (view.latest.as_ref())
+                    .zip(view.last.as_ref())
+                    .is_some_and(|(snapshot, (report, _))| report.done_in(snapshot));
                 match (ran, view.asking) {
                     (false, _) => self.settle(host),
+                    (true, _) if shown => {
+                        self.settle(host);
+                        self.dirty = true;
+                    }
                     (true, true) => view.awaiting = Awaiting::CheckQueued,
                     (true, false) => {
                         view.awaiting = Awaiting::Checking;
@@ -211,6 +229,18 @@ impl Engine {
                 Ok(())
             }
             Err(failure) => self.lost(host, &failure),
+        }
+    }
+
+    /// A streamed snapshot that shows the report executed there carried out ends the
+    /// wait after it, as the check would (whose answer, when it comes, is only a
+    /// snapshot then).
+    fn shown_done(&mut self, host: usize, snapshot: &Snapshot) {
+        let view = &self.views[host];
+        let after_execute = matches!(view.awaiting, Awaiting::Checking | Awaiting::CheckQueued);
+        if after_execute && view.last.as_ref().is_some_and(|(r, _)| r.done_in(snapshot)) {
+            self.settle(host);
+            self.dirty = true;
         }
     }
 

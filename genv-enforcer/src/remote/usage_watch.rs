@@ -27,11 +27,12 @@ use crate::daemon::state_watch::StateWatch;
 use crate::intake::KernelEvent;
 use crate::kernel::TierChoice;
 use crate::kernel::policy_maps::PolicyMaps;
-use crate::limits::{Rate, TokenBucket};
 use crate::service::StopSignals;
 use crate::snapshot::{Snapshot, SnapshotBuilder};
+use pacer::Pacer;
 use watch_programs::{WatchPrograms, load_programs, next_events};
 
+mod pacer;
 mod watch_programs;
 
 /// After a GPU open, when to look again: the process makes its compute context (and
@@ -46,14 +47,6 @@ const AFTER_OPEN: [Duration; 4] = [
 /// process begins to exit, and NVML lists its context until its descriptors are
 /// closed, later in that exit (the snapshot the event itself calls for can be early).
 const AFTER_EXIT: [Duration; 2] = [Duration::from_millis(100), Duration::from_secs(1)];
-/// Snapshots are rate-limited: any user can open a GPU node, or write genv's world-
-/// writable state files, in a loop, and each must not cost this root process a
-/// snapshot. A burst of 5 passes at once (genv writing both files, an open and its
-/// rechecks), then one every 100 ms.
-const SNAPSHOTS: Rate = Rate {
-    burst: 5,
-    every: Duration::from_millis(100),
-};
 
 pub struct WatchSettings {
     pub poll: Duration,
@@ -73,34 +66,20 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
     let mut state_watch = watch_state(&builder);
     let mut watcher = Watcher::new();
     let mut rechecks: Vec<Instant> = Vec::new();
-    let mut due = true;
+    let mut pacer = Pacer::default();
+    pacer.look(Instant::now().into_std());
     let mut next_poll = Instant::now();
-    let mut limit = TokenBucket::full(SNAPSHOTS);
     loop {
         let now = Instant::now();
-        if due {
-            match limit.take(now.into_std()) {
-                true => {
-                    if !watcher.emit(&mut builder, kernel.as_mut().map(|w| &mut w.policy)) {
-                        return Ok(ExitCode::SUCCESS);
-                    }
-                    next_poll = Instant::now() + settings.poll;
-                }
-                false => {
-                    let at = Instant::from_std(limit.next_at(now.into_std()));
-                    // One look is enough while one is due no later: a storm of changes
-                    // adds no more.
-                    if !rechecks.iter().any(|r| *r <= at) {
-                        rechecks.push(at);
-                    }
-                    // A poll shorter than the limit's pace must not fire in a loop.
-                    next_poll = next_poll.max(at);
-                }
+        if pacer.take(now.into_std()) {
+            if !watcher.emit(&mut builder, kernel.as_mut().map(|w| &mut w.policy)) {
+                return Ok(ExitCode::SUCCESS);
             }
+            next_poll = Instant::now() + settings.poll;
         }
-        due = false;
-        rechecks.retain(|at| *at >= now);
+        rechecks.retain(|at| *at > now);
         let recheck = rechecks.iter().min().copied();
+        let wake = pacer.wake_at().map(Instant::from_std);
         // Only once a snapshot is out: a reader that has none knows nothing yet.
         let beat = settings
             .heartbeat
@@ -115,15 +94,28 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
                 }
             }
             _ = &mut hangup => return Ok(ExitCode::SUCCESS),
-            _ = sleep_until(next_poll) => due = true,
-            _ = sleep_until(recheck.unwrap_or(now)), if recheck.is_some() => due = true,
-            changed = watch_changed(&mut state_watch) => due = changed,
+            _ = sleep_until(wake.unwrap_or(now)), if wake.is_some() => {}
+            _ = sleep_until(next_poll) => {
+                pacer.look(Instant::now().into_std());
+                // Put off with the looks' pace, should their bucket be empty.
+                next_poll = Instant::now() + settings.poll;
+            }
+            _ = sleep_until(recheck.unwrap_or(now)), if recheck.is_some() => {
+                pacer.look(Instant::now().into_std());
+            }
+            changed = watch_changed(&mut state_watch) => {
+                if changed {
+                    pacer.changed(Instant::now().into_std());
+                }
+            }
             _ = next_events(&mut kernel, &mut events) => {}
         }
         if let Some(WatchPrograms { intake, .. }) = &mut kernel {
             intake.drain_now(&mut events, &mut Vec::new());
         }
-        due |= recheck_after(watcher.relevant(&events), &mut rechecks);
+        if recheck_after(watcher.relevant(&events), &mut rechecks) {
+            pacer.look(Instant::now().into_std());
+        }
     }
 }
 
