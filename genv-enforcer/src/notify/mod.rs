@@ -129,7 +129,11 @@ impl Notifier {
     /// Serves `genv-enforcer why` at `<run_dir>/why.sock` from a thread of its own.
     pub fn serve_why(&self, run_dir: &Path) -> anyhow::Result<()> {
         let listener = server::listen(run_dir)?;
-        server::start(listener, Arc::clone(&self.journal), Arc::clone(&self.owners))?;
+        server::start(
+            listener,
+            Arc::clone(&self.journal),
+            Arc::clone(&self.owners),
+        )?;
         Ok(())
     }
 

@@ -143,7 +143,11 @@ mod tests {
             "another user is said"
         );
         let later = limiter
-            .line(&open, || open.uid, start + std::time::Duration::from_secs(1))
+            .line(
+                &open,
+                || open.uid,
+                start + std::time::Duration::from_secs(1),
+            )
             .unwrap();
         assert!(
             later.ends_with("(80 more decisions about this user's processes not shown)"),
@@ -153,6 +157,10 @@ mod tests {
             verdict: Verdict::Outside,
             ..open
         };
-        assert_eq!(limiter.line(&seen, || seen.uid, start), None, "only decisions are said");
+        assert_eq!(
+            limiter.line(&seen, || seen.uid, start),
+            None,
+            "only decisions are said"
+        );
     }
 }
