@@ -224,6 +224,20 @@ fn misspelt_words_are_ours(lintian: &str) -> Vec<String> {
         .collect()
 }
 
+/// lintian's warning for a command a maintainer script runs by its path. The prerm runs
+/// the package's own binary so (`/usr/bin/genv-enforcer unpin`): through `PATH`, a copy
+/// earlier there (`cargo xtask install`'s `/usr/local/bin`) would be what removes the
+/// pins; the tag's text allows a path the package controls. Explained for that binary
+/// alone ([`by_path_only_ours`]).
+const BY_PATH: &str = "command-with-path-in-maintainer-script";
+
+/// Whether every command lintian found run by its path is the package's own binary.
+fn by_path_only_ours(lintian: &str) -> bool {
+    (lintian.lines())
+        .filter_map(|l| l.split(&format!("{BY_PATH} ")).nth(1))
+        .all(|rest| rest.starts_with("/usr/bin/genv-enforcer "))
+}
+
 #[test]
 fn a_misspelling_lintian_finds_counts_only_in_our_own_words() {
     let line =
@@ -237,6 +251,15 @@ fn a_misspelling_lintian_finds_counts_only_in_our_own_words() {
         ["Terminating"],
         "a word of our messages is ours to fix"
     );
+}
+
+#[test]
+fn a_command_lintian_finds_run_by_its_path_is_explained_only_for_ours() {
+    let line =
+        |command: &str| format!("W: genv-enforcer: {BY_PATH} {command} (plain script) [prerm:9]\n");
+    assert!(by_path_only_ours(&line("/usr/bin/genv-enforcer")));
+    let both = line("/usr/bin/genv-enforcer") + &line("/usr/bin/systemctl");
+    assert!(!by_path_only_ours(&both));
 }
 
 #[test]
@@ -268,6 +291,7 @@ fn lintian_finds_nothing_unexplained_in_the_deb() {
         .iter()
         .filter(|t| !EXPLAINED.contains(t))
         .filter(|t| **t != SPELLING || !misspelt_words_are_ours(&said).is_empty())
+        .filter(|t| **t != BY_PATH || !by_path_only_ours(&said))
         .collect();
     assert!(
         unexplained.is_empty(),
@@ -349,6 +373,13 @@ fn the_rpm_the_deb_the_tarball_and_xtask_install_lay_down_the_same_files() {
     let rpm_owned = owned(&rpm_list, &rpm_root);
     let deb_owned: BTreeSet<String> = deb_files.iter().map(|(p, _)| p.clone()).collect();
     assert_eq!(rpm_owned, deb_owned, "the RPM's files are not the .deb's");
+    // Under /usr, not /lib: a merged-/usr node's /lib is a link, which a tarball's lib/
+    // replaces.
+    assert!(
+        deb_owned.contains("/usr/lib/systemd/system/genv-enforcer.service")
+            && deb_owned.iter().all(|p| !p.starts_with("/lib/")),
+        "{deb_owned:#?}"
+    );
     let rpm_files: Vec<(String, String)> = (contents(&rpm_root).into_iter())
         .filter(|(p, _)| deb_owned.contains(p))
         .collect();
@@ -396,7 +427,7 @@ fn the_rpm_the_deb_the_tarball_and_xtask_install_lay_down_the_same_files() {
         .map(|(p, _)| {
             p.replacen("/usr/local/", "/usr/", 1).replacen(
                 "/etc/systemd/system/",
-                "/lib/systemd/system/",
+                "/usr/lib/systemd/system/",
                 1,
             )
         })
@@ -408,6 +439,212 @@ fn the_rpm_the_deb_the_tarball_and_xtask_install_lay_down_the_same_files() {
     for dir in [deb, rpm_root, tar, installed] {
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// docs/install.md's command putting the tarball's `root/` into `/`, as words.
+fn documented_extraction() -> Vec<String> {
+    let doc = std::fs::read_to_string(workspace_root().join("docs/install.md")).unwrap();
+    let line = (doc.lines().find(|l| l.starts_with("tar ")))
+        .expect("docs/install.md shows no `tar` command putting the tarball into /");
+    line.split_whitespace().map(str::to_owned).collect()
+}
+
+/// A scratch root laid out as a merged-`/usr` node's: `lib` a link to `usr/lib`.
+fn merged_usr_root() -> PathBuf {
+    let root = scratch("merged-usr");
+    std::fs::create_dir_all(root.join("usr/lib")).unwrap();
+    std::os::unix::fs::symlink("usr/lib", root.join("lib")).unwrap();
+    root
+}
+
+/// Extracts the tarball into a merged-`/usr` root as docs/install.md says (GNU tar, into
+/// `/`: here the scratch root), and with plain `tar -xzf` (no `--keep-directory-symlink`,
+/// as one would without the doc): either way `lib` is still the link, and the unit is in
+/// `usr/lib/systemd/system`.
+#[test]
+fn the_tarball_extracted_as_documented_leaves_a_merged_usr_nodes_lib_link() {
+    let documented = documented_extraction();
+    let tarball = dist().tarball();
+    let name = tarball.file_name().unwrap().to_str().unwrap();
+    assert!(
+        documented.iter().any(|w| w == name),
+        "docs/install.md's command extracts no {name}: {documented:?}"
+    );
+    for keep in [true, false] {
+        let root = merged_usr_root();
+        let mut args: Vec<String> = vec![];
+        for word in &documented[1..] {
+            let word = match word.as_str() {
+                w if w == name => tarball.to_str().unwrap().to_owned(),
+                "/" if args.last().is_some_and(|a| a == "-C") => root.display().to_string(),
+                "--keep-directory-symlink" if !keep => continue,
+                w => w.to_owned(),
+            };
+            args.push(word);
+        }
+        assert!(
+            args.contains(&root.display().to_string()),
+            "no `-C /`: {documented:?}"
+        );
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        output("tar", &args);
+        let lib = std::fs::read_link(root.join("lib"));
+        assert_eq!(
+            lib.ok().as_deref(),
+            Some(Path::new("usr/lib")),
+            "tar {args:?} replaced the lib -> usr/lib link"
+        );
+        let unit = root.join("usr/lib/systemd/system/genv-enforcer.service");
+        assert!(
+            unit.symlink_metadata().is_ok_and(|m| m.is_file()),
+            "no {}",
+            unit.display()
+        );
+        assert!(root.join("usr/bin/genv-enforcer").is_file(), "tar {args:?}");
+        let _ = std::fs::remove_dir_all(root);
+    }
+}
+
+/// The `.deb`'s control area (`dpkg-deb -e`): its maintainer scripts.
+fn deb_control() -> PathBuf {
+    let control = scratch("control");
+    let deb = dist().deb();
+    output(
+        "dpkg-deb",
+        &["-e", deb.to_str().unwrap(), control.to_str().unwrap()],
+    );
+    control
+}
+
+/// The words of `script` that run genv-enforcer other than as `/usr/bin/genv-enforcer`: a
+/// bare `genv-enforcer` (whatever comes first on `PATH`, a `/usr/local/bin` copy
+/// included) or another `bin/` directory's. Comments and single-quoted text (unit names,
+/// messages) run nothing; paths such as `/run/genv-enforcer` are not a binary's.
+fn not_by_its_path(script: &str) -> Vec<String> {
+    let mut found = vec![];
+    for line in script.lines().map(str::trim_start) {
+        if line.starts_with('#') {
+            continue;
+        }
+        let unquoted: Vec<&str> = line.split('\'').step_by(2).collect();
+        let words = unquoted.join(" ");
+        for word in words.split(|c: char| c.is_whitespace() || ";&|()!`\"$".contains(c)) {
+            let runs = word == "genv-enforcer" || word.ends_with("bin/genv-enforcer");
+            if runs && word != "/usr/bin/genv-enforcer" {
+                found.push(word.to_owned());
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn a_maintainer_script_running_genv_enforcer_through_path_is_found() {
+    assert_eq!(
+        not_by_its_path("if ! genv-enforcer unpin; then\n    :\nfi\n"),
+        ["genv-enforcer"]
+    );
+    assert_eq!(
+        not_by_its_path("x=$(/usr/local/bin/genv-enforcer status)"),
+        ["/usr/local/bin/genv-enforcer"]
+    );
+    let fine = "# genv-enforcer: a comment\n\
+                echo 'genv-enforcer: could not' >&2\n\
+                rm -rf /run/genv-enforcer /etc/genv-enforcer\n\
+                deb-systemd-invoke stop 'genv-enforcer.service'\n\
+                if ! /usr/bin/genv-enforcer unpin; then :; fi\n";
+    assert_eq!(not_by_its_path(fine), Vec::<String>::new());
+}
+
+/// The `.deb`'s maintainer scripts and the RPM's scriptlets run genv-enforcer as the
+/// package installed it, `/usr/bin/genv-enforcer`, never through `PATH`; both remove
+/// the pins with it. The RPM applies the presets on a first install only
+/// (`%systemd_post`): an upgrade keeps the admin's choice.
+#[test]
+fn the_maintainer_scripts_run_the_packages_own_binary() {
+    let control = deb_control();
+    let mut scripts = vec![];
+    for name in ["preinst", "postinst", "prerm", "postrm"] {
+        if let Ok(text) = std::fs::read_to_string(control.join(name)) {
+            scripts.push((format!("the .deb's {name}"), text));
+        }
+    }
+    let rpm = output("rpm", &["-qp", "--scripts", dist().rpm().to_str().unwrap()]);
+    scripts.push(("the RPM's scriptlets".to_owned(), rpm.clone()));
+    for (what, text) in &scripts {
+        let wrong = not_by_its_path(text);
+        assert!(
+            wrong.is_empty(),
+            "{what} runs {wrong:?}, not /usr/bin/genv-enforcer:\n{text}"
+        );
+    }
+    let prerm = &scripts
+        .iter()
+        .find(|(w, _)| w.ends_with("prerm"))
+        .unwrap()
+        .1;
+    for (what, text) in [("the .deb's prerm", prerm), ("the RPM's scriptlets", &rpm)] {
+        assert!(
+            text.contains("/usr/bin/genv-enforcer unpin"),
+            "{what}:\n{text}"
+        );
+    }
+    let post = rpm.split("preuninstall scriptlet").next().unwrap();
+    assert!(
+        post.starts_with("postinstall scriptlet (using /bin/sh):\nif [ $1 -eq 1 ] ")
+            && post.contains("preset genv-enforcer.service")
+            && !post.contains(" enable "),
+        "the RPM's %post:\n{rpm}"
+    );
+    let _ = std::fs::remove_dir_all(control);
+}
+
+/// Runs the `.deb`'s postinst for `configure` on the node's files under `root`
+/// (`DPKG_ROOT`: deb-systemd-helper and systemctl act on that tree, not on this
+/// machine), after `old` (the version configured before; none on a first install).
+fn configure(postinst: &Path, root: &Path, old: Option<&str>) {
+    let status = Command::new("sh")
+        .arg(postinst)
+        .arg("configure")
+        .args(old)
+        .env("DPKG_ROOT", root)
+        .env("DPKG_MAINTSCRIPT_PACKAGE", "genv-enforcer")
+        .env("DPKG_MAINTSCRIPT_NAME", "postinst")
+        .status()
+        .unwrap();
+    assert!(status.success(), "postinst configure {old:?}: {status}");
+}
+
+/// dh_installsystemd's `--no-enable`: a first install leaves the unit disabled (without
+/// deb-systemd-helper's state, `was-enabled` says yes and `enable` applies systemd's
+/// presets, "enable" by default); an upgrade keeps it enabled or disabled as the admin
+/// left it. On the `.deb`'s files in a scratch root (`DPKG_ROOT`); the `systemd_unit`
+/// suite does the same under systemd, in the VM.
+#[test]
+fn the_debs_postinst_leaves_a_first_install_disabled_and_keeps_the_admins_choice() {
+    let root = deb_tree();
+    let control = deb_control();
+    let postinst = control.join("postinst");
+    let wants = root.join("etc/systemd/system/multi-user.target.wants/genv-enforcer.service");
+    let enabled = || wants.symlink_metadata().is_ok();
+    let systemctl = |verb: &str| {
+        let root = format!("--root={}", root.display());
+        output("systemctl", &[&root, verb, "genv-enforcer.service"]);
+    };
+    configure(&postinst, &root, None);
+    assert!(
+        !enabled(),
+        "a first install enabled the unit: {}",
+        wants.display()
+    );
+    systemctl("enable");
+    configure(&postinst, &root, Some(VERSION));
+    assert!(enabled(), "an upgrade disabled the unit the admin enabled");
+    systemctl("disable");
+    configure(&postinst, &root, Some(VERSION));
+    assert!(!enabled(), "an upgrade enabled the unit the admin disabled");
+    let _ = std::fs::remove_dir_all(root);
+    let _ = std::fs::remove_dir_all(control);
 }
 
 #[test]

@@ -3,9 +3,11 @@
 //! the tier suites). Its test is ignored elsewhere: it installs genv-enforcer into `/`,
 //! starts and kills the machine's service, and needs systemd to be the machine's init.
 //!
-//! What it shows: the `.deb` (`cargo xtask dist`, installed with `dpkg -i`, as a node
-//! installs it) lays down a unit systemd starts (`Type=notify`:
-//! `systemctl start` returns once the daemon is ready); a `kill -9` of the daemon is
+//! What it shows: the `.deb` (`cargo xtask dist`, installed with `apt install ./…deb`, as
+//! docs/install.md says) leaves the unit disabled; enabled by the admin, it stays enabled
+//! over an upgrade to a newer package (the `dist` suite runs the postinst's other cases
+//! on the host). systemd starts the unit (`Type=notify`: `systemctl start` returns once the
+//! daemon is ready); a `kill -9` of the daemon is
 //! followed by systemd's restart, and all along, an outsider's attempts to open a GPU,
 //! one after the other, are refused by the programs the killed daemon pinned (with
 //! `deny` and `keep-pinned`), including every attempt between the kill and the new
@@ -30,6 +32,8 @@ const UNIT: &str = "genv-enforcer";
 const DROP_IN: &str = "/etc/systemd/system/genv-enforcer.service.d/test-node.conf";
 const CONFIG: &str = "/etc/genv-enforcer/config.toml";
 const PINS: &str = "/sys/fs/bpf/genv-enforcer";
+/// The link `systemctl enable` makes (the unit's `WantedBy=multi-user.target`).
+const WANTS: &str = "/etc/systemd/system/multi-user.target.wants/genv-enforcer.service";
 const ALICE: u32 = 64_101;
 const OUTSIDER: u32 = 64_103;
 
@@ -94,6 +98,121 @@ fn deb() -> String {
     deb
 }
 
+/// `apt install ./…deb`, as docs/install.md says: apt-get, unattended and offline, with
+/// a configuration of its own in `dir` (`APT_CONFIG`). The dependencies are installed,
+/// so no package list is read; nor is the host's `apt.conf.d`, whose hooks are the
+/// host's, not the package's (PackageKit's has D-Bus start PackageKit and polkit, which
+/// under TCG cost more than the install).
+fn apt_install(deb: &str, dir: &Path) {
+    let config = dir.join("apt.conf");
+    std::fs::write(
+        &config,
+        "Dir::Etc::Parts \"/dev/null\";\n\
+         Dir::Etc::SourceList \"/dev/null\";\n\
+         Dir::Etc::SourceParts \"/dev/null\";\n\
+         Dir::Cache::pkgcache \"\";\n\
+         Dir::Cache::srcpkgcache \"\";\n",
+    )
+    .unwrap();
+    let output = Command::new("apt-get")
+        .args(["install", "-y", "-q", "--no-install-recommends"])
+        .arg(deb)
+        .env("APT_CONFIG", &config)
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "apt-get install {deb}: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// `systemctl is-enabled`'s answer (it exits 1 for `disabled`).
+fn is_enabled() -> String {
+    let output = Command::new("systemctl")
+        .args(["is-enabled", UNIT])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+fn assert_disabled(when: &str) {
+    assert!(
+        Path::new(WANTS).symlink_metadata().is_err(),
+        "{when}: {WANTS} is there"
+    );
+    assert_eq!(is_enabled(), "disabled", "{when}");
+}
+
+/// `deb` at a newer version (`<version>+rebuilt1`), in `dir`: what an upgrade installs.
+/// gzip -1, not xz: quicker under TCG.
+fn rebuilt(deb: &str, dir: &Path) -> String {
+    let tree = dir.join("rebuilt");
+    let tree_arg = tree.to_str().unwrap();
+    command("dpkg-deb", &["-R", deb, tree_arg]);
+    let control = tree.join("DEBIAN/control");
+    let text = std::fs::read_to_string(&control).unwrap();
+    let version = (text.lines().find_map(|l| l.strip_prefix("Version: "))).unwrap();
+    let text = text.replacen(
+        &format!("\nVersion: {version}\n"),
+        &format!("\nVersion: {version}+rebuilt1\n"),
+        1,
+    );
+    std::fs::write(&control, text).unwrap();
+    let to = dir.join(format!("genv-enforcer_{version}+rebuilt1_amd64.deb"));
+    let to_arg = to.to_str().unwrap();
+    command(
+        "dpkg-deb",
+        &[
+            "--root-owner-group",
+            "-Zgzip",
+            "-z1",
+            "-b",
+            tree_arg,
+            to_arg,
+        ],
+    );
+    std::fs::remove_dir_all(&tree).unwrap();
+    to_arg.to_owned()
+}
+
+/// Installed as a node installs it: the unit is left disabled (the configuration comes
+/// first); enabled as an admin would, it stays enabled over an upgrade to a newer
+/// package. What each step took is said: under TCG, every package operation runs
+/// systemd's `daemon-reload` and deb-systemd-helper (Perl), seconds each.
+fn installed_disabled_then_kept_enabled(deb: &str, dir: &Path) {
+    let mut took = vec![];
+    let mut step = |what: &'static str, started: Instant| {
+        took.push(format!("{what} {} ms", started.elapsed().as_millis()));
+        Instant::now()
+    };
+    let at = Instant::now();
+    apt_install(deb, dir);
+    assert_disabled("after the first install");
+    let at = step("apt install", at);
+    systemctl(&["enable", UNIT]);
+    assert_eq!(is_enabled(), "enabled");
+    let at = step("enable", at);
+    let newer = rebuilt(deb, dir);
+    let at = step("a newer package", at);
+    apt_install(&newer, dir);
+    assert_eq!(
+        is_enabled(),
+        "enabled",
+        "after an upgrade, the unit the admin enabled"
+    );
+    assert!(
+        Path::new(WANTS).is_symlink(),
+        "after an upgrade: no {WANTS}"
+    );
+    step("its apt install", at);
+    let status = dpkg(&["-s", "genv-enforcer"]);
+    assert!(status.contains("+rebuilt1\n"), "not upgraded: {status}");
+    eprintln!("[systemd] installed, then upgraded: {}", took.join(", "));
+}
+
 /// Every path the `.deb` holds (`dpkg-deb -c`), and whether it was there before.
 fn deb_paths(deb: &str) -> Vec<(String, bool)> {
     let listing = command("dpkg-deb", &["-c", deb]);
@@ -120,7 +239,7 @@ fn assert_purged(paths: &[(String, bool)]) {
         "/run/genv-enforcer",
         PINS,
         "/etc/systemd/system/genv-enforcer.service",
-        "/etc/systemd/system/multi-user.target.wants/genv-enforcer.service",
+        WANTS,
         "/var/lib/systemd/deb-systemd-helper-enabled/genv-enforcer.service.dsh-also",
         "/var/lib/systemd/deb-systemd-helper-enabled/multi-user.target.wants/genv-enforcer.service",
         "/var/lib/systemd/deb-systemd-helper-masked/genv-enforcer.service",
@@ -293,13 +412,10 @@ fn the_unit_restarts_a_killed_daemon_and_its_pinned_programs_guard_the_gap() {
         paths.iter().any(|(p, _)| p == "/usr/bin/genv-enforcer"),
         "{paths:?}"
     );
-    dpkg(&["-i", &deb()]);
+    installed_disabled_then_kept_enabled(&deb(), &node.dir);
     configure(&node);
 
-    // Enabled as an admin would; Type=notify: `systemctl start` returns once the
-    // daemon said READY.
-    systemctl(&["enable", UNIT]);
-    assert_eq!(systemctl(&["is-enabled", UNIT]).trim(), "enabled");
+    // Type=notify: `systemctl start` returns once the daemon said READY.
     systemctl(&["start", UNIT]);
     let first = show();
     assert_eq!(first["ActiveState"], "active", "{first:?}");

@@ -6,9 +6,10 @@
 //! [`SERVICE`]) instead of the default target. [`SERVICE`] runs the `systemd_unit`
 //! suite's test (ignored elsewhere: it installs into `/` and kills the machine's
 //! service), prints the markers the host reads, and powers off. One kernel is enough:
-//! the test installs the `.deb` (`cargo xtask dist`, built first) with `dpkg -i` and
-//! checks the unit, systemd and the package's scripts, not the kernel; the first of [`KERNELS`] (6.1,
-//! what `linux-image-amd64` installs), on the LSM tier, the one a node would run.
+//! the test installs the `.deb` (`cargo xtask dist`, built first) with `apt install`, as
+//! a node does, and checks the unit, systemd and the package's scripts, not the kernel;
+//! the first of [`KERNELS`] (6.1, what `linux-image-amd64` installs), on the LSM tier,
+//! the one a node would run.
 
 use std::path::Path;
 use std::process::Command;

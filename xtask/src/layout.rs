@@ -3,9 +3,15 @@
 //! staging root) written into the front and the unit.
 //!
 //! Two prefixes, one list: the packages own `/usr` (`/usr/bin/genv-enforcer`, the unit in
-//! `/lib/systemd/system`), as distributions' packages do; `cargo xtask install` builds from
-//! source, so it keeps to `/usr/local` and `/etc/systemd/system`, where the FHS puts what
-//! the package manager does not own. Every other byte is the same.
+//! `/usr/lib/systemd/system`), as distributions' packages do; `cargo xtask install` builds
+//! from source, so it keeps to `/usr/local` and `/etc/systemd/system`, where the FHS puts
+//! what the package manager does not own. Every other byte is the same.
+//!
+//! Nothing goes under `/lib`: on a merged-`/usr` node `/lib` is a link to `usr/lib`, which
+//! GNU tar replaces with a directory when the tarball has a `lib/` of its own. systemd
+//! reads `/usr/lib/systemd/system` on every distribution the packages are for (Debian
+//! 12+, Ubuntu 22.04+, RHEL 8+, Fedora), and Debian's packages moved their units there
+//! with bookworm.
 
 use std::path::Path;
 
@@ -16,13 +22,13 @@ use anyhow::{Context, Result};
 pub struct Prefix {
     /// `usr` (packages) or `usr/local` (`cargo xtask install`), without a leading `/`.
     pub usr: &'static str,
-    /// The unit's directory: `lib/systemd/system` or `etc/systemd/system`.
+    /// The unit's directory: `usr/lib/systemd/system` or `etc/systemd/system`.
     pub units: &'static str,
 }
 
 pub const PACKAGE: Prefix = Prefix {
     usr: "usr",
-    units: "lib/systemd/system",
+    units: "usr/lib/systemd/system",
 };
 
 pub const LOCAL: Prefix = Prefix {

@@ -2,9 +2,10 @@
 //! in `genv-enforcer/Cargo.toml` says the same), built with `dpkg-deb --root-owner-group`.
 //!
 //! The maintainer scripts are what `dh_installsystemd --no-enable --no-start
-//! --restart-after-upgrade` writes, by hand: the admin edits the configuration, then
-//! enables the unit (the README's three commands); an upgrade restarts a running one.
-//! Removal stops it and removes the pinned programs (`genv-enforcer unpin`: with
+//! --restart-after-upgrade` writes, by hand: a first install leaves the unit disabled (the
+//! admin edits the configuration, then enables it: the README's three commands); an
+//! upgrade keeps the admin's choice, enabled or disabled, and restarts a running unit.
+//! Removal stops it and removes the pinned programs (`/usr/bin/genv-enforcer unpin`: with
 //! `keep-pinned`, they go on refusing outsiders when the daemon is gone); purge removes
 //! the configuration and what the daemon left in `/run`.
 
@@ -150,21 +151,29 @@ fn md5sums(tree: &std::path::Path) -> Result<String> {
     Ok(String::from_utf8(output.stdout)?)
 }
 
+/// debhelper's `postinst-systemd-dont-enable` and `postinst-systemd-restartnostart`.
+/// `was-enabled` says yes for a unit it has no state for, and `enable` then applies
+/// systemd's presets (Debian's: enable everything): hence `debian-installed` first, true
+/// only once an earlier configure recorded the state (`update-state`), so an upgrade.
 const POSTINST: &str = "#!/bin/sh
 # genv-enforcer: dh_installsystemd's steps (--no-enable --no-start
-# --restart-after-upgrade): edit /etc/genv-enforcer/config.toml, then
-# `systemctl enable --now genv-enforcer`.
+# --restart-after-upgrade). A first install leaves the unit disabled: edit
+# /etc/genv-enforcer/config.toml, then `systemctl enable --now genv-enforcer`. An
+# upgrade keeps it enabled or disabled, as the admin left it.
 set -e
 case \"$1\" in
 configure|abort-upgrade|abort-deconfigure|abort-remove)
-    # Only removes the mask deb-systemd-helper put on at removal.
-    deb-systemd-helper unmask 'genv-enforcer.service' >/dev/null || true
-    if deb-systemd-helper --quiet was-enabled 'genv-enforcer.service'; then
-        deb-systemd-helper enable 'genv-enforcer.service' >/dev/null || true
-    else
-        deb-systemd-helper update-state 'genv-enforcer.service' >/dev/null || true
+    if deb-systemd-helper debian-installed 'genv-enforcer.service'; then
+        # Only removes the mask deb-systemd-helper put on at removal.
+        deb-systemd-helper unmask 'genv-enforcer.service' >/dev/null || true
+        if deb-systemd-helper --quiet was-enabled 'genv-enforcer.service'; then
+            # Creates the new unit's links, if any.
+            deb-systemd-helper enable 'genv-enforcer.service' >/dev/null || true
+        fi
     fi
-    if [ -d /run/systemd/system ]; then
+    # Records the links an enable makes, for purge to remove; forgets old ones.
+    deb-systemd-helper update-state 'genv-enforcer.service' >/dev/null || true
+    if [ -z \"${DPKG_ROOT:-}\" ] && [ -d /run/systemd/system ]; then
         systemctl --system daemon-reload >/dev/null || true
         if [ -n \"$2\" ]; then
             deb-systemd-invoke try-restart 'genv-enforcer.service' >/dev/null || true
@@ -175,6 +184,8 @@ esac
 exit 0
 ";
 
+/// The package's own binary, by its path: a `genv-enforcer` earlier on root's `PATH` (a
+/// `/usr/local/bin` copy) is not the one whose pins this package's daemon made.
 const PRERM: &str = "#!/bin/sh
 # genv-enforcer: removal stops the unit, then removes the pinned programs, which
 # otherwise go on refusing outsiders' opens with no daemon left to answer for them.
@@ -183,7 +194,7 @@ if [ \"$1\" = remove ]; then
     if [ -d /run/systemd/system ]; then
         deb-systemd-invoke stop 'genv-enforcer.service' >/dev/null || true
     fi
-    if ! genv-enforcer unpin; then
+    if ! /usr/bin/genv-enforcer unpin; then
         echo 'genv-enforcer: could not remove the pinned programs; see /sys/fs/bpf/genv-enforcer' >&2
     fi
 fi

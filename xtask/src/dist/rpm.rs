@@ -1,7 +1,9 @@
 //! The RPM: the `.deb`'s files (the same staged tree), cargo-generate-rpm's layout, built
 //! with `rpmbuild` from Debian's `rpm` package. The scriptlets are the expansions of
 //! Fedora's `%systemd_post`, `%systemd_preun` and `%systemd_postun_with_restart` (Debian
-//! has no systemd-rpm-macros), with `genv-enforcer unpin` at erase as in the `.deb`.
+//! has no systemd-rpm-macros), with `/usr/bin/genv-enforcer unpin` at erase as in the
+//! `.deb`. As the `.deb`'s: the presets apply on a first install only (`$1` is 1; RHEL's
+//! and Fedora's disable what they do not name), an upgrade keeps the admin's choice.
 //!
 //! Reproducible: the build time and file times are `SOURCE_DATE_EPOCH`
 //! (`use_source_date_epoch_as_buildtime`, `clamp_mtime_to_source_epoch`), the build host
