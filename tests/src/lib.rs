@@ -46,8 +46,12 @@ pub fn target_dir() -> PathBuf {
 }
 
 /// A workspace artefact; built by `cargo build --workspace` (which `cargo xtask test` runs).
+///
+/// `GENV_BENCH_ARTEFACTS` names another build's directory instead: `cargo xtask bench
+/// --compare` runs this harness against the build of an earlier commit.
 pub fn artefact(name: &str) -> PathBuf {
-    let path = target_dir().join(name);
+    let dir = std::env::var_os("GENV_BENCH_ARTEFACTS").map_or_else(target_dir, PathBuf::from);
+    let path = dir.join(name);
     assert!(
         path.exists(),
         "{} is missing: run `cargo build --workspace` first (`cargo xtask test` does)",

@@ -27,7 +27,10 @@ pub fn run(release: &Path) -> Result<String> {
             "bench_remote",
             "--nocapture",
         ])
-        .env("GENV_BENCH_TABLE", &table),
+        .env("GENV_BENCH_TABLE", &table)
+        // The harness is this tree's; the product is the build in `release` (another
+        // commit's, for `bench --compare`).
+        .env("GENV_BENCH_ARTEFACTS", release),
     )?;
     let measured =
         std::fs::read_to_string(&table).with_context(|| format!("reading {}", table.display()))?;

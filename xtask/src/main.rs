@@ -25,6 +25,7 @@
 
 mod bench_alloc;
 mod bench_bpf_log;
+mod bench_compare;
 mod bench_events;
 mod bench_footprint;
 mod bench_remote;
@@ -74,7 +75,17 @@ enum Task {
     /// The event-driven enforcer on a simulated GPU node.
     Demo,
     /// The benchmarks, written to docs/bench.md; one section alone, printed.
-    Bench { section: Option<BenchSection> },
+    Bench {
+        section: Option<BenchSection>,
+        /// Measure REV's build and this tree's side by side (the events and remote
+        /// sections, or the one named), interleaved, and print each figure before →
+        /// after with its spread.
+        #[arg(long, value_name = "REV")]
+        compare: Option<String>,
+        /// Runs of each section on each side, with --compare.
+        #[arg(long, default_value_t = 3, requires = "compare")]
+        runs: usize,
+    },
     /// The kernel programs' object alone.
     BuildEbpf,
     /// genv-enforcer on a node (or under --root).
@@ -104,7 +115,7 @@ struct VmTest {
     args: xtask_vm::Args,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, Debug, ValueEnum)]
 enum BenchSection {
     /// One full cycle at 0 to 10,000 GPU processes.
     Cycle,
@@ -121,9 +132,20 @@ fn main() -> Result<()> {
         Task::Test { cargo_args } => test::test(&cargo_args),
         Task::VmTest(vm_test) => vm::command(vm_test.systemd, vm_test.args.into()),
         Task::Demo => demo::run(),
-        Task::Bench { section: None } => bench(),
+        Task::Bench {
+            section,
+            compare: Some(rev),
+            runs,
+        } => {
+            let sections = section.map_or(vec![BenchSection::Events, BenchSection::Remote], |s| {
+                vec![s]
+            });
+            bench_compare::compare(&rev, &sections, runs.max(1))
+        }
+        Task::Bench { section: None, .. } => bench(),
         Task::Bench {
             section: Some(section),
+            ..
         } => match section {
             BenchSection::Cycle => bench_cycle().map(|table| print!("{table}")),
             BenchSection::Events => bench_section(bench_events::run),
@@ -334,7 +356,10 @@ mod tests {
         for section in ["footprint", "bpf-log", "memory-at-alloc", "remote"] {
             assert!(matches!(
                 parse(&format!("bench {section}")),
-                Ok(Task::Bench { section: Some(_) })
+                Ok(Task::Bench {
+                    section: Some(_),
+                    ..
+                })
             ));
         }
         assert!(parse("bench nope").is_err());

@@ -104,8 +104,12 @@ fn the_kill_after_the_grace_period_is_told_too() {
     notifier.flush();
     let lines = lines(&pty);
     assert_eq!(lines.len(), 2, "{lines:?}");
-    assert!(lines[0].starts_with(&format!("genv-enforcer: stopped process \"sh\" (pid {pid})")));
-    assert!(lines[1].starts_with(&format!("genv-enforcer: killed process \"sh\" (pid {pid}) on GPU 0")));
+    assert!(lines[0].starts_with(&format!(
+        "genv-enforcer: stopped process \"sh\" (pid {pid})"
+    )));
+    assert!(lines[1].starts_with(&format!(
+        "genv-enforcer: killed process \"sh\" (pid {pid}) on GPU 0"
+    )));
 }
 
 fn ignores_term(pid: u32) -> bool {
