@@ -5,8 +5,8 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use crate::genv_lines;
 use crate::actions::Executor;
+use crate::genv_lines;
 use crate::report::Report;
 use crate::rules::{self, Finding, Rules, Survey};
 use crate::snapshot::{DroppedEnv, GpuProcess, Orphan, Snapshot, SnapshotBuilder};
