@@ -63,7 +63,8 @@ pub fn main() -> ExitCode {
     match run(Cli::parse_from(expanded)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("genv-enforcer: {e:#}");
+            // An error may carry a host's stderr, or a name a user wrote.
+            crate::genv_lines::eprint(&format!("genv-enforcer: {e:#}"));
             ExitCode::FAILURE
         }
     }

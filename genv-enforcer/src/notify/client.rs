@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::decision::Decision;
 use super::journal::Query;
-use super::sanitize::{NAME_CHARS, clean_str};
+use super::sanitize::{NAME_CHARS, clean_line, clean_str};
 use super::server::{Answer, SOCKET};
 use crate::snapshot::join_indices;
 
@@ -80,7 +80,7 @@ pub fn render(decisions: &[Decision], with_user: Option<&dyn Fn(u32) -> String>)
         );
         out.push_str(row.trim_end());
         out.push('\n');
-        out.push_str(&format!("    {}\n", clean_str(&d.line, 1000)));
+        out.push_str(&format!("    {}\n", clean_line(&d.line, 1000)));
     }
     out
 }

@@ -8,8 +8,9 @@
 //! is not enough: `Û` is `c3 9b` in UTF-8, and 0x9B is CSI to a terminal not in UTF-8
 //! mode (the Linux console with UTF-8 off, xterm in a Latin-1 locale); and invisible or
 //! look-alike characters make a line read as something else. So what is kept is
-//! printable ASCII only, and everything else is written as `\u{…}` (its code point in
-//! hex; a byte that is not UTF-8 as `\x{…}`): `python\u{1b}[2J`, `caf\u{e9}`.
+//! printable ASCII only (but `"` and `\`, since a name is shown between double quotes),
+//! and everything else is written as `\u{…}` (its code point in hex; a byte that is not
+//! UTF-8 as `\x{…}`): `python\u{1b}[2J`, `caf\u{e9}`, `\u{22}`.
 //! The result is at most `max` characters, ending in `...` when cut, and never cut
 //! inside an escape.
 
@@ -20,7 +21,17 @@ pub const NAME_CHARS: usize = 48;
 
 /// `bytes` made safe for any terminal and at most `max` characters long.
 pub fn clean(bytes: &[u8], max: usize) -> String {
-    let mut out = Bounded::new(max);
+    cleaned(bytes, max, false)
+}
+
+/// A whole line the daemon wrote (its names already [`clean`]ed), made safe again where
+/// it is shown (`why`'s client): printable ASCII, quotes and backslashes kept.
+pub fn clean_line(text: &str, max: usize) -> String {
+    cleaned(text.as_bytes(), max, true)
+}
+
+fn cleaned(bytes: &[u8], max: usize, keep_quotes: bool) -> String {
+    let mut out = Bounded::new(max, keep_quotes);
     for chunk in bytes.utf8_chunks() {
         for c in chunk.valid().chars() {
             if !out.push_char(c) {
@@ -45,21 +56,27 @@ pub fn clean_str(text: &str, max: usize) -> String {
 struct Bounded {
     text: String,
     max: usize,
+    /// A line's own quotes are kept; a name's are escaped.
+    keep_quotes: bool,
     /// Where the text is cut if it overflows: a boundary between pieces.
     fits_with_dots: usize,
 }
 
 impl Bounded {
-    fn new(max: usize) -> Self {
+    fn new(max: usize, keep_quotes: bool) -> Self {
         Bounded {
             text: String::new(),
             max,
+            keep_quotes,
             fits_with_dots: 0,
         }
     }
 
     fn push_char(&mut self, c: char) -> bool {
-        if c == ' ' || c.is_ascii_graphic() {
+        // `"` and `\` too are escaped: a name sits between double quotes in the line,
+        // and must not close them, nor pass for one of its own escapes.
+        let quote = c == '"' || c == '\\';
+        if c == ' ' || (c.is_ascii_graphic() && (!quote || self.keep_quotes)) {
             let mut buf = [0; 4];
             self.push(c.encode_utf8(&mut buf))
         } else {
@@ -100,9 +117,14 @@ mod tests {
 
     #[test]
     fn plain_names_pass_unchanged() {
-        for name in ["python", "train.py", "my-env_2", "a b", "it's \\ (x)"] {
+        for name in ["python", "train.py", "my-env_2", "a b", "it's (x)"] {
             assert_eq!(clean_str(name, NAME_CHARS), name);
         }
+        // Not the quotes a name is shown in, nor what its escapes are made of.
+        assert_eq!(
+            clean_str("x\" is fine. Run 'y' \\u{1b}", NAME_CHARS),
+            "x\\u{22} is fine. Run 'y' \\u{5c}u{1b}"
+        );
     }
 
     #[test]

@@ -266,7 +266,7 @@ async fn reprint_stderr(name: String, stderr: tokio::process::ChildStderr) -> St
             Ok(0) | Err(_) => return why.unwrap_or(last),
             Ok(_) => {
                 last = String::from_utf8_lossy(&line).trim_end().to_owned();
-                eprintln!("[{name}] {last}");
+                crate::genv_lines::eprint(&format!("[{name}] {last}"));
                 if why.is_none() && says_no_watch(&last) {
                     why = Some(last.clone());
                 }

@@ -258,10 +258,11 @@ fn print_rest(status: &Status) {
         lines.queue_full
     );
     for o in &status.orphans {
-        println!(
+        // The id is a user's (envs.json): escaped as genv's lines are.
+        crate::genv_lines::print(&format!(
             "orphan: process {} of uid {} in environment {}, which genv dropped (left running)",
             o.pid, o.uid, o.eid
-        );
+        ));
     }
     println!(
         "in the kernel: {} refused, {} killed ({} and {} reported as events)",
