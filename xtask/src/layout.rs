@@ -10,8 +10,8 @@
 //! Nothing goes under `/lib`: on a merged-`/usr` node `/lib` is a link to `usr/lib`, which
 //! GNU tar replaces with a directory when the tarball has a `lib/` of its own. systemd
 //! reads `/usr/lib/systemd/system` on every distribution the packages are for (Debian
-//! 12+, Ubuntu 22.04+, RHEL 8+, Fedora), and Debian's packages moved their units there
-//! with bookworm.
+//! 12+, Ubuntu 22.04+, RHEL 8+, Fedora), and Debian's packages move their units there
+//! (DEP17, from trixie).
 
 use std::path::Path;
 

@@ -73,12 +73,15 @@ impl UidOwners {
         }
     }
 
-    /// Who `uid` (of process `pid`, where known) counts as.
+    /// Who `uid` (of process `pid`, where known) counts as. The kernel's word first: a
+    /// process running as a subordinate uid is in a namespace its user made. Root owns
+    /// no one's share (a namespace root made, LXD's `root:` ranges): those count as
+    /// themselves.
     pub fn owner(&self, uid: u32, pid: Option<u32>) -> u32 {
-        if let Some(owner) = self.range_owner(uid) {
-            return owner;
-        }
-        pid.and_then(|pid| self.namespace_owner(pid)).unwrap_or(uid)
+        let owned = |owner: &u32| *owner != 0;
+        (pid.and_then(|pid| self.namespace_owner(pid)).filter(owned))
+            .or_else(|| self.range_owner(uid).filter(owned))
+            .unwrap_or(uid)
     }
 
     fn range_owner(&self, uid: u32) -> Option<u32> {
@@ -92,11 +95,12 @@ impl UidOwners {
                 state.0 = self.read_ranges();
             }
         }
-        state
-            .0
-            .iter()
-            .find(|(first, end, _)| (*first..*end).contains(&uid))
-            .map(|(_, _, owner)| *owner)
+        // Sorted by first uid: the last range starting at or below `uid`. Ranges do
+        // not overlap in a file shadow-utils wrote; where they do, one of them counts.
+        let ranges = &state.0;
+        let at = ranges.partition_point(|(first, _, _)| *first <= uid);
+        let (_, end, owner) = *ranges.get(at.checked_sub(1)?)?;
+        (uid < end).then_some(owner)
     }
 
     /// `name_or_uid:first:count` lines; malformed ones are skipped (the file is root's:
@@ -107,25 +111,28 @@ impl UidOwners {
             return Vec::new();
         }
         let passwd = read_bounded(&self.passwd);
-        let uid_of = |name: &str| {
-            passwd.lines().find_map(|l| {
+        // Each name looked up once: a file of many users is read in linear time.
+        let uids: std::collections::HashMap<&str, u32> = (passwd.lines())
+            .filter_map(|l| {
                 let mut fields = l.split(':');
-                (fields.next() == Some(name))
-                    .then(|| fields.nth(1).and_then(|u| u.parse().ok()))
-                    .flatten()
+                let name = fields.next()?;
+                Some((name, fields.nth(1)?.parse().ok()?))
             })
-        };
-        text.lines()
+            .collect();
+        let mut ranges: Vec<Range> = (text.lines())
             .filter_map(|line| {
                 let mut fields = line.trim().split(':');
                 let (who, first, count) = (fields.next()?, fields.next()?, fields.next()?);
                 let first: u32 = first.parse().ok()?;
                 let count: u32 = count.parse().ok()?;
                 let end = first.checked_add(count)?;
-                let owner = who.parse().ok().or_else(|| uid_of(who)).unwrap_or(first);
+                let named = || uids.get(who).copied();
+                let owner = who.parse().ok().or_else(named).unwrap_or(first);
                 (count > 0).then_some((first, end, owner))
             })
-            .collect()
+            .collect();
+        ranges.sort_unstable();
+        ranges
     }
 
     /// The owner of the outermost user namespace below the daemon's that `pid` is in.
@@ -200,8 +207,9 @@ mod tests {
 
     #[test]
     fn a_subordinate_uid_counts_as_its_ranges_user() {
-        let (owners, dir) =
-            files("alice:100000:65536\n1001:165536:65536\nghost:300000:10\nbad line\nx:1:0\n");
+        let (owners, dir) = files(
+            "alice:100000:65536\n1001:165536:65536\nghost:300000:10\nbad line\nx:1:0\nroot:400000:65536\n",
+        );
         assert_eq!(owners.owner(100_000, None), 1000);
         assert_eq!(owners.owner(165_535, None), 1000);
         assert_eq!(owners.owner(165_536, None), 1001);
@@ -210,6 +218,11 @@ mod tests {
         assert_eq!(owners.owner(300_010, None), 300_010);
         assert_eq!(owners.owner(1000, None), 1000);
         assert_eq!(owners.owner(1, None), 1, "an empty range owns nothing");
+        assert_eq!(
+            owners.owner(400_005, None),
+            400_005,
+            "root owns no one's share"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 
