@@ -72,11 +72,17 @@ pub(crate) fn script(guest: &Guest, series: Series, tiers: &[String], options: &
     let test_args: Vec<String> = options.test_args.iter().map(|a| quote(a)).collect();
     let mut script = format!(
         "# Written by `cargo xtask vm-test`; runs inside the guest.\n\
-         export PATH={path} HOME=/root GENV_REQUIRE_BPF=1\n\
+         export PATH={path} HOME=/root GENV_REQUIRE_BPF=1{allow}\n\
          cd {tests}\n\
          echo \"genv-vm: booted $(uname -r), active LSMs: $(cat /sys/kernel/security/lsm 2>/dev/null || echo unknown)\"\n\
          failed=0\n",
         path = quote(&std::env::var("PATH").unwrap_or_default()),
+        // The host's checkout, seen over 9p with its owners: where `cargo xtask test`
+        // lets root run binaries from it (and says so), so does the guest.
+        allow = match std::env::var("GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY") {
+            Ok(v) => format!(" GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY={}", quote(&v)),
+            Err(_) => String::new(),
+        },
         tests = quote(&guest.root.join("tests").display().to_string()),
     );
     script.push_str(&format!(

@@ -54,6 +54,7 @@ fn phases(cargo_args: &[String]) -> Result<()> {
         run(&mut cargo(&["build", "--workspace"]))?;
         run(&mut host_tests_command(cargo_args, &["--no-run"]))
     })?;
+    allow_an_untrusted_checkout();
     if !cargo_args.is_empty() {
         timings::phase("host tests", || {
             timings::cargo_test_by_suite("host tests", &mut host_tests_command(cargo_args, &[]))
@@ -158,21 +159,28 @@ fn install_tools() -> Result<()> {
 fn host_tests_command(cargo_args: &[String], extra: &[&str]) -> std::process::Command {
     let mut test = cargo(&["test", "--workspace"]);
     test.args(extra).args(cargo_args);
+    if std::env::var_os("GENV_TEST_BPF_TIER").is_none() {
+        test.env("GENV_TEST_BPF_TIER", "tracepoint");
+    }
+    test
+}
+
+/// The suites run the binaries from the target directory as root, on the host, in the
+/// guests (over 9p, owners kept) and on the remote tests' hosts (through sudo). A
+/// checkout where another user could replace them is this machine's business, not the
+/// suites': where the built binary refuses its own place, every process from here on
+/// gets `GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY=1`, said. `tests/safety.rs` checks the
+/// refusal itself, without it.
+fn allow_an_untrusted_checkout() {
     if built_binary_refused_as_root() {
-        // The suites run the binaries from the target directory as root; a checkout
-        // where another user could replace them is this machine's business, not the
-        // suites'. `tests/safety.rs` checks the refusal itself, without this variable.
         eprintln!(
             "xtask test: genv-enforcer refuses to run as root from this target directory \
              (another user owns or can write a directory above it); the suites run with \
              GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY=1"
         );
-        test.env("GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY", "1");
+        // SAFETY: no other thread of this process runs yet (the lanes start later).
+        unsafe { std::env::set_var("GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY", "1") };
     }
-    if std::env::var_os("GENV_TEST_BPF_TIER").is_none() {
-        test.env("GENV_TEST_BPF_TIER", "tracepoint");
-    }
-    test
 }
 
 /// Whether the built `genv-enforcer`, run as root, refuses to start from where it is.
