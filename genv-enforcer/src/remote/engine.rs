@@ -52,8 +52,12 @@ struct HostView {
     awaiting: Awaiting,
     /// When the current wait ends at the latest.
     deadline: Option<Instant>,
-    /// A snapshot request is in flight.
+    /// A snapshot request is in flight, since then.
     asking: bool,
+    asked_at: Option<Instant>,
+    /// When a report was last sent to it: an answer to an ask made before may predate
+    /// what the execute did, and is not taken.
+    executed_at: Option<Instant>,
     /// Polled every --interval (it cannot stream).
     polled: bool,
     /// Its state is unknown: asked again every --interval until it answers.
@@ -69,6 +73,8 @@ impl Default for HostView {
             awaiting: Awaiting::No,
             deadline: None,
             asking: false,
+            asked_at: None,
+            executed_at: None,
             polled: false,
             stale: false,
             last: None,
@@ -159,6 +165,8 @@ impl Engine {
         match update {
             Update::Streamed(host, Ok(snapshot)) => {
                 self.shown_done(host, &snapshot);
+                // A good line makes a host known again, however it was lost.
+                self.views[host].stale = false;
                 self.take(host, snapshot);
             }
             Update::Streamed(host, Err(failure)) | Update::StreamFailed(host, failure) => {
@@ -207,6 +215,8 @@ impl Engine {
     fn asked(&mut self, host: usize, taken: Result<Snapshot, HostFailure>) -> anyhow::Result<()> {
         let view = &mut self.views[host];
         view.asking = false;
+        let before_execute = matches!((view.asked_at, view.executed_at),
+            (Some(asked), Some(executed)) if asked < executed);
         match view.awaiting {
             // Asked before the execute: it may predate it, so only the check counts.
             Awaiting::CheckQueued => {
@@ -221,6 +231,11 @@ impl Engine {
                 self.dirty = true;
             }
             Awaiting::No | Awaiting::Executing => {}
+        }
+        if before_execute {
+            // Settled since by a streamed snapshot that showed the execute done (or a
+            // newer execute is running): this answer may predate it, and would undo it.
+            return Ok(());
         }
         match taken {
             Ok(snapshot) => {
@@ -309,6 +324,7 @@ impl Engine {
             return;
         }
         view.asking = true;
+        view.asked_at = Some(Instant::now());
         let check = view.awaiting == Awaiting::Checking;
         let (fleet, tx) = (Arc::clone(&self.fleet), self.tx.clone());
         self.tasks.spawn(async move {
@@ -360,6 +376,7 @@ impl Engine {
         for (host, report) in reports {
             let view = &mut self.views[host];
             view.awaiting = Awaiting::Executing;
+            view.executed_at = Some(now);
             view.deadline = Some(deadline);
             view.last = Some((report.clone(), now));
             let (fleet, tx) = (Arc::clone(&self.fleet), self.tx.clone());

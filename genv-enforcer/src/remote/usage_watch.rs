@@ -48,6 +48,10 @@ const AFTER_OPEN: [Duration; 4] = [
 /// closed, later in that exit (the snapshot the event itself calls for can be early).
 const AFTER_EXIT: [Duration; 2] = [Duration::from_millis(100), Duration::from_secs(1)];
 
+/// The shortest poll: `--poll-interval` takes any positive number of seconds, and a
+/// poll due at once, again and again, would spin.
+const MIN_POLL: Duration = Duration::from_millis(10);
+
 pub struct WatchSettings {
     pub poll: Duration,
     /// `--heartbeat`: a `{}` line after this long without one.
@@ -75,7 +79,7 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
             if !watcher.emit(&mut builder, kernel.as_mut().map(|w| &mut w.policy)) {
                 return Ok(ExitCode::SUCCESS);
             }
-            next_poll = Instant::now() + settings.poll;
+            next_poll = Instant::now() + settings.poll.max(MIN_POLL);
         }
         rechecks.retain(|at| *at > now);
         let recheck = rechecks.iter().min().copied();
@@ -97,8 +101,8 @@ pub async fn run(mut builder: SnapshotBuilder, settings: WatchSettings) -> Resul
             _ = sleep_until(wake.unwrap_or(now)), if wake.is_some() => {}
             _ = sleep_until(next_poll) => {
                 pacer.look(Instant::now().into_std());
-                // Put off with the looks' pace, should their bucket be empty.
-                next_poll = Instant::now() + settings.poll;
+                // The look itself waits for the looks' bucket, should it be empty.
+                next_poll = Instant::now() + settings.poll.max(MIN_POLL);
             }
             _ = sleep_until(recheck.unwrap_or(now)), if recheck.is_some() => {
                 pacer.look(Instant::now().into_std());
