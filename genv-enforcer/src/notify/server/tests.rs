@@ -1,6 +1,8 @@
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream as StdStream;
 
+use tokio::task::AbortHandle;
+
 use super::*;
 use crate::notify::tests::decision;
 
@@ -114,15 +116,22 @@ fn a_run_directory_others_can_write_is_refused() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn connections_past_a_uids_bound_close_its_oldest() {
+/// Runs `check` in a runtime of its own, with fresh connections held open for ever,
+/// and the bounds the server keeps.
+fn with_connections(check: impl FnOnce(&dyn Fn() -> AbortHandle, Connections<u32>)) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     runtime.block_on(async {
         let pending = || tokio::spawn(std::future::pending::<()>()).abort_handle();
-        let mut open = Connections::new(PER_UID, CONNECTIONS);
+        check(&pending, Connections::new(PER_UID, CONNECTIONS));
+    });
+}
+
+#[test]
+fn connections_past_a_uids_bound_close_its_oldest() {
+    with_connections(|pending, mut open| {
         let other = pending();
         open.add(7, other.clone());
         let first = pending();
@@ -140,13 +149,7 @@ fn connections_past_a_uids_bound_close_its_oldest() {
 /// connection, the oldest of all, is not the one closed; the flooders' own are.
 #[test]
 fn a_flood_from_many_uids_closes_their_own_not_a_users_only_connection() {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let pending = || tokio::spawn(std::future::pending::<()>()).abort_handle();
-        let mut open = Connections::new(PER_UID, CONNECTIONS);
+    with_connections(|pending, mut open| {
         let alices = pending();
         open.add(1000, alices.clone());
         for round in 0..10 {
