@@ -6,7 +6,8 @@
 //! `[INFO] …`, `[WARNING] …`, `[ERROR] …`, `[DEBUG] …`, and `[EVENT] …` / `[BPF] …` for
 //! what `--verbose` and `--bpf-log` report, `[DECISION] …` for what was done to a
 //! process and why (its fields after the line: `rule=… action=… pid=… uid=… user=…`). `--log-format json` prints one JSON object a
-//! line (timestamp, level, target, fields.message) for log shippers.
+//! line (timestamp, level, target, fields.message) for log shippers, ASCII only (see
+//! [`super::ascii_stderr`]).
 
 use std::fmt;
 
@@ -24,12 +25,16 @@ pub enum LogFormat {
 
 /// Installs the subscriber for the whole process (once).
 pub fn init(format: LogFormat) {
-    let builder = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_max_level(Level::DEBUG);
+    let builder = tracing_subscriber::fmt().with_max_level(Level::DEBUG);
     let _ = match format {
-        LogFormat::Text => builder.event_format(Text).try_init(),
-        LogFormat::Json => builder.json().with_current_span(false).try_init(),
+        LogFormat::Text => (builder.with_writer(std::io::stderr))
+            .event_format(Text)
+            .try_init(),
+        // Its strings escape C0 only: the rest past ASCII is escaped on the way out.
+        LogFormat::Json => (builder.with_writer(|| super::ascii_stderr::AsciiStderr))
+            .json()
+            .with_current_span(false)
+            .try_init(),
     };
 }
 

@@ -2,6 +2,7 @@
 //! validated configuration ([`config`]), then the objects that do the work.
 
 pub mod args;
+mod ascii_stderr;
 pub mod config;
 pub mod config_file;
 pub mod logging;
