@@ -475,3 +475,77 @@ fn any_tier_many_uids_deciding_together_leave_a_users_only_decision_in_why() {
     let seen = stdout(&why(ALICE, &run_dir, &[]));
     assert!(seen.contains(&format!("(pid {alice})")), "{seen}");
 }
+
+/// A remote stop carried out here (`usage execute --with-reasons`, as genv-enforcer's
+/// `remote enforce` runs it on each host) while a daemon runs: the daemon keeps it, so
+/// that its `why` shows it to the user, and tells the terminal once, under its own
+/// limits; nothing goes to the file kept when no daemon runs. A user's record is
+/// refused: only root may hand the daemon a decision.
+#[test]
+fn any_tier_a_remote_stop_carried_out_here_is_kept_and_told_by_the_running_daemon() {
+    let _serial = serial();
+    let (mut node, _gpu) = node_with_gpu();
+    let run_dir = node.dir.join("run");
+    let Some(daemon) = EventDaemon::start(&node, &["--env-memory"]) else {
+        return;
+    };
+    genv_enforcer_tests::wait_until("the why socket", PATIENCE, || {
+        run_dir.join("why.sock").exists()
+    });
+    let terminal = Terminal::new(ALICE);
+    let pid = node.adopt(on_terminal(&terminal, ALICE, &sleep(), None), &[(1, 100)]);
+    let report = json!({
+        "terminate": {"processes": [{"pid": pid, "used_gpu_memory": [{"index": 1, "gpu_memory": "100mi"}], "eid": null}]},
+        "detach": {},
+        "reasons": {pid.to_string(): {"rule": "non-env-processes", "gpus": [1]}},
+    });
+    let mut execute = node
+        .enforcer()
+        .args([
+            "usage",
+            "execute",
+            "--with-reasons",
+            "--run-dir",
+            path(&run_dir),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    (execute.stdin.take().unwrap())
+        .write_all(report.to_string().as_bytes())
+        .unwrap();
+    let executed = execute.wait_with_output().unwrap();
+    assert!(executed.status.success(), "{executed:?}");
+    assert_eq!(node.wait_exit(pid, PATIENCE), Some(libc::SIGTERM));
+    let expected = format!(
+        "genv-enforcer: stopped process \"sleep\" (pid {pid}) on GPU 1: not in a genv environment; run 'genv activate --gpus 1' first"
+    );
+    let shown = terminal.wait_for(&expected);
+    daemon.expect(&format!("pid={pid}"));
+    assert_eq!(told(shown.as_bytes()), [expected], "{shown:?}");
+    let seen = stdout(&why(ALICE, &run_dir, &[]));
+    assert!(seen.contains(&format!("(pid {pid})")), "{seen}");
+    assert!(!run_dir.join("told").exists(), "the daemon kept it");
+    // alice hands the daemon a made-up decision: refused, and nothing kept.
+    let forged = format!(
+        "import json, socket; s = socket.socket(socket.AF_UNIX); s.connect({:?}); \
+         s.sendall(json.dumps({{'record': json.loads({:?})}}).encode() + b'\\n'); \
+         print(s.makefile().read())",
+        path(&run_dir.join("why.sock")),
+        stdout(&why(ALICE, &run_dir, &["--json"]))
+            .trim()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .replace(&pid.to_string(), "4242"),
+    );
+    let mut python = Command::new("python3");
+    python.args(["-c", &forged]);
+    std::os::unix::process::CommandExt::uid(&mut python, ALICE);
+    let answer = python.output().unwrap();
+    let answer = String::from_utf8_lossy(&answer.stdout);
+    assert!(answer.contains("only root may record"), "{answer}");
+    let seen = stdout(&why(0, &run_dir, &[]));
+    assert!(!seen.contains("(pid 4242)"), "{seen}");
+}

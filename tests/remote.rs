@@ -14,6 +14,11 @@ use serde_json::json;
 
 #[path = "remote/faults.rs"]
 mod faults;
+#[allow(dead_code)]
+#[path = "notify/terminal.rs"]
+mod terminal;
+#[path = "remote/told.rs"]
+mod told;
 
 /// alice holds device 0 on the first host and devices 0 and 1 on the second, a process
 /// on each: three devices, one more than `--max-devices-per-user 2` allows. genv counts

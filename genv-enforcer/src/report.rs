@@ -5,6 +5,7 @@
 //! in the order first asked, and a detach also terminates the environment's processes on
 //! that device.
 
+pub mod reasons;
 mod why;
 
 use std::collections::BTreeMap;

@@ -228,11 +228,15 @@ impl SshHost {
             "ssh-keygen -q -t ed25519 -N '' -f {}",
             dir.join("host_key").display()
         ));
+        // The host's own run directory: the hosts share this machine's /run.
+        let run_dir = dir.join("run");
+        std::fs::create_dir_all(&run_dir).unwrap();
         let mut env = format!(
-            "GENV_TMPDIR={} GENV_FAKE_NVML_CONFIG={} GENV_ENFORCER_NVML_LIB={}",
+            "GENV_TMPDIR={} GENV_FAKE_NVML_CONFIG={} GENV_ENFORCER_NVML_LIB={} GENV_ENFORCER_RUN_DIR={}",
             node.state.display(),
             node.config_path().display(),
-            artefact("libnvidia_ml_fake.so").display()
+            artefact("libnvidia_ml_fake.so").display(),
+            run_dir.display()
         );
         // Where `cargo xtask test` found the checkout one root may not run binaries
         // from (it says so), the hosts' root runs them all the same.
@@ -256,7 +260,7 @@ impl SshHost {
             &sudoers,
             format!(
                 "Defaults env_reset\n\
-                 Defaults env_keep += \"GENV_TMPDIR GENV_FAKE_NVML_CONFIG GENV_ENFORCER_NVML_LIB GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY\"\n\
+                 Defaults env_keep += \"GENV_TMPDIR GENV_FAKE_NVML_CONFIG GENV_ENFORCER_NVML_LIB GENV_ENFORCER_RUN_DIR GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY\"\n\
                  Defaults secure_path=\"{}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\"\n\
                  root ALL=(ALL:ALL) NOPASSWD: ALL\n",
                 bin.display()
@@ -324,6 +328,11 @@ impl SshHost {
 
     fn dir(&self) -> PathBuf {
         self.node.dir.join("host")
+    }
+
+    /// The host's `--run-dir` (`GENV_ENFORCER_RUN_DIR` in its sessions).
+    pub fn run_dir(&self) -> PathBuf {
+        self.dir().join("run")
     }
 
     /// Whether a `usage watch` runs for this host (its stream is open).

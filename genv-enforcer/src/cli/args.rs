@@ -132,6 +132,15 @@ pub enum UsageCommand {
     Execute {
         #[command(flatten)]
         execution: ExecutionArgs,
+        /// The report carries why each process goes (`reasons`, from genv-enforcer's
+        /// `remote enforce`): each process's user is told on their terminal, and the
+        /// decision is kept for `genv-enforcer why` (by the daemon running here, else in
+        /// `<run-dir>/told/<uid>.json`).
+        #[arg(long)]
+        with_reasons: bool,
+        /// The daemon's runtime directory here, where the decisions are kept.
+        #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_RUN_DIR", default_value = DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
     },
 }
 

@@ -102,9 +102,13 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             session_end::end_with_reader();
             usage_snapshot(part, &sources)
         }
-        Command::Usage(UsageCommand::Execute { execution }) => {
+        Command::Usage(UsageCommand::Execute {
+            execution,
+            with_reasons,
+            run_dir,
+        }) => {
             session_end::end_with_reader();
-            usage_execute(&execution)
+            usage_execute(&execution, with_reasons.then_some(run_dir.as_path()))
         }
     }
 }
@@ -157,18 +161,33 @@ fn usage_snapshot(
 
 /// `usage execute`: a report read on stdin, carried out under genv's lock as the
 /// daemons take it: past [`LockPolicy::COMMAND_WAIT`], terminations go ahead and
-/// detaches are named and left for a later cycle.
-fn usage_execute(execution: &args::ExecutionArgs) -> Result<ExitCode> {
+/// detaches are named and left for a later cycle. With `told_in` (`--with-reasons`),
+/// each process's user is told why, and the decision kept there.
+fn usage_execute(execution: &args::ExecutionArgs, told_in: Option<&Path>) -> Result<ExitCode> {
     let mut text = String::new();
     std::io::stdin()
         .read_to_string(&mut text)
         .context("reading the report from stdin")?;
-    let report = Report::from_genv_json(&text).context("the report on stdin")?;
+    let mut report = Report::from_genv_json(&text).context("the report on stdin")?;
     let state = StateDir::from_env();
     let mut executor = Executor::new(executor_config(execution));
+    let notifier = told_in.map(|run_dir| {
+        let (reasons, warnings) = crate::report::reasons::from_json(&text);
+        for warning in warnings {
+            tracing::warn!("The report on stdin: {warning}");
+        }
+        report.why = reasons;
+        std::sync::Arc::new(crate::notify::Notifier::relaying(run_dir))
+    });
+    if let Some(notifier) = &notifier {
+        executor = executor.with_notifier(std::sync::Arc::clone(notifier));
+    }
     let mut lock = LockPolicy::bounded(LockPolicy::COMMAND_WAIT);
     let executed = execute_report(&mut lock, &mut executor, &report, &state);
     executor.finish();
+    if let Some(notifier) = &notifier {
+        notifier.flush();
+    }
     executed.context("taking genv's global lock")?;
     Ok(ExitCode::SUCCESS)
 }

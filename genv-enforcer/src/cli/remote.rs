@@ -65,8 +65,10 @@ fn fleet(args: &RemoteArgs) -> Result<Fleet> {
         connect_timeout: args.timeout,
         multiplex: !args.no_multiplex,
     });
+    let hosts = hosts_of(args)?;
     Ok(Fleet {
-        hosts: hosts_of(args)?,
+        plain: crate::remote::plain_hosts::PlainHosts::new(hosts.len()),
+        hosts,
         ssh,
         rules: enforce.rules.rules(),
         remote,

@@ -7,14 +7,18 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use super::Terminal;
 use super::decision::Decision;
 use super::journal::Query;
 use super::sanitize::{NAME_CHARS, clean_line, clean_str};
-use super::server::{Answer, SOCKET};
+use super::server::{Answer, SOCKET, WhyRequest};
 use crate::snapshot::join_indices;
 
 /// How long the daemon has to answer.
 const ANSWER_WITHIN: Duration = Duration::from_secs(10);
+/// How long a record may take: `usage execute` must not hang on a daemon that does not
+/// answer (it keeps the decision in a file instead).
+const RECORD_WITHIN: Duration = Duration::from_secs(2);
 /// The largest answer read: the whole journal, with room to spare.
 const ANSWER_BYTES: u64 = 16 << 20;
 
@@ -34,13 +38,43 @@ pub enum WhyError {
 
 /// Asks the daemon whose run directory is `run_dir`.
 pub fn ask(run_dir: &Path, query: &Query) -> Result<Vec<Decision>, WhyError> {
+    let answer = exchange(run_dir, &WhyRequest::Query(query.clone()), ANSWER_WITHIN)?;
+    match answer.error {
+        Some(error) => Err(WhyError::Refused(clean_str(&error, 200))),
+        None => Ok(answer.decisions),
+    }
+}
+
+/// Hands `decision` to the daemon whose run directory is `run_dir`, to keep and tell as
+/// its own (root only, [`WhyRequest::Record`]).
+pub fn record(
+    run_dir: &Path,
+    decision: &Decision,
+    terminal: Option<Terminal>,
+) -> Result<(), WhyError> {
+    let request = WhyRequest::Record {
+        record: decision.clone(),
+        terminal,
+    };
+    let answer = exchange(run_dir, &request, RECORD_WITHIN)?;
+    match (answer.error, answer.recorded) {
+        (Some(error), _) => Err(WhyError::Refused(clean_str(&error, 200))),
+        (None, true) => Ok(()),
+        (None, false) => Err(WhyError::Refused(
+            "the daemon answered without keeping the record (a version without records)".into(),
+        )),
+    }
+}
+
+/// One request, one answer.
+fn exchange(run_dir: &Path, request: &WhyRequest, within: Duration) -> Result<Answer, WhyError> {
     let path = run_dir.join(SOCKET);
     let mut stream =
         UnixStream::connect(&path).map_err(|e| WhyError::NotRunning(path.clone(), e))?;
     let io = |e| WhyError::Io(path.clone(), e);
-    stream.set_read_timeout(Some(ANSWER_WITHIN)).map_err(io)?;
-    stream.set_write_timeout(Some(ANSWER_WITHIN)).map_err(io)?;
-    let mut request = serde_json::to_vec(query).expect("a query serializes");
+    stream.set_read_timeout(Some(within)).map_err(io)?;
+    stream.set_write_timeout(Some(within)).map_err(io)?;
+    let mut request = serde_json::to_vec(request).expect("a request serializes");
     request.push(b'\n');
     stream.write_all(&request).map_err(io)?;
     let mut text = Vec::new();
@@ -48,11 +82,7 @@ pub fn ask(run_dir: &Path, query: &Query) -> Result<Vec<Decision>, WhyError> {
         .take(ANSWER_BYTES)
         .read_to_end(&mut text)
         .map_err(io)?;
-    let answer: Answer = serde_json::from_slice(&text).map_err(WhyError::BadAnswer)?;
-    match answer.error {
-        Some(error) => Err(WhyError::Refused(clean_str(&error, 200))),
-        None => Ok(answer.decisions),
-    }
+    serde_json::from_slice(&text).map_err(WhyError::BadAnswer)
 }
 
 /// The decisions as `why` prints them: a header, a row each and the line its user saw

@@ -88,10 +88,12 @@ fn cleaned(rule: Rule) -> Rule {
             user,
             devices,
             maximum,
+            hosts,
         } => Rule::MaxDevicesPerUser {
             user: clean_str(&user, NAME_CHARS),
             devices,
             maximum,
+            hosts,
         },
         Rule::MemoryAtAlloc {
             would_use_mb,

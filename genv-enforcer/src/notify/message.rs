@@ -92,9 +92,18 @@ fn why(d: &Said<'_>) -> String {
             user,
             devices,
             maximum,
-        } => format!(
-            "user \"{user}\" had {devices} GPUs attached, {maximum} allowed; run 'genv detach' in the environments you do not need"
-        ),
+            hosts,
+        } => {
+            // A fleet's count is the surprise: the GPUs over the limit may all be on
+            // other machines than the one whose process stopped.
+            let across = match hosts {
+                Some(hosts) if *hosts > 1 => format!(" across {hosts} hosts"),
+                _ => String::new(),
+            };
+            format!(
+                "user \"{user}\" had {devices} GPUs attached{across}, {maximum} allowed; run 'genv detach' in the environments you do not need"
+            )
+        }
         Rule::MemoryAtAlloc {
             would_use_mb,
             capacity,
@@ -174,6 +183,7 @@ mod tests {
                         user: "alice".into(),
                         devices: 3,
                         maximum: 2,
+                        hosts: None,
                     },
                     Done::Detached,
                     vec![1],

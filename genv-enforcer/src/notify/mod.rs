@@ -24,10 +24,12 @@ pub mod logger;
 pub mod message;
 mod progress;
 pub mod ratelimit;
+pub mod relay;
 pub mod rule;
 pub mod sanitize;
 pub mod server;
 pub mod subject;
+pub mod told_file;
 pub mod tty;
 pub mod writer;
 
@@ -41,6 +43,7 @@ use crate::clock::unix_now;
 pub use decision::{Decision, Facts};
 use journal::Journal;
 use logger::Logger;
+use relay::{Relay, RelayedTo};
 pub use rule::{Done, Rule};
 pub use subject::Subject;
 pub use tty::Rdev;
@@ -59,7 +62,7 @@ pub enum NotifyMode {
 /// Where a process's line may go: its controlling terminal and the uid that must own
 /// it, as found before the process was signalled (a killed process has no `/proc`
 /// left to look in), by [`Subject::of_process`] or by the kernel at its decision.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Terminal {
     pub rdev: Rdev,
     pub uid: u32,
@@ -96,6 +99,9 @@ pub struct Notifier {
     logs: Mutex<ratelimit::Buckets<u32>>,
     decisions: AtomicU64,
     logs_held_back: AtomicU64,
+    /// Where decisions made elsewhere go (`usage execute --with-reasons`), instead of
+    /// this process's journal and log.
+    relay: Option<Relay>,
 }
 
 impl Notifier {
@@ -117,7 +123,20 @@ impl Notifier {
             logs: Mutex::new(ratelimit::Buckets::new(LOG_RATE)),
             decisions: AtomicU64::new(0),
             logs_held_back: AtomicU64::new(0),
+            relay: None,
         }
+    }
+
+    /// For a remote stop carried out here (`usage execute --with-reasons`): each
+    /// decision goes to the daemon answering at `run_dir`, which keeps and tells it
+    /// under its own limits; with none there, this process tells the terminal and keeps
+    /// the decision in the uid's file ([`told_file`]). Nothing is logged: this
+    /// process's output goes back to the admin's terminal as genv's lines.
+    pub fn relaying(run_dir: &Path) -> Self {
+        let mut notifier = Self::new(NotifyMode::Tty);
+        notifier.logger = None;
+        notifier.relay = Some(Relay::new(run_dir));
+        notifier
     }
 
     /// `--notify` read again (SIGHUP).
@@ -126,13 +145,19 @@ impl Notifier {
             .store(mode == NotifyMode::Tty, Ordering::Relaxed);
     }
 
-    /// Serves `genv-enforcer why` at `<run_dir>/why.sock` from a thread of its own.
-    pub fn serve_why(&self, run_dir: &Path) -> anyhow::Result<()> {
+    /// Serves `genv-enforcer why` at `<run_dir>/why.sock` from a thread of its own, and
+    /// keeps the decisions root hands over there as this daemon's own.
+    pub fn serve_why(self: &Arc<Self>, run_dir: &Path) -> anyhow::Result<()> {
         let listener = server::listen(run_dir)?;
+        let notifier = Arc::clone(self);
+        let recorder: server::Recorder = Arc::new(move |decision, terminal| {
+            notifier.record(decision, terminal);
+        });
         server::start(
             listener,
             Arc::clone(&self.journal),
             Arc::clone(&self.owners),
+            Some(recorder),
         )?;
         Ok(())
     }
@@ -140,7 +165,36 @@ impl Notifier {
     /// Logs, keeps and tells one decision; `terminal` is where the process's line
     /// goes, if anywhere. Never waits on a terminal.
     pub fn decided(&self, facts: Facts<'_>, terminal: Option<Terminal>) -> Decision {
-        let mut decision = Decision::new(facts, unix_now());
+        let decision = Decision::new(facts, unix_now());
+        match &self.relay {
+            Some(relay) => self.relayed(relay, decision, terminal),
+            None => self.record(decision, terminal),
+        }
+    }
+
+    /// A decision of a remote stop: the daemon here keeps and tells it, else this
+    /// process tells the terminal and the uid's file keeps it.
+    fn relayed(&self, relay: &Relay, decision: Decision, terminal: Option<Terminal>) -> Decision {
+        match relay.keep(&decision, terminal) {
+            RelayedTo::ByDaemon => return decision,
+            RelayedTo::InFile { readable: true, .. } => {}
+            RelayedTo::InFile { path, .. } => tracing::warn!(
+                "{}: kept for root only (the file system keeps no ACLs), so `genv-enforcer why` cannot show it to uid {}",
+                path.display(),
+                decision.uid
+            ),
+            RelayedTo::Nowhere(e) => tracing::warn!(
+                "Cannot keep the decision about process {} for `genv-enforcer why`: {e}",
+                decision.pid
+            ),
+        }
+        self.tell_terminal(&decision, terminal);
+        decision
+    }
+
+    /// Keeps, logs and tells a decision as this daemon's own: one it made, or one root
+    /// handed over ([`server::WhyRequest::Record`]).
+    pub fn record(&self, mut decision: Decision, terminal: Option<Terminal>) -> Decision {
         decision.owner = self.owners.owner(decision.uid, Some(decision.pid));
         self.decisions.fetch_add(1, Ordering::Relaxed);
         // Kept first: once its log record or its line is out, `why` has it too.
@@ -148,6 +202,20 @@ impl Notifier {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(decision.clone());
+        self.tell_terminal(&decision, terminal);
+        if !self.may_log(decision.owner) {
+            self.logs_held_back.fetch_add(1, Ordering::Relaxed);
+        } else if let Some(logger) = &self.logger {
+            logger.send(decision.clone());
+        } else {
+            // No thread to look the name up from: the uid alone, now.
+            logger::log(&decision, "");
+        }
+        decision
+    }
+
+    /// Sends the decision's line to the process's terminal, under `--notify`.
+    fn tell_terminal(&self, decision: &Decision, terminal: Option<Terminal>) {
         let to_terminals = self.to_terminals.load(Ordering::Relaxed);
         if let (Some(writer), Some(terminal), true) = (&self.writer, terminal, to_terminals) {
             // The terminal must be the process's user's, whoever's it was found as.
@@ -161,15 +229,6 @@ impl Notifier {
                 });
             }
         }
-        if !self.may_log(decision.owner) {
-            self.logs_held_back.fetch_add(1, Ordering::Relaxed);
-        } else if let Some(logger) = &self.logger {
-            logger.send(decision.clone());
-        } else {
-            // No thread to look the name up from: the uid alone, now.
-            logger::log(&decision, "");
-        }
-        decision
     }
 
     /// The user `uid` (of process `pid`, where known) counts as, for the bounds kept

@@ -49,11 +49,15 @@ pub enum Rule {
     EnvDevices,
     /// The environment used more than its `gpu_memory` on a GPU (`--env-memory`).
     EnvMemory { used_mb: u64, capacity: String },
-    /// The user held more GPUs than allowed (`--max-devices-per-user`).
+    /// The user held more GPUs than allowed (`--max-devices-per-user`); `hosts`: how
+    /// many hosts those GPUs were on, where remote enforcement counted across a fleet
+    /// (absent for one node, and in records of earlier versions).
     MaxDevicesPerUser {
         user: String,
         devices: usize,
         maximum: usize,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        hosts: Option<usize>,
     },
     /// An allocation would have taken the environment past its cap
     /// (`--memory-at-alloc kill` or `refuse`); `size_mb`: the allocation's (absent in

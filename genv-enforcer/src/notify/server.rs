@@ -13,6 +13,12 @@
 //! requests are rate-limited ([`REQUESTS`]). A user is the peer uid's owner
 //! ([`crate::backends::uid_owners`]): a user's subordinate uids, or the processes of
 //! a user namespace they made, share that user's bounds.
+//!
+//! Root may also hand the daemon a decision made elsewhere, to keep and tell as its own
+//! ([`WhyRequest::Record`]): a remote stop carried out on this host by `usage execute
+//! --with-reasons` ([`super::relay`]), so that the user's terminal is told under the
+//! daemon's limits and `why` finds it in the daemon's journal. Only a peer the kernel
+//! says is root (uid 0) may; anyone else's record is refused.
 
 use std::io;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -25,6 +31,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::time::{Instant, timeout, timeout_at};
 
+use super::Terminal;
 use super::decision::Decision;
 use super::journal::{CAPACITY, Journal, Query};
 use super::ratelimit::{Buckets, Rate};
@@ -43,11 +50,30 @@ const READ_WITHIN: Duration = Duration::from_secs(1);
 const WRITE_WITHIN: Duration = Duration::from_secs(5);
 /// A request is a line of JSON of a few dozen bytes.
 pub const REQUEST_BYTES: u64 = 512;
+/// Root's record carries a decision and its line: a few hundred bytes.
+pub const RECORD_BYTES: u64 = 16 << 10;
 /// Requests one uid may make: 20 at once, then 10 a second.
 const REQUESTS: Rate = Rate {
     burst: 20,
     every: Duration::from_millis(100),
 };
+
+/// What a connection asks, one line of JSON.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum WhyRequest {
+    /// Root's: keep and tell this decision as the daemon's own.
+    Record {
+        record: Decision,
+        #[serde(default)]
+        terminal: Option<Terminal>,
+    },
+    /// Anyone's: what was done to my processes.
+    Query(Query),
+}
+
+/// Keeps and tells a decision handed over by root ([`super::Notifier::record`]).
+pub type Recorder = Arc<dyn Fn(Decision, Option<Terminal>) + Send + Sync>;
 
 /// The daemon's answer, one line of JSON.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -60,6 +86,9 @@ pub struct Answer {
     /// Why the request was not answered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// A record was kept (a daemon without records answers without it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recorded: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -103,6 +132,7 @@ pub fn start(
     listener: std::os::unix::net::UnixListener,
     journal: Arc<Mutex<Journal>>,
     owners: Arc<UidOwners>,
+    recorder: Option<Recorder>,
 ) -> io::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
@@ -113,7 +143,10 @@ pub fn start(
         .spawn(move || {
             runtime.block_on(async move {
                 match tokio::net::UnixListener::from_std(listener) {
-                    Ok(listener) => accept_loop(listener, journal, &owners).await,
+                    Ok(listener) => {
+                        let served = Served { journal, recorder };
+                        accept_loop(listener, Arc::new(served), &owners).await
+                    }
                     Err(e) => tracing::warn!("genv-enforcer why: cannot serve: {e}"),
                 }
             })
@@ -123,11 +156,7 @@ pub fn start(
 
 /// Serves connections; the bounds are kept per user (a uid's owner, from the peer's
 /// credentials as the kernel gave them at connect), not per uid.
-async fn accept_loop(
-    listener: tokio::net::UnixListener,
-    journal: Arc<Mutex<Journal>>,
-    owners: &UidOwners,
-) {
+async fn accept_loop(listener: tokio::net::UnixListener, served: Arc<Served>, owners: &UidOwners) {
     let mut open = Connections::new(PER_UID, CONNECTIONS);
     let mut requests = Buckets::new(REQUESTS);
     loop {
@@ -150,9 +179,15 @@ async fn accept_loop(
         if let Some(oldest) = open.make_room(user) {
             oldest.abort();
         }
-        let task = tokio::spawn(serve(stream, accepted, uid, allowed, Arc::clone(&journal)));
+        let task = tokio::spawn(serve(stream, accepted, uid, allowed, Arc::clone(&served)));
         open.add(user, task.abort_handle());
     }
+}
+
+/// What the connections are answered from.
+struct Served {
+    journal: Arc<Mutex<Journal>>,
+    recorder: Option<Recorder>,
 }
 
 async fn serve(
@@ -160,23 +195,40 @@ async fn serve(
     accepted: Instant,
     uid: u32,
     allowed: bool,
-    journal: Arc<Mutex<Journal>>,
+    served: Arc<Served>,
 ) {
-    let request = timeout_at(accepted + READ_WITHIN, read_request(&mut stream)).await;
-    let query = match request {
-        Ok(Ok(query)) => query,
+    let limit = if uid == 0 {
+        RECORD_BYTES
+    } else {
+        REQUEST_BYTES
+    };
+    let request = timeout_at(accepted + READ_WITHIN, read_request(&mut stream, limit)).await;
+    let request = match request {
+        Ok(Ok(request)) => request,
         // Too slow, or gone: nothing to answer.
         _ => return,
     };
-    let answer = match query {
+    let answer = match request {
         _ if !allowed => refusal("too many requests; try again in a second"),
-        Ok(query) => Answer {
-            decisions: journal
+        Ok(WhyRequest::Query(query)) => Answer {
+            decisions: served
+                .journal
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .answer(uid, &query),
             kept: CAPACITY,
-            error: None,
+            ..Answer::default()
+        },
+        Ok(WhyRequest::Record { record, terminal }) => match (&served.recorder, uid) {
+            (Some(recorder), 0) => {
+                recorder(record, terminal);
+                Answer {
+                    recorded: true,
+                    ..Answer::default()
+                }
+            }
+            (_, 0) => refusal("this daemon keeps no records"),
+            _ => refusal("only root may record a decision"),
         },
         Err(e) => refusal(&e),
     };
@@ -196,14 +248,17 @@ fn refusal(why: &str) -> Answer {
     }
 }
 
-/// One line, at most [`REQUEST_BYTES`], as a [`Query`].
-async fn read_request(stream: &mut UnixStream) -> io::Result<Result<Query, String>> {
+/// One line, at most `limit` bytes, as a [`WhyRequest`].
+async fn read_request(
+    stream: &mut UnixStream,
+    limit: u64,
+) -> io::Result<Result<WhyRequest, String>> {
     let mut line = Vec::new();
-    let mut reader = BufReader::new(stream.take(REQUEST_BYTES));
+    let mut reader = BufReader::new(stream.take(limit));
     reader.read_until(b'\n', &mut line).await?;
-    if !line.ends_with(b"\n") && line.len() as u64 >= REQUEST_BYTES {
+    if !line.ends_with(b"\n") && line.len() as u64 >= limit {
         return Ok(Err(format!(
-            "a request is one line of at most {REQUEST_BYTES} bytes"
+            "a request is one line of at most {limit} bytes"
         )));
     }
     Ok(serde_json::from_slice(&line).map_err(|e| format!("not a request: {e}")))

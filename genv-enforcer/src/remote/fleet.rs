@@ -13,10 +13,11 @@ use tokio::task::JoinSet;
 
 use super::hosts::Host;
 use super::metrics::FleetMetrics;
+use super::plain_hosts::{self, PlainHosts};
 use super::ssh::{HostAnswer, Ssh, SshError};
 use super::validate;
 use crate::genv_lines;
-use crate::report::Report;
+use crate::report::{Report, reasons};
 use crate::rules::{self, Rules, Survey};
 use crate::snapshot::{Snapshot, WireError};
 
@@ -43,6 +44,8 @@ pub struct Fleet {
     pub watch_options: Vec<String>,
     /// `--metrics-addr`: what is served there.
     pub metrics: Option<Arc<FleetMetrics>>,
+    /// The hosts that refused a report with reasons: sent genv's alone.
+    pub plain: PlainHosts,
 }
 
 /// The most a stream's heartbeat is asked to wait: a few seconds.
@@ -252,26 +255,50 @@ impl Fleet {
             .collect()
     }
 
-    /// `usage execute` on one host with its own report.
+    /// `usage execute` on one host with its own report: with the reasons for its users
+    /// (`--with-reasons`), unless the host refused them before or refuses them now.
     pub async fn execute_one(&self, host: usize, report: &Report) -> Result<HostAnswer, SshError> {
         let _permit = self.executing.acquire().await.expect("never closed");
-        let words = self.words(&["usage", "execute"]);
-        let input = report.to_genv_json();
-        let answer = self
-            .ssh
-            .run(
-                &self.hosts[host],
-                &words,
-                Some(input.as_bytes()),
-                self.host_timeout,
-            )
-            .await;
+        let mut answer = None;
+        if !self.plain.is_plain(host) {
+            let words = self.words(&["usage", "execute", plain_hosts::FLAG]);
+            match self
+                .run_execute(host, &words, &reasons::to_json(report))
+                .await
+            {
+                Ok(refused) if plain_hosts::refused_flag(&refused) => self.plain.mark(host),
+                other => answer = Some(other),
+            }
+        }
+        let answer = match answer {
+            Some(answer) => answer,
+            None => {
+                let words = self.words(&["usage", "execute"]);
+                self.run_execute(host, &words, &report.to_genv_json()).await
+            }
+        };
         if let (Some(metrics), Ok(done)) = (&self.metrics, &answer) {
             if done.status.success() {
                 metrics.acted(host, report);
             }
         }
         answer
+    }
+
+    async fn run_execute(
+        &self,
+        host: usize,
+        words: &[String],
+        input: &str,
+    ) -> Result<HostAnswer, SshError> {
+        self.ssh
+            .run(
+                &self.hosts[host],
+                words,
+                Some(input.as_bytes()),
+                self.host_timeout,
+            )
+            .await
     }
 
     /// Reprints what an execute said, with the host's prefix; `Ok(true)` if it ran.

@@ -10,12 +10,14 @@
 //! - [`stream`] and [`engine`]: `--event-driven`, a `usage watch` stream per host and
 //!   the rules run whenever one changes;
 //! - [`validate`]: what makes a parsed snapshot one that cannot be acted on;
-//! - [`metrics`]: `--metrics-addr`, each host up or down, heard from when, acted on.
+//! - [`metrics`]: `--metrics-addr`, each host up or down, heard from when, acted on;
+//! - [`plain_hosts`]: which hosts take a report with the reasons for their users.
 
 mod engine;
 pub mod fleet;
 pub mod hosts;
 pub mod metrics;
+pub mod plain_hosts;
 pub mod ssh;
 mod stream;
 pub mod usage_watch;

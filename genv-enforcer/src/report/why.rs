@@ -8,16 +8,20 @@ use crate::notify::Rule;
 use crate::rules::{Action, Finding, FindingKind};
 use crate::snapshot::Snapshot;
 
-/// Why one process is terminated.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Why one process is terminated. Also carried to a remote host with its report
+/// ([`super::reasons`]), so that the host can tell the process's user.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Why {
+    #[serde(flatten)]
     pub rule: Rule,
     /// The GPUs the rule is about: the ones not attached, the one over its cap, the one
     /// detached; or all the process uses.
     pub gpus: Vec<u32>,
     /// It goes because its environment's GPU was detached.
+    #[serde(default)]
     pub detached: bool,
     /// Its environment's `config.name`, where it has one.
+    #[serde(default)]
     pub env_name: Option<String>,
 }
 
@@ -66,7 +70,7 @@ fn reasons(kind: &FindingKind, action: &Action, snapshot: &Snapshot) -> Vec<(u32
                 username,
                 devices,
                 over,
-                ..
+                hosts,
             },
             Action::Detach { index, eids, .. },
         ) => {
@@ -74,6 +78,7 @@ fn reasons(kind: &FindingKind, action: &Action, snapshot: &Snapshot) -> Vec<(u32
                 user: username.clone(),
                 devices: *devices,
                 maximum: devices.saturating_sub(*over),
+                hosts: *hosts,
             };
             detached(snapshot, *index, eids, &rule)
         }
@@ -193,7 +198,8 @@ mod tests {
             Rule::MaxDevicesPerUser {
                 user: "root".into(),
                 devices: 1,
-                maximum: 0
+                maximum: 0,
+                hosts: None,
             }
         );
         assert_eq!(report.why.len(), 1, "{:?}", report.why);

@@ -33,6 +33,7 @@ fn server() -> PathBuf {
         listen(&dir).unwrap(),
         Arc::new(Mutex::new(journal)),
         Arc::default(),
+        None,
     )
     .unwrap();
     dir
@@ -74,7 +75,13 @@ fn a_malformed_or_oversized_request_is_answered_with_an_error() {
     let bad = ask(&dir, b"give me everything\n");
     assert!(bad.error.unwrap().starts_with("not a request"));
     assert!(bad.decisions.is_empty());
-    let mut huge = vec![b' '; REQUEST_BYTES as usize * 4];
+    // Root's requests may be records, of a larger bound.
+    let limit = if me() == 0 {
+        RECORD_BYTES
+    } else {
+        REQUEST_BYTES
+    };
+    let mut huge = vec![b' '; limit as usize * 4];
     huge.push(b'\n');
     let mut stream = StdStream::connect(dir.join(SOCKET)).unwrap();
     // The server stops reading at its bound and answers, then closes with the rest
@@ -91,6 +98,35 @@ fn a_malformed_or_oversized_request_is_answered_with_an_error() {
     // And it goes on answering.
     assert_eq!(pids(&ask(&dir, b"{\"me\": true, \"limit\": 9}\n")), [1, 3]);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Root hands the daemon a decision: the recorder gets it, and the answer says so; a
+/// server without one says it keeps none. (Another user's record is refused: the
+/// notify suite's remote-stop test, as a real other uid.)
+#[test]
+fn roots_record_goes_to_the_recorder() {
+    let dir = run_dir(0o755);
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let into = Arc::clone(&kept);
+    let recorder: Recorder = Arc::new(move |decision: Decision, _| {
+        into.lock().unwrap().push(decision.pid);
+    });
+    start(
+        listen(&dir).unwrap(),
+        Arc::default(),
+        Arc::default(),
+        Some(recorder),
+    )
+    .unwrap();
+    let record = serde_json::json!({"record": decision(77, 1000)}).to_string() + "\n";
+    let answer = ask(&dir, record.as_bytes());
+    assert!(answer.recorded && answer.error.is_none(), "{answer:?}");
+    assert_eq!(*kept.lock().unwrap(), [77]);
+    let plain = server();
+    let answer = ask(&plain, record.as_bytes());
+    assert!(!answer.recorded && answer.error.is_some(), "{answer:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&plain).unwrap();
 }
 
 /// Clients that connect and say nothing cannot keep an answer from another: past its
