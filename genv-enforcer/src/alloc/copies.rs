@@ -83,11 +83,22 @@ impl Copies {
     }
 
     /// `pid` (running as `uid`) opened a GPU node: it is looked at now, or when its gap
-    /// ends (see [`Looks`]).
-    pub(super) fn opened(&mut self, probes: &mut Probes, pid: u32, uid: u32) {
+    /// ends (see [`Looks`]). `owner` gives the user its looks count against, asked
+    /// once per process and uid: it reads the process's user namespace, a cost no GPU
+    /// open should pay again.
+    pub(super) fn opened(
+        &mut self,
+        probes: &mut Probes,
+        (pid, uid): (u32, u32),
+        owner: impl FnOnce() -> u32,
+    ) {
+        if pid == std::process::id() {
+            return;
+        }
         let now = Instant::now();
-        if pid != std::process::id() && self.looks.opened(pid, uid, now) {
-            self.look(probes, pid, uid, now);
+        let user = self.looks.user(pid, uid).unwrap_or_else(owner);
+        if self.looks.opened(pid, uid, user, now) {
+            self.look(probes, pid, user, now);
         }
     }
 

@@ -20,6 +20,9 @@ const MAX_PROCESSES: usize = 1 << 16;
 #[derive(Clone, Copy, Debug)]
 struct LookSchedule {
     uid: u32,
+    /// Whose budget its looks count against: the uid's owner, looked up once per
+    /// process and uid ([`crate::backends::uid_owners`]), not at every open.
+    user: u32,
     /// No look before this.
     next: Instant,
     gap: Duration,
@@ -33,19 +36,26 @@ pub(super) struct Looks {
 }
 
 impl Looks {
-    /// `pid` (running as `uid`) opened a GPU node: whether to look at it now (else a
-    /// look is owed when its gap ends).
-    pub(super) fn opened(&mut self, pid: u32, uid: u32, now: Instant) -> bool {
+    /// The user `pid`, running as `uid`, counts as, where known already.
+    pub(super) fn user(&self, pid: u32, uid: u32) -> Option<u32> {
+        let schedule = self.by_pid.get(&pid)?;
+        (schedule.uid == uid).then_some(schedule.user)
+    }
+
+    /// `pid` (running as `uid`, counting as `user`) opened a GPU node: whether to look
+    /// at it now (else a look is owed when its gap ends).
+    pub(super) fn opened(&mut self, pid: u32, uid: u32, user: u32, now: Instant) -> bool {
         if self.by_pid.len() >= MAX_PROCESSES && !self.by_pid.contains_key(&pid) {
             self.forget_idle(now);
         }
         let schedule = self.by_pid.entry(pid).or_insert(LookSchedule {
             uid,
+            user,
             next: now,
             gap: FIRST_GAP / 2,
             owed: false,
         });
-        schedule.uid = uid;
+        (schedule.uid, schedule.user) = (uid, user);
         if now < schedule.next {
             schedule.owed = true;
             return false;
@@ -54,13 +64,13 @@ impl Looks {
         true
     }
 
-    /// The processes owed a look by `now`, with their uids; their gaps restart.
+    /// The processes owed a look by `now`, with their users; their gaps restart.
     pub(super) fn due(&mut self, now: Instant) -> Vec<(u32, u32)> {
         let mut due = Vec::new();
         for (&pid, schedule) in &mut self.by_pid {
             if schedule.owed && schedule.next <= now {
                 Self::looked(schedule, now);
-                due.push((pid, schedule.uid));
+                due.push((pid, schedule.user));
             }
         }
         due
@@ -107,6 +117,20 @@ impl Looks {
 mod tests {
     use super::*;
 
+    /// A process's user is kept with its schedule: known at its next open (not looked up
+    /// again), and not for a uid it no longer runs as; owed looks carry the user.
+    #[test]
+    fn a_processs_user_is_kept_for_its_uid() {
+        let mut looks = Looks::default();
+        let t0 = Instant::now();
+        assert_eq!(looks.user(7, 100_000), None);
+        assert!(looks.opened(7, 100_000, 1000, t0));
+        assert_eq!(looks.user(7, 100_000), Some(1000));
+        assert_eq!(looks.user(7, 100_001), None, "setuid since");
+        assert!(!looks.opened(7, 100_000, 1000, t0));
+        assert_eq!(looks.due(t0 + MAX_GAP), [(7, 1000)]);
+    }
+
     /// NVML's opens of every GPU node come at once: one look then, and one when the
     /// gap ends. CUDA's open, once the program loaded it, gets a look of its own however
     /// many opens came before.
@@ -114,15 +138,18 @@ mod tests {
     fn opens_within_the_gap_owe_one_look_at_its_end() {
         let t0 = Instant::now();
         let mut looks = Looks::default();
-        assert!(looks.opened(7, 1000, t0));
-        assert!((0..7).all(|_| !looks.opened(7, 1000, t0)), "within the gap");
+        assert!(looks.opened(7, 1000, 1000, t0));
+        assert!(
+            (0..7).all(|_| !looks.opened(7, 1000, 1000, t0)),
+            "within the gap"
+        );
         assert_eq!(looks.next_due(), Some(t0 + FIRST_GAP));
         assert!(looks.due(t0 + FIRST_GAP / 2).is_empty());
         assert_eq!(looks.due(t0 + FIRST_GAP), vec![(7, 1000)]);
         assert_eq!(looks.next_due(), None, "nothing owed");
         // CUDA's open, later: looked at once.
         let later = t0 + Duration::from_secs(60);
-        assert!(looks.opened(7, 1000, later));
+        assert!(looks.opened(7, 1000, 1000, later));
     }
 
     #[test]
@@ -132,8 +159,8 @@ mod tests {
         let mut at = t0;
         let mut gaps = Vec::new();
         for _ in 0..8 {
-            assert!(looks.opened(7, 0, at));
-            assert!(!looks.opened(7, 0, at));
+            assert!(looks.opened(7, 0, 0, at));
+            assert!(!looks.opened(7, 0, 0, at));
             let next = looks.next_due().unwrap();
             gaps.push(next - at);
             at = next;
@@ -144,8 +171,8 @@ mod tests {
         assert_eq!(gaps[1], 4 * FIRST_GAP, "the owed look counted too");
         assert_eq!(*gaps.last().unwrap(), MAX_GAP);
         looks.forget(7);
-        assert!(looks.opened(7, 0, at));
-        assert!(!looks.opened(7, 0, at));
+        assert!(looks.opened(7, 0, 0, at));
+        assert!(!looks.opened(7, 0, 0, at));
         assert_eq!(looks.next_due(), Some(at + FIRST_GAP));
     }
 
@@ -153,7 +180,7 @@ mod tests {
     fn a_look_cut_short_is_owed_again() {
         let t0 = Instant::now();
         let mut looks = Looks::default();
-        assert!(looks.opened(7, 0, t0));
+        assert!(looks.opened(7, 0, 0, t0));
         looks.again_at(7, t0);
         assert_eq!(looks.due(t0), vec![(7, 0)]);
         looks.again_at(8, t0);

@@ -308,11 +308,16 @@ impl AllocSide {
     /// [`copies`]). Not for a process the kernel knows to be outside any environment
     /// (monitoring agents open GPU nodes all the time): its allocations are charged to
     /// nobody.
-    pub fn opened(&mut self, (pid, uid): (u32, u32), gpus: &[GpuInfo]) {
+    pub fn opened(
+        &mut self,
+        (pid, uid): (u32, u32),
+        owner: impl FnOnce() -> u32,
+        gpus: &[GpuInfo],
+    ) {
         if self.identities.get(pid) == Some(genv_ebpf_common::identity::NO_ENV) {
             return;
         }
-        self.copies.opened(&mut self.probes, pid, uid);
+        self.copies.opened(&mut self.probes, (pid, uid), owner);
         self.probed(gpus);
     }
 

@@ -36,10 +36,12 @@ impl Opens {
         around: &mut Around<'_>,
     ) -> Option<Wanted> {
         around.counts.open_events += 1;
+        let notifier = around.notifier;
+        let user = || notifier.map_or(open.uid, |n| n.owner(open.uid, Some(open.pid)));
         if let Some(alloc) = around.alloc.as_deref_mut() {
-            // The examination budget is kept per user, not per uid.
-            let user = (around.notifier).map_or(open.uid, |n| n.owner(open.uid, Some(open.pid)));
-            alloc.opened((open.pid, user), around.devices);
+            // The examination budget is kept per user, not per uid; who that is, is
+            // looked up once per process, not at every open.
+            alloc.opened((open.pid, open.uid), user, around.devices);
         }
         if verbose {
             tracing::info!(
@@ -54,8 +56,6 @@ impl Opens {
                 open.verdict.describe()
             );
         }
-        let notifier = around.notifier;
-        let user = || notifier.map_or(open.uid, |n| n.owner(open.uid, Some(open.pid)));
         if let Some(line) = self.lines.line(&open, user, now) {
             genv_lines::print(&line);
         }
