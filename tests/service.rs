@@ -448,7 +448,11 @@ fn the_metrics_endpoint_counts_what_a_scenario_caused() {
     let wanted = [
         "genv_enforcer_decisions_total{rule=\"non-env-processes\",action=\"terminate\"} 2",
         "genv_enforcer_reaction_seconds_count 2",
-        &format!("genv_enforcer_tier{{tier=\"{}\"}} 1", daemon.tier),
+        &format!(
+            "genv_enforcer_tier_info{{tier=\"{}\",configured=\"{}\"}} 1",
+            daemon.tier,
+            events::requested_tier()
+        ),
     ];
     // The counters the status keeps are carried over as it is published (every second).
     let last = std::cell::RefCell::new(String::new());
@@ -533,7 +537,7 @@ fn a_scrape_is_answered_past_idle_connections() {
             .collect();
         let answer = scrape_within(&addr, Duration::from_secs(1));
         assert!(
-            answer.starts_with("HTTP/1.1 200 OK\r\n") && answer.contains("genv_enforcer_tier"),
+            answer.starts_with("HTTP/1.1 200 OK\r\n") && answer.contains("genv_enforcer_tier_info"),
             "round {round}, 80 idle connections open: {answer:?}"
         );
         // Not held: each idle connection is closed by the daemon (its end, or a reset

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use genv_enforcer_tests::metrics::{free_local_addr, scrape};
+use genv_enforcer_tests::metrics::{assert_promtool_passes, free_local_addr, scrape};
 use genv_enforcer_tests::sshd::{Runs, SshFleet};
 use genv_enforcer_tests::{device_record, wait_for_or};
 use serde_json::json;
@@ -81,6 +81,14 @@ fn a_silent_stream_is_a_failed_host_polled_until_its_stream_is_back() {
         let text = scrape(&metrics);
         text.contains(&healthy_up) && text.contains(&sick_down)
     });
+    // promtool's lint passes on it, the healthy host's lag in it (the alerts read it).
+    let answer = scrape(&metrics);
+    assert_promtool_passes(&answer);
+    let heard = format!(
+        "genv_enforcer_remote_last_heard_seconds{{host=\"{}\"}} ",
+        fleet.hosts[0].name
+    );
+    assert!(answer.contains(&heard), "{answer}");
     std::fs::remove_file(&gate).unwrap();
     wait_said(&mut enforcer, &back, 1);
     // -v: each stream's snapshots, and each decision.

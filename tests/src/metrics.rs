@@ -48,3 +48,46 @@ pub fn scrape_within(addr: &str, within: Duration) -> String {
     }
     String::from_utf8_lossy(&answer).into_owned()
 }
+
+/// The body of an HTTP answer (what follows the blank line after its head).
+pub fn body(answer: &str) -> &str {
+    answer.split_once("\r\n\r\n").map_or("", |(_, body)| body)
+}
+
+/// `promtool ARGS` in `dir`, with `stdin` written to it: whether it succeeded, and what
+/// it said. No promtool fails the test, never skips it: `cargo xtask test` installs it
+/// (Debian's `prometheus`).
+pub fn promtool(args: &[&str], dir: &std::path::Path, stdin: &str) -> (bool, String) {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new("promtool")
+        .args(args)
+        .current_dir(dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("promtool {args:?}: {e} (install Debian's prometheus; `cargo xtask test` does)")
+        });
+    let mut input = child.stdin.take().expect("piped");
+    input
+        .write_all(stdin.as_bytes())
+        .expect("promtool reads its input");
+    drop(input);
+    let out = child.wait_with_output().expect("promtool ends");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), said)
+}
+
+/// `promtool check metrics` passes on the scraped `answer`'s body (its lint: HELP on
+/// every family, counters named `_total`, base units).
+pub fn assert_promtool_passes(answer: &str) {
+    let text = body(answer);
+    assert!(!text.is_empty(), "nothing scraped: {answer:?}");
+    let (passed, said) = promtool(&["check", "metrics"], &std::env::temp_dir(), text);
+    assert!(passed, "promtool check metrics: {said}\non:\n{text}");
+}

@@ -47,7 +47,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 
-pub use setup::{ensure_apt, ensure_openssh, ensure_python_venv, genv_venv};
+pub use setup::{ensure_apt, ensure_openssh, ensure_promtool, ensure_python_venv, genv_venv};
 
 /// genv-enforcer's project tasks.
 #[derive(Parser)]

@@ -43,9 +43,8 @@ pub fn genv_venv(target: &Path) -> Result<PathBuf> {
 }
 
 /// The remote-enforcement tests run Debian's real sshd (one per simulated host, in
-/// network namespaces) and sudo on the hosts' side. Installed without starting the
-/// system's own ssh service: a `policy-rc.d` that refuses service starts is put in
-/// place for the install where none exists, and removed after.
+/// network namespaces) and sudo on the hosts' side, installed without starting the
+/// system's own ssh service.
 pub fn ensure_openssh() -> Result<()> {
     let tools = [
         "/usr/sbin/sshd",
@@ -56,6 +55,25 @@ pub fn ensure_openssh() -> Result<()> {
     if tools.iter().all(|t| Path::new(t).exists()) {
         return Ok(());
     }
+    let packages = ["openssh-server", "openssh-client", "sudo"];
+    install_without_starting(&packages)
+        .context("installing openssh-server, openssh-client and sudo for the remote tests")
+}
+
+/// The alerting suite checks the shipped rules and real scrapes with `promtool`, which
+/// Debian ships in `prometheus`: installed without starting the Prometheus server it
+/// also brings.
+pub fn ensure_promtool() -> Result<()> {
+    if which("promtool").is_ok() {
+        return Ok(());
+    }
+    install_without_starting(&["prometheus"]).context("installing prometheus for promtool")
+}
+
+/// Debian `packages`, with no service started while installing: a `policy-rc.d` that
+/// refuses service starts is put in place for the install where none exists, and
+/// removed after.
+fn install_without_starting(packages: &[&str]) -> Result<()> {
     let policy = Path::new("/usr/sbin/policy-rc.d");
     let ours = !policy.exists();
     if ours {
@@ -71,13 +89,13 @@ pub fn ensure_openssh() -> Result<()> {
     let installed = run(Command::new("apt-get").arg("update")).and_then(|()| {
         run(Command::new("apt-get")
             .args(["install", "-y", "--no-install-recommends"])
-            .args(["openssh-server", "openssh-client", "sudo"])
+            .args(packages)
             .env("DEBIAN_FRONTEND", "noninteractive"))
     });
     if ours {
         let _ = std::fs::remove_file(policy);
     }
-    installed.context("installing openssh-server, openssh-client and sudo for the remote tests")
+    installed
 }
 
 /// Debian `packages`, installed from apt unless `tool` (a command) is already there.

@@ -23,7 +23,9 @@ use anyhow::{Result, bail};
 
 use crate::timings::{self, Lane, job};
 use crate::vm::{self, KERNELS, Options, Outcome};
-use crate::{cargo, ensure_apt, ensure_openssh, ensure_python_venv, root, run, toolchain};
+use crate::{
+    cargo, ensure_apt, ensure_openssh, ensure_promtool, ensure_python_venv, root, run, toolchain,
+};
 
 /// `cargo xtask test [-- CARGO TEST ARGS]`: with arguments, the host's tests only.
 pub fn test(cargo_args: &[String]) -> Result<()> {
@@ -146,6 +148,7 @@ fn clippy_bpf() -> Result<()> {
 fn install_tools() -> Result<()> {
     ensure_python_venv()?;
     ensure_openssh()?;
+    ensure_promtool()?;
     // The dist suite checks the packages with these (apt lists updated first, as a fresh
     // machine needs).
     ensure_apt(&["lintian"], "lintian")?;

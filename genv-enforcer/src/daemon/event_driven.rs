@@ -28,7 +28,7 @@ use crate::cycle::Enforcer;
 use crate::intake::{BadRecord, EventIntake, KernelEvent};
 use crate::react::{Around, Reactions, Wanted};
 use crate::service::instance::Instance;
-use crate::service::metrics::{self, Metrics};
+use crate::service::metrics::Metrics;
 use crate::service::reload::reload;
 use crate::service::signals::{Hangup, StopSignals, notify};
 use crate::service::status::Status;
@@ -170,7 +170,7 @@ impl Daemon {
             memory_interval_s: settings.memory_interval.as_secs_f64(),
             ..Status::default()
         };
-        let metrics = settings.metrics_addr.map(metrics::serve).transpose()?;
+        let metrics = start::metrics(&settings)?;
         let kernel = &settings.kernel;
         let started = start::event_side(kernel, settings.interval, &mut status, &mut enforcer)?;
         let (kernel, intake) = started.unzip();
@@ -248,12 +248,7 @@ impl Daemon {
         }
         instance.publish(&self.status);
         if let Some(metrics) = &self.metrics {
-            let tier = self.status.tier.as_deref();
-            metrics.follow(
-                &self.status.counts,
-                tier,
-                self.checks.enforcer.builder.nvml_errors,
-            );
+            metrics.follow(&self.status, self.checks.enforcer.builder.nvml_errors);
         }
     }
 

@@ -4,6 +4,7 @@
 //! endpoint, and genv's state directory watched.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -20,10 +21,12 @@ use crate::kernel::loader::Loaded;
 use crate::kernel::policy_maps::PolicyMaps;
 use crate::kernel::tier::guarantee;
 use crate::kernel::{KernelPrograms, LoadError, LoadOptions, TierChoice, pins};
+use crate::service::metrics::{self, Metrics};
 use crate::service::status::Status;
 use crate::sync::mirror::ProgramFacts;
 use crate::sync::{KernelSettings, Mirror};
 
+use super::settings::Settings;
 use super::state_watch::{StateWatch, Target};
 use crate::warn_once::WarnOnce;
 
@@ -143,6 +146,17 @@ fn read_identities_from(mirror: &Mirror, enforcer: &mut Enforcer) {
             "Cannot read the kernel's identities ({e}); environments are read from /proc, which setproctitle can overwrite"
         ),
     }
+}
+
+/// `--metrics-addr`'s endpoint, told what was asked for (the tier and `--deny`), which
+/// the alerts compare with what is in force.
+pub fn metrics(settings: &Settings) -> Result<Option<Arc<Metrics>>> {
+    let Some(addr) = settings.metrics_addr else {
+        return Ok(None);
+    };
+    let metrics = metrics::serve(addr)?;
+    metrics.configured(settings.kernel.tier, settings.kernel.deny.deny);
+    Ok(Some(metrics))
 }
 
 /// `genv-enforcer why`'s socket, in the run directory this daemon now holds alone.

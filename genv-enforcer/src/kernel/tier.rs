@@ -34,6 +34,13 @@ impl Tier {
         }
     }
 
+    /// Its rank from the bottom, as the metrics give it for alerts to compare: 4 for the
+    /// LSM down to 1 for the tracepoints (0 stands for no programs).
+    pub fn level(self) -> i64 {
+        let best_first = Tier::BEST_FIRST.iter().position(|t| *t == self);
+        (Tier::BEST_FIRST.len() - best_first.expect("every tier is listed")) as i64
+    }
+
     /// The tier of an event's `hook` field.
     pub fn from_hook(value: u32) -> Option<Tier> {
         match value {
@@ -115,6 +122,15 @@ impl TierChoice {
         }
     }
 
+    /// The least [`Tier::level`] this choice accepts: a forced tier's own, 1 for `auto`
+    /// (any tier rather than none), 0 for `none`.
+    pub fn least_level(self) -> i64 {
+        match self {
+            TierChoice::Auto => 1,
+            choice => choice.candidates().first().map_or(0, |t| t.level()),
+        }
+    }
+
     /// The tiers to try, in order; empty for `none`.
     pub fn candidates(self) -> &'static [Tier] {
         match self {
@@ -173,6 +189,11 @@ mod tests {
             assert_eq!(choice.candidates(), &[tier]);
         }
         assert_eq!(Tier::from_hook(hook::NONE), None);
+        let levels: Vec<i64> = Tier::BEST_FIRST.iter().map(|t| t.level()).collect();
+        assert_eq!(levels, [4, 3, 2, 1]);
+        assert_eq!(TierChoice::FmodRet.least_level(), 3);
+        assert_eq!(TierChoice::Auto.least_level(), 1);
+        assert_eq!(TierChoice::None.least_level(), 0);
     }
 
     #[test]

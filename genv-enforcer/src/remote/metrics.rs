@@ -60,9 +60,14 @@ impl FleetMetrics {
             "Actions sent to the host and executed there, by action",
             metrics.actions.clone(),
         );
-        // Every host is down until it answers.
+        // Every host is down until it answers, and has failed 0 times: an alert on the
+        // failures' increase sees the first.
         for host in 0..metrics.hosts.len() {
             metrics.up.get_or_create(&metrics.host(host)).set(0);
+            metrics
+                .failures
+                .get_or_create(&metrics.host(host))
+                .inc_by(0);
         }
         Self {
             registry,
@@ -132,6 +137,10 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("last_heard_seconds{"), "{text}");
+        assert!(
+            text.contains("genv_enforcer_remote_host_failures_total{host=\"gpu1\"} 0"),
+            "{text}"
+        );
         metrics.answered(0);
         metrics.answered(1);
         metrics.failed(1);

@@ -4,9 +4,12 @@
 //! What it counts: kernel events by kind; decisions by rule and action (those of the
 //! rules, and those the kernel made at the open or the allocation); the time from a GPU
 //! open to the action on it; lost events and the resynchronisations they caused; the
-//! full cycle's duration; the tier in use; NVML's failures. Counters that the status
-//! file already keeps are carried over from it as it is published (every second at
-//! most); the timings are observed where they are measured.
+//! full cycle's duration; the tier in use and `--deny`, each beside what was asked for;
+//! when the daemon's loop last published (its heartbeat) and ran a full cycle; NVML's
+//! failures. Counters that the status file already keeps are carried over from it as
+//! it is published (every second at most, every [`super::status::HEARTBEAT`] at
+//! least); the timings are observed where they are measured. The alerting rules in
+//! `deploy/prometheus` read these names: keep them.
 //!
 //! The endpoint ([`endpoint`]) answers one request per connection and serves nothing but
 //! `/metrics`; idle or slow clients cannot keep a scrape out. Bind it to an address only
@@ -18,13 +21,17 @@ use std::time::Duration;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use super::status::Counts;
+use super::status::{Counts, Status};
+use crate::kernel::TierChoice;
 
 mod endpoint;
+mod state;
+mod text_format;
+
+use state::StateGauges;
 
 type Labels = Vec<(String, String)>;
 
@@ -37,7 +44,8 @@ pub struct Metrics {
     lost: Counter,
     skipped: Family<Labels, Counter>,
     resyncs: Counter,
-    tier: Family<Labels, Gauge>,
+    /// The tier and `--deny`, in force and asked for; the heartbeat.
+    state: StateGauges,
     nvml_errors: Counter,
     /// What was carried over from the status last time.
     seen: Mutex<(Counts, u64)>,
@@ -63,7 +71,7 @@ impl Metrics {
             lost: Counter::default(),
             skipped: Family::default(),
             resyncs: Counter::default(),
-            tier: Family::default(),
+            state: StateGauges::default(),
             nvml_errors: Counter::default(),
             seen: Mutex::new((Counts::default(), 0)),
             registry: Registry::default(),
@@ -105,11 +113,7 @@ impl Metrics {
             "Full cycles run to resynchronise after lost events or skipped runs",
             self.resyncs.clone(),
         );
-        registry.register(
-            "tier",
-            "The open tier in use (1), none when 0 series",
-            self.tier.clone(),
-        );
+        self.state.register(registry);
         registry.register(
             "nvml_errors",
             "NVML loads and queries that failed",
@@ -117,8 +121,16 @@ impl Metrics {
         );
     }
 
-    /// Carries over what the status counted since the last call.
-    pub fn follow(&self, counts: &Counts, tier: Option<&str>, nvml_errors: u64) {
+    /// What was asked for: `--bpf-tier` and `--deny`.
+    pub fn configured(&self, tier: TierChoice, deny: bool) {
+        self.state.configured(tier, deny);
+    }
+
+    /// Carries over what the status counted since the last call, and what it says is in
+    /// force.
+    pub fn follow(&self, status: &Status, nvml_errors: u64) {
+        self.state.follow(status);
+        let counts = &status.counts;
         let mut seen = self.seen.lock().expect("not poisoned");
         let (last, last_nvml) = &*seen;
         let add =
@@ -160,9 +172,6 @@ impl Metrics {
         self.follow_losses(counts, last);
         self.nvml_errors
             .inc_by(nvml_errors.saturating_sub(*last_nvml));
-        if let Some(tier) = tier {
-            self.tier.get_or_create(&labels(&[("tier", tier)])).set(1);
-        }
         *seen = (counts.clone(), nvml_errors);
     }
 
@@ -273,29 +282,69 @@ mod tests {
     #[test]
     fn counts_carry_over_once() {
         let metrics = Metrics::new();
-        let mut counts = Counts {
-            open_events: 3,
-            ..Counts::default()
+        metrics.configured(TierChoice::Auto, true);
+        let mut status = Status {
+            tier: Some("tracepoint".into()),
+            counts: Counts {
+                open_events: 3,
+                ..Counts::default()
+            },
+            ..Status::default()
         };
-        metrics.follow(&counts, Some("tracepoint"), 1);
-        metrics.follow(&counts, Some("tracepoint"), 1);
-        counts.open_events = 5;
-        metrics.follow(&counts, Some("tracepoint"), 2);
+        metrics.follow(&status, 1);
+        metrics.follow(&status, 1);
+        status.counts.open_events = 5;
+        metrics.follow(&status, 2);
         metrics.decided(&[("non-env-processes", "terminate")]);
         let text = metrics.text();
+        for line in [
+            "genv_enforcer_events_total{kind=\"open\"} 5",
+            "genv_enforcer_nvml_errors_total 2",
+            "genv_enforcer_decisions_total{rule=\"non-env-processes\",action=\"terminate\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} not in {text}");
+        }
+    }
+
+    /// What the alerts compare: the tier and `--deny` in force beside what was asked
+    /// for, and the heartbeat.
+    #[test]
+    fn what_is_in_force_stands_beside_what_was_asked_for() {
+        let metrics = Metrics::new();
+        metrics.configured(TierChoice::FmodRet, true);
+        let mut status = Status {
+            tier: Some("fmod_ret".into()),
+            updated: 1_700_000_000,
+            interval_s: 3600.0,
+            ..Status::default()
+        };
+        metrics.follow(&status, 0);
+        let text = metrics.text();
+        for line in [
+            "genv_enforcer_tier_info{tier=\"fmod_ret\",configured=\"fmod_ret\"} 1",
+            "genv_enforcer_tier_level 3",
+            "genv_enforcer_tier_configured_level 3",
+            "genv_enforcer_deny_configured 1",
+            "genv_enforcer_deny_in_force 0",
+            "genv_enforcer_heartbeat_timestamp_seconds 1700000000",
+            "genv_enforcer_full_cycle_interval_seconds 3600.0",
+        ] {
+            assert!(text.contains(line), "{line} not in {text}");
+        }
         assert!(
-            text.contains("genv_enforcer_events_total{kind=\"open\"} 5"),
+            text.contains("last_full_cycle_timestamp_seconds 0"),
             "{text}"
         );
-        assert!(text.contains("genv_enforcer_nvml_errors_total 2"), "{text}");
+        status.deny_in_force = true;
+        status.last_cycle = Some(super::super::status::LastCycle {
+            at: 1_700_000_005,
+            ..Default::default()
+        });
+        metrics.follow(&status, 0);
+        let text = metrics.text();
+        assert!(text.contains("genv_enforcer_deny_in_force 1"), "{text}");
         assert!(
-            text.contains("genv_enforcer_tier{tier=\"tracepoint\"} 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains(
-                "genv_enforcer_decisions_total{rule=\"non-env-processes\",action=\"terminate\"} 1"
-            ),
+            text.contains("genv_enforcer_last_full_cycle_timestamp_seconds 1700000005"),
             "{text}"
         );
     }

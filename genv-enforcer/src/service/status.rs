@@ -74,6 +74,10 @@ pub struct Status {
     /// when off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_at_alloc: Option<String>,
+    /// `--deny` is armed in the kernel's policy (after the first mirror of genv's
+    /// environments); false without `--deny`, without programs, or where arming failed.
+    #[serde(default)]
+    pub deny_in_force: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

@@ -256,6 +256,7 @@ impl Mirror {
         let guarantee = guarantee(Some(self.tier), deny);
         tracing::info!("GPU opens outside any environment are {guarantee}");
         status.guarantee = guarantee;
+        status.deny_in_force = deny.deny;
         self.armed = true;
         self.take_over_pins(settings);
     }

@@ -9,6 +9,9 @@
 //!   oldest of those it counts against is closed instead: idle ones are the oldest, a
 //!   scraper's is the newest and is answered as soon as its request is read.
 //!
+//! A client that accepts OpenMetrics (Prometheus does) gets it; any other (`curl`,
+//! `promtool check metrics`) gets the text format 0.0.4 ([`super::text_format`]).
+//!
 //! So keeping a scrape out takes opening [`PER_PEER`] connections from the scraper's own
 //! address, or [`CONNECTIONS`] in all, between its connect and its request: a flood.
 
@@ -87,7 +90,10 @@ fn peer_of(addr: SocketAddr) -> IpAddr {
 /// What a client asked for.
 #[derive(Debug, PartialEq)]
 enum Request {
-    Metrics,
+    /// `GET /metrics`; whether the client accepts OpenMetrics.
+    Metrics {
+        openmetrics: bool,
+    },
     Other,
     TooLarge,
 }
@@ -140,19 +146,35 @@ fn head_end(request: &[u8]) -> Option<usize> {
 }
 
 fn route(head: &[u8]) -> Request {
-    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
-    match line.starts_with(b"GET /metrics ") || line.starts_with(b"GET /metrics?") {
-        true => Request::Metrics,
-        false => Request::Other,
+    let mut lines = head.split(|b| *b == b'\n');
+    let line = lines.next().unwrap_or_default();
+    if !(line.starts_with(b"GET /metrics ") || line.starts_with(b"GET /metrics?")) {
+        return Request::Other;
     }
+    let openmetrics = lines.any(|header| {
+        let header = header.to_ascii_lowercase();
+        header.starts_with(b"accept:")
+            && header
+                .windows(OPENMETRICS.len())
+                .any(|w| w == OPENMETRICS.as_bytes())
+    });
+    Request::Metrics { openmetrics }
 }
+
+/// The media type a scraper names in `Accept` to get OpenMetrics.
+const OPENMETRICS: &str = "application/openmetrics-text";
 
 fn answer(request: &Request, metrics: &dyn Exposition) -> Vec<u8> {
     let (status, body, kind) = match request {
-        Request::Metrics => (
+        Request::Metrics { openmetrics: true } => (
             "200 OK",
             metrics.text(),
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        ),
+        Request::Metrics { openmetrics: false } => (
+            "200 OK",
+            super::text_format::from_openmetrics(&metrics.text()),
+            "text/plain; version=0.0.4; charset=utf-8",
         ),
         Request::Other => (
             "404 Not Found",

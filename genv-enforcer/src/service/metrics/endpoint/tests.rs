@@ -94,9 +94,36 @@ fn the_end_of_the_headers_is_a_blank_line_crlf_or_bare() {
     assert_eq!(head_end(b"GET /metrics HTTP/1.1\r\nA: b\r\n\r\n"), Some(27));
     assert_eq!(head_end(b"GET /metrics HTTP/1.0\n\n"), Some(21));
     assert_eq!(head_end(b"GET /metrics HTTP/1.1\r\nA: b\r\n"), None);
-    assert_eq!(route(b"GET /metrics?x=1 HTTP/1.1"), Request::Metrics);
+    let text = Request::Metrics { openmetrics: false };
+    assert_eq!(route(b"GET /metrics?x=1 HTTP/1.1"), text);
     assert_eq!(route(b"GET /metricsx HTTP/1.1"), Request::Other);
     assert_eq!(route(b""), Request::Other);
+}
+
+/// Prometheus names OpenMetrics first in `Accept`; `curl` sends `*/*`.
+#[test]
+fn openmetrics_goes_to_whoever_accepts_it() {
+    let prometheus = b"GET /metrics HTTP/1.1\r\nHost: n\r\nAccept: \
+        application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n";
+    assert_eq!(route(prometheus), Request::Metrics { openmetrics: true });
+    let curl = b"GET /metrics HTTP/1.1\r\nHost: n\r\nAccept: */*\r\n";
+    assert_eq!(route(curl), Request::Metrics { openmetrics: false });
+    let (_, text) = answered(&Request::Metrics { openmetrics: false });
+    assert!(!text.contains("# EOF"), "{text}");
+    assert!(
+        text.contains("# TYPE genv_enforcer_lost_events_total counter"),
+        "{text}"
+    );
+    let (head, openmetrics) = answered(&Request::Metrics { openmetrics: true });
+    assert!(head.contains("application/openmetrics-text"), "{head}");
+    assert!(openmetrics.ends_with("# EOF\n"), "{openmetrics}");
+}
+
+/// The head and the body of the answer to `request`.
+fn answered(request: &Request) -> (String, String) {
+    let answer = String::from_utf8(answer(request, Metrics::new().as_ref())).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    (head.to_owned(), body.to_owned())
 }
 
 /// The endpoint on a port of its own, on a runtime of its own (a thread that lives as
