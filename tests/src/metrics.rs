@@ -55,11 +55,16 @@ pub fn body(answer: &str) -> &str {
 }
 
 /// `promtool ARGS` in `dir`, with `stdin` written to it: whether it succeeded, and what
-/// it said. No promtool fails the test, never skips it: `cargo xtask test` installs it
-/// (Debian's `prometheus`).
+/// it said. No promtool fails the test, never skips it: `cargo xtask test` unpacks
+/// Debian's under `target/tools` (else the one on the PATH is used).
 pub fn promtool(args: &[&str], dir: &std::path::Path, stdin: &str) -> (bool, String) {
     use std::process::{Command, Stdio};
-    let mut child = Command::new("promtool")
+    let unpacked = crate::target_dir().join("../tools/prometheus/usr/bin/promtool");
+    let program = match unpacked.is_file() {
+        true => unpacked,
+        false => "promtool".into(),
+    };
+    let mut child = Command::new(program)
         .args(args)
         .current_dir(dir)
         .stdin(Stdio::piped())
@@ -67,7 +72,7 @@ pub fn promtool(args: &[&str], dir: &std::path::Path, stdin: &str) -> (bool, Str
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| {
-            panic!("promtool {args:?}: {e} (install Debian's prometheus; `cargo xtask test` does)")
+            panic!("promtool {args:?}: {e} (`cargo xtask test` unpacks Debian's prometheus under target/tools)")
         });
     let mut input = child.stdin.take().expect("piped");
     input

@@ -60,14 +60,40 @@ pub fn ensure_openssh() -> Result<()> {
         .context("installing openssh-server, openssh-client and sudo for the remote tests")
 }
 
+/// Where [`ensure_promtool`] puts promtool (the alerting suite looks there first).
+pub const PROMTOOL: &str = "tools/prometheus/usr/bin/promtool";
+
 /// The alerting suite checks the shipped rules and real scrapes with `promtool`, which
-/// Debian ships in `prometheus`: installed without starting the Prometheus server it
-/// also brings.
-pub fn ensure_promtool() -> Result<()> {
-    if which("promtool").is_ok() {
+/// Debian ships in `prometheus`. The package is downloaded and unpacked under
+/// `target/tools`, not installed: installing it would bring 30-odd packages and a
+/// Prometheus server enabled at boot to whatever machine runs the tests. promtool needs
+/// nothing but libc.
+pub fn ensure_promtool(target: &Path) -> Result<()> {
+    if target.join(PROMTOOL).is_file() {
         return Ok(());
     }
-    install_without_starting(&["prometheus"]).context("installing prometheus for promtool")
+    let tools = target.join("tools");
+    std::fs::create_dir_all(&tools)?;
+    let download = || {
+        run(Command::new("apt-get")
+            .args(["download", "prometheus"])
+            .current_dir(&tools))
+    };
+    // A fresh machine has no package lists yet.
+    download()
+        .or_else(|_| run(Command::new("apt-get").arg("update")).and_then(|()| download()))
+        .context("downloading Debian's prometheus package for promtool")?;
+    let deb = std::fs::read_dir(&tools)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .context("apt-get download left no prometheus .deb")?;
+    let unpacked = run(Command::new("dpkg-deb")
+        .arg("-x")
+        .arg(&deb)
+        .arg(tools.join("prometheus")));
+    std::fs::remove_file(&deb)?;
+    unpacked.context("unpacking Debian's prometheus package")
 }
 
 /// Debian `packages`, with no service started while installing: a `policy-rc.d` that

@@ -148,7 +148,7 @@ fn clippy_bpf() -> Result<()> {
 fn install_tools() -> Result<()> {
     ensure_python_venv()?;
     ensure_openssh()?;
-    ensure_promtool()?;
+    ensure_promtool(&crate::target_dir()?)?;
     // The dist suite checks the packages with these (apt lists updated first, as a fresh
     // machine needs).
     ensure_apt(&["lintian"], "lintian")?;

@@ -302,22 +302,15 @@ impl AllocSide {
     }
 
     /// A process opened a GPU node: a libcuda copy it maps that is not probed yet (a
-    /// container's, a user's, whatever it is called) is probed from now on. CUDA opens
-    /// the nodes in `cuInit` and at each context, after loading the library and before
-    /// any allocation; NVML opens them too, maybe before, so every open counts (see
-    /// [`copies`]). Not for a process the kernel knows to be outside any environment
-    /// (monitoring agents open GPU nodes all the time): its allocations are charged to
-    /// nobody.
-    pub fn opened(
-        &mut self,
-        (pid, uid): (u32, u32),
-        owner: impl FnOnce() -> u32,
-        gpus: &[GpuInfo],
-    ) {
+    /// container's, a user's, whatever it is called) is probed from now on; every open
+    /// counts ([`copies`]). Not for a process the kernel knows to be outside any
+    /// environment (monitoring agents open GPU nodes all the time).
+    pub fn opened(&mut self, pid_uid: (u32, u32), owner: impl FnOnce() -> u32, gpus: &[GpuInfo]) {
+        let (pid, _) = pid_uid;
         if self.identities.get(pid) == Some(genv_ebpf_common::identity::NO_ENV) {
             return;
         }
-        self.copies.opened(&mut self.probes, (pid, uid), owner);
+        self.copies.opened(&mut self.probes, pid_uid, owner);
         self.probed(gpus);
     }
 
