@@ -15,7 +15,10 @@ const BACKGROUND_OPENS: usize = 100_000;
 const EXECS: usize = 2_000;
 /// Execs per environment-block size in the `proc_exec` rows.
 const SIZED_EXECS: usize = 500;
-const SIZES_KIB: [usize; 4] = [2, 4, 16, 64];
+/// 0: no variable but the identity (or none at all), the exec hook's floor here: what
+/// it costs besides reading the block (the task's fields, the identity stored, the
+/// event to the daemon), as `proc_exit`, which reads no block, costs its own floor.
+const SIZES_KIB: [usize; 5] = [0, 2, 4, 16, 64];
 
 /// Opens of `/dev/null` and of a regular file, and execs with this process's
 /// environment, for the programs' per-run costs.
