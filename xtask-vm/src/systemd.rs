@@ -20,7 +20,7 @@ use crate::guest::{quote, tier_marker};
 use crate::initramfs::EXIT_MARKER;
 use crate::qemu::Boot;
 use crate::run::{boot_with, script_path};
-use crate::{Guest, KERNELS, Kernel, LSM_WITH_BPF, Run, Series, deadline};
+use crate::{Guest, Kernel, LSM_WITH_BPF, Run, Series, deadline};
 
 /// The suite whose test runs under systemd: the caller builds it into [`Guest::suites`].
 pub const SUITE: &str = "systemd_unit";
@@ -29,15 +29,14 @@ const TIER: &str = "lsm";
 const TARGET: &str = "genv-vmtest.target";
 const SERVICE: &str = "genv-vmtest.service";
 
-/// Boots the first of [`KERNELS`] (`kernel`, prepared) under systemd and runs the unit's
-/// test there, which installs `deb` (`cargo xtask dist`'s, built first).
-pub fn check(guest: &Guest, kernel: &Kernel, deb: &Path) -> Result<Run> {
+/// Boots `series` (`kernel`, prepared) under systemd and runs the unit's test there,
+/// which installs `deb` (`cargo xtask dist`'s, built first).
+pub fn check(guest: &Guest, series: Series, kernel: &Kernel, deb: &Path) -> Result<Run> {
     crate::require_root("vm-test --systemd")?;
     ensure_systemd()?;
     let Some((_, suite)) = guest.suites.iter().find(|(name, _)| name == SUITE) else {
         bail!("vm-test --systemd: the {SUITE} suite was not built");
     };
-    let series = KERNELS[0];
     let section = format!("{TIER} under systemd");
     let script = script(guest, series, suite, &section, deb);
     let units = units(&script_path(kernel))?;
