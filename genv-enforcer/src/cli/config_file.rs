@@ -93,7 +93,7 @@ fn scalar(value: &toml::Value) -> Option<OsString> {
 }
 
 /// `argv` with `enforce --config FILE`'s flags put right after `enforce` (the command
-/// line's own, after them, win). Other commands are left as they are.
+/// line's own, after them, win); `doctor`'s alike. Other commands are left as they are.
 pub fn expand(argv: &[OsString]) -> Result<Vec<OsString>, ConfigFileError> {
     // Global flags (`--log-format X`) may come before the command.
     let mut at = 1;
@@ -104,7 +104,8 @@ pub fn expand(argv: &[OsString]) -> Result<Vec<OsString>, ConfigFileError> {
             _ => break,
         }
     }
-    if argv.get(at).is_none_or(|a| a != "enforce") {
+    // `doctor` reads the configuration as `enforce` does.
+    if argv.get(at).is_none_or(|a| a != "enforce" && a != "doctor") {
         return Ok(argv.to_vec());
     }
     let mut path = None;

@@ -8,7 +8,8 @@
 //! the programs decide from ([`policy_maps`]) and the pins that keep them ([`pins`]);
 //! `--memory-at-alloc`'s libcuda uprobes ([`cuda`]) and accounting maps
 //! ([`alloc_maps`]); the snapshot's view of processes through the identities the
-//! kernel recorded ([`inspector`]); the runs the kernel skipped ([`skipped_runs`]).
+//! kernel recorded ([`inspector`]); the runs the kernel skipped ([`skipped_runs`]);
+//! `doctor`'s load-and-unload of every tier ([`tier_probe`]).
 //!
 //! Loading hands each part to its one owner ([`Loaded`]): the events to
 //! [`crate::intake`], the policy maps to the mirror ([`crate::sync`]), the allocation
@@ -31,6 +32,7 @@ pub mod pins;
 pub mod policy_maps;
 pub mod skipped_runs;
 pub mod tier;
+pub mod tier_probe;
 pub mod tracefs;
 mod trampoline;
 mod verifier_log;

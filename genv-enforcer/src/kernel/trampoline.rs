@@ -37,7 +37,7 @@ pub(super) struct Hook {
     pub(super) program: &'static str,
     prog_type: bpf_prog_type,
     attach_type: bpf_attach_type,
-    target: &'static str,
+    pub(super) target: &'static str,
 }
 
 /// The BPF LSM's `file_open` hook: its BTF function is `bpf_lsm_file_open`.
@@ -79,7 +79,7 @@ impl Targets {
         Self(found)
     }
 
-    fn id(&self, hook: &Hook) -> Result<u32, TrampolineError> {
+    pub(super) fn id(&self, hook: &Hook) -> Result<u32, TrampolineError> {
         match self.0.iter().find(|(name, _)| *name == hook.target) {
             Some((_, Ok(id))) => Ok(*id),
             Some((_, Err(why))) => Err(TrampolineError::Target(why.clone())),
@@ -167,7 +167,7 @@ pub(super) fn load_and_attach(
 /// The program's instructions, relocated against `ebpf`'s maps as aya relocates its
 /// own programs, with the functions it calls linked in after it (`memcpy`, for
 /// `--bpf-log`'s records), and its license.
-fn relocated(
+pub(super) fn relocated(
     ebpf: &Ebpf,
     object: &[u8],
     name: &'static str,
@@ -215,7 +215,7 @@ fn relocated(
 /// `BPF_PROG_LOAD` as `hook` says, on BTF function `target` of vmlinux. Tried without a
 /// verifier log first (the common case, and cheaper); a refusal is tried again with one,
 /// whose end, and that attempt's error, go into the error.
-fn load(
+pub(super) fn load(
     instructions: &[bpf_insn],
     license: &CStr,
     hook: Hook,
