@@ -83,7 +83,13 @@ pub enum Command {
     /// What this node allows and what the configuration (enforce's flags, --config)
     /// would get here, without a daemon and changing nothing; exit 5 when it cannot run
     /// as asked.
-    Doctor(super::doctor_args::DoctorArgs),
+    Doctor {
+        /// Print the report as one JSON object (the same items and verdict).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        enforce: EnforceArgs,
+    },
     /// Remove the programs and maps an enforcer left pinned (--keep-pinned): the kernel
     /// stops deciding about GPU opens until an enforcer runs again.
     Unpin {

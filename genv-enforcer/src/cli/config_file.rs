@@ -339,6 +339,27 @@ mod tests {
         }
     }
 
+    /// `doctor` checks the configuration `enforce` would run: the same file, read alike.
+    #[test]
+    fn doctor_reads_the_file_as_enforce_does() {
+        let path = file("event-driven = true\nbpf-tier = \"tracepoint\"\n");
+        let argv: Vec<OsString> = ["genv-enforcer", "doctor", "--json", "--config"]
+            .into_iter()
+            .map(OsString::from)
+            .chain([path.clone().into_os_string()])
+            .collect();
+        let cli = super::super::args::Cli::try_parse_from(expand(&argv).unwrap()).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let super::super::args::Command::Doctor { json, enforce } = cli.command else {
+            panic!("not doctor: {:?}", cli.command);
+        };
+        assert!(json && enforce.events.event_driven);
+        assert_eq!(
+            enforce.events.bpf_tier,
+            Some(crate::kernel::TierChoice::Tracepoint)
+        );
+    }
+
     #[test]
     fn the_command_lines_flags_come_after_the_files() {
         let path = file("interval = 5\n");

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use super::finding::{Finding, Status};
+use super::checked_item::{CheckedItem, ItemStatus};
 use super::kernel_checks::TierOutcome;
 
 #[derive(Debug, Serialize)]
@@ -16,7 +16,7 @@ pub struct Checkup {
     pub refused: Vec<RefusedTier>,
     /// The verdict, in one sentence.
     pub verdict: String,
-    pub items: Vec<Finding>,
+    pub items: Vec<CheckedItem>,
 }
 
 #[derive(Debug, Serialize)]
@@ -27,15 +27,19 @@ pub struct RefusedTier {
 
 impl Checkup {
     /// `event_driven`: whether the configuration loads kernel programs.
-    pub fn new(items: Vec<Finding>, outcome: TierOutcome, event_driven: bool) -> Self {
+    pub fn new(items: Vec<CheckedItem>, outcome: TierOutcome, event_driven: bool) -> Self {
         let failed: Vec<&str> = items
             .iter()
-            .filter(|f| f.status == Status::Fail)
+            .filter(|f| f.status == ItemStatus::Fail)
             .map(|f| f.item.as_str())
             .collect();
         let ready = failed.is_empty();
-        let tier = outcome.chosen.filter(|_| event_driven).map(|t| t.to_string());
-        let refused_names: Vec<String> = outcome.refused.iter().map(|(t, _)| t.to_string()).collect();
+        let tier = outcome
+            .chosen
+            .filter(|_| event_driven)
+            .map(|t| t.to_string());
+        let refused_names: Vec<String> =
+            outcome.refused.iter().map(|(t, _)| t.to_string()).collect();
         let refused_text = match refused_names.is_empty() {
             true => String::new(),
             false => format!("; refused by this kernel: {}", refused_names.join(", ")),
@@ -94,17 +98,25 @@ mod tests {
             refused: vec![(Tier::Lsm, "EPERM".into())],
         };
         let items = vec![
-            Finding::ok("btf", "present"),
-            Finding::new("root", Status::Fail, "uid 1000"),
+            CheckedItem::ok("btf", "present"),
+            CheckedItem::new("root", ItemStatus::Fail, "uid 1000"),
         ];
         let checkup = Checkup::new(items, outcome, true);
         assert!(!checkup.ready);
         assert_eq!(checkup.tier.as_deref(), Some("tracepoint"));
-        assert!(checkup.verdict.starts_with("not ready: root "), "{}", checkup.verdict);
+        assert!(
+            checkup.verdict.starts_with("not ready: root "),
+            "{}",
+            checkup.verdict
+        );
         let json: serde_json::Value = serde_json::from_str(&checkup.json()).unwrap();
         assert_eq!(json["refused"][0]["tier"], "lsm");
         assert_eq!(json["items"][1]["status"], "fail");
-        assert!(checkup.text().ends_with(&format!("verdict: {}\n", checkup.verdict)));
+        assert!(
+            checkup
+                .text()
+                .ends_with(&format!("verdict: {}\n", checkup.verdict))
+        );
     }
 
     #[test]
@@ -113,8 +125,12 @@ mod tests {
             chosen: Some(Tier::Lsm),
             refused: Vec::new(),
         };
-        let checkup = Checkup::new(vec![Finding::ok("btf", "present")], outcome, false);
+        let checkup = Checkup::new(vec![CheckedItem::ok("btf", "present")], outcome, false);
         assert!(checkup.ready && checkup.tier.is_none());
-        assert!(checkup.verdict.contains("full cycle alone"), "{}", checkup.verdict);
+        assert!(
+            checkup.verdict.contains("full cycle alone"),
+            "{}",
+            checkup.verdict
+        );
     }
 }

@@ -2,7 +2,7 @@
 //! `--memory-at-alloc`'s probes, as the kernel answers a real load
 //! ([`crate::kernel::tier_probe`]), and the tier the configuration would get.
 
-use super::finding::{Finding, Status};
+use super::checked_item::{CheckedItem, ItemStatus};
 use crate::alloc::MemoryAtAlloc;
 use crate::kernel::cuda::{AllocProbes, RefusalAtAlloc};
 use crate::kernel::tier_probe::{self, KernelAnswers};
@@ -22,7 +22,7 @@ pub struct TierOutcome {
 pub fn check(
     settings: Option<&KernelSettings>,
     probe: Result<(), String>,
-) -> (Vec<Finding>, TierOutcome) {
+) -> (Vec<CheckedItem>, TierOutcome) {
     let mut findings = vec![btf_finding(settings.is_some())];
     let answers = probe.and_then(|()| {
         tier_probe::ask(&load_options(settings)).map_err(|e| format!("before any tier: {e}"))
@@ -70,39 +70,49 @@ fn load_options(settings: Option<&KernelSettings>) -> LoadOptions {
     }
 }
 
-fn btf_finding(needed: bool) -> Finding {
+fn btf_finding(needed: bool) -> CheckedItem {
     match std::fs::metadata(btf::VMLINUX) {
-        Ok(meta) => Finding::ok("btf", format!("{} ({} bytes)", btf::VMLINUX, meta.len())),
-        Err(e) => Finding::new(
+        Ok(meta) => CheckedItem::ok("btf", format!("{} ({} bytes)", btf::VMLINUX, meta.len())),
+        Err(e) => CheckedItem::new(
             "btf",
-            if needed { Status::Fail } else { Status::Warn },
+            if needed {
+                ItemStatus::Fail
+            } else {
+                ItemStatus::Warn
+            },
             format!("{}: {e}: no BPF tier can load", btf::VMLINUX),
         )
         .with_fix("a kernel built with CONFIG_DEBUG_INFO_BTF=y (Linux 5.8 or later)"),
     }
 }
 
-fn lsm_finding(lsms: Option<&str>) -> Finding {
+fn lsm_finding(lsms: Option<&str>) -> CheckedItem {
     let Some(list) = lsms.map(str::trim) else {
-        return Finding::new(
+        return CheckedItem::new(
             "lsm list",
-            Status::Warn,
+            ItemStatus::Warn,
             "/sys/kernel/security/lsm cannot be read (securityfs)",
         )
         .with_fix("a kernel with securityfs (CONFIG_SECURITYFS)");
     };
     match list.split(',').any(|lsm| lsm.trim() == "bpf") {
-        true => Finding::ok("lsm list", format!("{list}: bpf is in it")),
-        false => Finding::new("lsm list", Status::Warn, format!("{list}: no bpf in it"))
-            .with_fix(format!("boot with lsm={list},bpf on the kernel's command line")),
+        true => CheckedItem::ok("lsm list", format!("{list}: bpf is in it")),
+        false => CheckedItem::new(
+            "lsm list",
+            ItemStatus::Warn,
+            format!("{list}: no bpf in it"),
+        )
+        .with_fix(format!(
+            "boot with lsm={list},bpf on the kernel's command line"
+        )),
     }
 }
 
-fn tier_finding(tier: Tier, answer: &Result<String, String>, lsms: Option<&str>) -> Finding {
+fn tier_finding(tier: Tier, answer: &Result<String, String>, lsms: Option<&str>) -> CheckedItem {
     let item = format!("tier {tier}");
     let Err(why) = answer else {
         let done = answer.as_deref().unwrap_or_default();
-        return Finding::ok(item, format!("accepted: {done}"));
+        return CheckedItem::ok(item, format!("accepted: {done}"));
     };
     let fix = match tier {
         Tier::Lsm => match lsms.map(str::trim) {
@@ -121,32 +131,32 @@ fn tier_finding(tier: Tier, answer: &Result<String, String>, lsms: Option<&str>)
             .to_owned(),
         Tier::Tracepoint => "tracefs and CONFIG_FTRACE_SYSCALLS".to_owned(),
     };
-    Finding::new(item, Status::Warn, format!("refused: {why}")).with_fix(fix)
+    CheckedItem::new(item, ItemStatus::Warn, format!("refused: {why}")).with_fix(fix)
 }
 
 fn memory_at_alloc_finding(
     settings: Option<&KernelSettings>,
     answer: &Result<RefusalAtAlloc, String>,
-) -> Finding {
+) -> CheckedItem {
     let asked = settings.map_or(MemoryAtAlloc::Off, |s| s.memory_at_alloc);
     let item = "memory-at-alloc";
     let loads = "the libcuda uprobes load and verify, their kill (bpf_send_signal) included";
     match answer {
-        Ok(RefusalAtAlloc::Refused(why)) => Finding::new(
+        Ok(RefusalAtAlloc::Refused(why)) => CheckedItem::new(
             item,
             match asked {
-                MemoryAtAlloc::Refuse => Status::Warn,
-                _ => Status::Ok,
+                MemoryAtAlloc::Refuse => ItemStatus::Warn,
+                _ => ItemStatus::Ok,
             },
             format!("{loads}; refuse is refused ({why}): it kills instead"),
         )
         .with_fix("a kernel that lets uprobe programs set registers (7 and later)"),
-        Ok(_) => Finding::ok(item, format!("{loads}; refuse returns out-of-memory")),
-        Err(why) => Finding::new(
+        Ok(_) => CheckedItem::ok(item, format!("{loads}; refuse returns out-of-memory")),
+        Err(why) => CheckedItem::new(
             item,
             match asked {
-                MemoryAtAlloc::Off => Status::Warn,
-                _ => Status::Fail,
+                MemoryAtAlloc::Off => ItemStatus::Warn,
+                _ => ItemStatus::Fail,
             },
             format!("the libcuda probes cannot load: {why}"),
         )
@@ -155,12 +165,15 @@ fn memory_at_alloc_finding(
 }
 
 /// What the configuration's `--bpf-tier` gets here.
-fn configured_tier_finding(settings: Option<&KernelSettings>, outcome: &TierOutcome) -> Finding {
+fn configured_tier_finding(
+    settings: Option<&KernelSettings>,
+    outcome: &TierOutcome,
+) -> CheckedItem {
     let Some(settings) = settings else {
         let best = outcome.chosen.map_or("none".to_owned(), |t| t.to_string());
-        return Finding::new(
+        return CheckedItem::new(
             "event-driven",
-            Status::Absent,
+            ItemStatus::Absent,
             format!(
                 "not asked: the full cycle alone (with --event-driven this kernel gives {best})"
             ),
@@ -168,23 +181,22 @@ fn configured_tier_finding(settings: Option<&KernelSettings>, outcome: &TierOutc
     };
     let asked = format!("--bpf-tier {}", settings.tier.name());
     match (settings.tier, outcome.chosen) {
-        (TierChoice::None, _) => Finding::ok(
+        (TierChoice::None, _) => CheckedItem::ok(
             "event-driven",
             format!("{asked}: no kernel programs, the full cycle alone"),
         ),
-        (_, Some(chosen)) => Finding::ok(
+        (_, Some(chosen)) => CheckedItem::ok(
             "event-driven",
             format!(
                 "{asked}: the {chosen} tier; GPU opens from outside any environment are {}",
                 tier::guarantee(Some(chosen), settings.deny)
             ),
         ),
-        (_, None) => Finding::new(
+        (_, None) => CheckedItem::new(
             "event-driven",
-            Status::Fail,
+            ItemStatus::Fail,
             format!("{asked}: the kernel refuses every tier asked for"),
         )
         .with_fix("see the tiers above, or --bpf-tier none (the full cycle alone)"),
     }
 }
-

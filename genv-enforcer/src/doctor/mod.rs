@@ -1,6 +1,6 @@
 //! `genv-enforcer doctor`: what this node allows and what a configuration would get
 //! here, without a running daemon and changing nothing. Each item is found or not,
-//! with why and the fix ([`finding`]): the kernel's BTF, LSMs, open tiers and libcuda
+//! with why and the fix ([`checked_item`]): the kernel's BTF, LSMs, open tiers and libcuda
 //! probes, loaded for real and unloaded at once ([`kernel_checks`]); NVML, libcuda and
 //! the GPU nodes ([`gpu_checks`]); root, genv's state directory, the systemd unit and
 //! pins ([`node_checks`]). The report ([`checkup`]) ends in a verdict: exit 0 when the
@@ -9,8 +9,8 @@
 //! Its mounts (tracefs, securityfs where a minimal system lacks them, as the daemon
 //! mounts them) are made in a mount namespace of its own ([`private_mounts`]).
 
+mod checked_item;
 mod checkup;
-mod finding;
 mod gpu_checks;
 mod kernel_checks;
 mod node_checks;
@@ -20,8 +20,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use checked_item::{CheckedItem, ItemStatus};
 pub use checkup::Checkup;
-use finding::{Finding, Status};
 
 use crate::alloc::MemoryAtAlloc;
 use crate::sync::KernelSettings;
@@ -43,8 +43,8 @@ pub struct Asked {
 pub fn checkup(asked: &Asked) -> Checkup {
     let mut items = vec![node_checks::root()];
     items.push(match &asked.mode {
-        Ok(mode) => Finding::ok("configuration", mode.clone()),
-        Err(why) => Finding::new("configuration", Status::Fail, why.clone())
+        Ok(mode) => CheckedItem::ok("configuration", mode.clone()),
+        Err(why) => CheckedItem::new("configuration", ItemStatus::Fail, why.clone())
             .with_fix("see docs/reference.md for how the flags combine"),
     });
     let (kernel, outcome) = kernel_checks::check(asked.events.as_ref(), private_mounts::enter());
@@ -57,9 +57,9 @@ pub fn checkup(asked: &Asked) -> Checkup {
         .events
         .as_ref()
         .is_some_and(|s| s.memory_at_alloc != MemoryAtAlloc::Off);
-    if !memory_at_alloc && libcuda.status == Status::Warn {
+    if !memory_at_alloc && libcuda.status == ItemStatus::Warn {
         // Only --memory-at-alloc looks for it.
-        libcuda.status = Status::Absent;
+        libcuda.status = ItemStatus::Absent;
     }
     items.push(libcuda);
     items.push(gpu_checks::device_nodes());

@@ -4,20 +4,20 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use super::finding::{Finding, Status};
+use super::checked_item::{CheckedItem, ItemStatus};
 use crate::backends::users;
 use crate::kernel::pins;
 use crate::state::StateDir;
 
 /// The daemon loads programs and signals any process: it runs as root, and so must the
 /// doctor for the kernel to answer as it would answer the daemon.
-pub fn root() -> Finding {
+pub fn root() -> CheckedItem {
     let euid = rustix::process::geteuid().as_raw();
     match euid {
-        0 => Finding::ok("root", "running as root, as the daemon does"),
-        _ => Finding::new(
+        0 => CheckedItem::ok("root", "running as root, as the daemon does"),
+        _ => CheckedItem::new(
             "root",
-            Status::Fail,
+            ItemStatus::Fail,
             format!("running as uid {euid}: the kernel answers a user, not the daemon"),
         )
         .with_fix("sudo genv-enforcer doctor ..."),
@@ -26,19 +26,22 @@ pub fn root() -> Finding {
 
 /// genv's state directory (`GENV_TMPDIR`, `--genv-tmpdir`): its owner and mode, and
 /// whether the enforcer opens it (never through a link or on FUSE).
-pub fn state_dir(dir: &Path) -> Finding {
+pub fn state_dir(dir: &Path) -> CheckedItem {
     let item = "state dir";
     let meta = match std::fs::symlink_metadata(dir) {
         Ok(meta) => meta,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Finding::new(
+            return CheckedItem::new(
                 item,
-                Status::Absent,
-                format!("{} does not exist yet: genv makes it at its first use", dir.display()),
+                ItemStatus::Absent,
+                format!(
+                    "{} does not exist yet: genv makes it at its first use",
+                    dir.display()
+                ),
             );
         }
         Err(e) => {
-            return Finding::new(item, Status::Warn, format!("{}: {e}", dir.display()))
+            return CheckedItem::new(item, ItemStatus::Warn, format!("{}: {e}", dir.display()))
                 .with_fix("make it readable by root (GENV_TMPDIR names it)");
         }
     };
@@ -50,17 +53,21 @@ pub fn state_dir(dir: &Path) -> Finding {
         meta.mode() & 0o7777
     );
     match StateDir::new(dir).open_checked() {
-        Ok(_) => Finding::ok(item, seen),
-        Err(e) => Finding::new(item, Status::Warn, format!("{seen}: {e}"))
+        Ok(_) => CheckedItem::ok(item, seen),
+        Err(e) => CheckedItem::new(item, ItemStatus::Warn, format!("{seen}: {e}"))
             .with_fix("a plain directory on a local file system, as genv makes it"),
     }
 }
 
 /// `genv-enforcer.service`, where systemd runs the machine.
-pub fn systemd_unit() -> Finding {
+pub fn systemd_unit() -> CheckedItem {
     let item = "systemd unit";
     if !Path::new("/run/systemd/system").is_dir() {
-        return Finding::new(item, Status::Absent, "systemd does not run this machine");
+        return CheckedItem::new(
+            item,
+            ItemStatus::Absent,
+            "systemd does not run this machine",
+        );
     }
     let ask = |verb: &str| {
         std::process::Command::new("systemctl")
@@ -72,20 +79,27 @@ pub fn systemd_unit() -> Finding {
     let (enabled, active) = (ask("is-enabled"), ask("is-active"));
     let seen = format!("genv-enforcer.service: {enabled}, {active}");
     match (enabled.as_str(), active.as_str()) {
-        ("enabled", "active") => Finding::ok(item, seen),
-        _ => Finding::new(item, Status::Warn, seen)
+        ("enabled", "active") => CheckedItem::ok(item, seen),
+        _ => CheckedItem::new(item, ItemStatus::Warn, seen)
             .with_fix("systemctl enable --now genv-enforcer"),
     }
 }
 
 /// Generations pinned under `root` (`--keep-pinned`): their programs decide about GPU
 /// opens with no daemon running, until a daemon takes them over or `unpin` removes them.
-pub fn pins(root: &Path) -> Finding {
+pub fn pins(root: &Path) -> CheckedItem {
     let generations = pins::other_generations(root, None);
-    let names: Vec<String> = generations.iter().map(|g| g.display().to_string()).collect();
+    let names: Vec<String> = generations
+        .iter()
+        .map(|g| g.display().to_string())
+        .collect();
     match names.is_empty() {
-        true => Finding::new("pins", Status::Absent, format!("nothing pinned under {}", root.display())),
-        false => Finding::ok(
+        true => CheckedItem::new(
+            "pins",
+            ItemStatus::Absent,
+            format!("nothing pinned under {}", root.display()),
+        ),
+        false => CheckedItem::ok(
             "pins",
             format!(
                 "{} generation(s) pinned: {}: their programs keep deciding; a starting \

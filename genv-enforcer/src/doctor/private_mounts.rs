@@ -9,7 +9,9 @@ pub fn enter() -> Result<(), String> {
     // namespace (the process has no other thread yet; threads made later inherit it).
     if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
         let error = std::io::Error::last_os_error();
-        return Err(format!("cannot enter a mount namespace of its own: {error}"));
+        return Err(format!(
+            "cannot enter a mount namespace of its own: {error}"
+        ));
     }
     use rustix::mount::{MountPropagationFlags, mount_change};
     mount_change(

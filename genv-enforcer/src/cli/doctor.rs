@@ -1,32 +1,19 @@
-//! `genv-enforcer doctor`'s command line: `enforce`'s flags and `--config` file, read
-//! as `enforce` reads them, plus `--json`; handed to [`crate::doctor`] as what the
-//! configuration asks.
+//! `genv-enforcer doctor`: `enforce`'s flags and `--config` file, read as `enforce`
+//! reads them, handed to [`crate::doctor`] as what the configuration asks.
 
 use std::process::ExitCode;
-
-use clap::Args;
 
 use super::args::EnforceArgs;
 use super::config::{EnforceConfig, Mode};
 use crate::doctor::{self, Asked};
 
-#[derive(Debug, Args)]
-pub struct DoctorArgs {
-    /// Print the report as one JSON object (the same items and verdict).
-    #[arg(long)]
-    pub json: bool,
-
-    #[command(flatten)]
-    pub enforce: EnforceArgs,
-}
-
-/// Checks the node for the configuration `args` gives.
-pub fn run(args: DoctorArgs) -> ExitCode {
-    let state_dir = args.enforce.sources.genv_tmpdir.clone();
-    let nvml_lib = args.enforce.sources.nvml_lib.clone();
-    let pin_dir = args.enforce.events.pin_dir.clone();
-    let config_file = args.enforce.config.clone();
-    let (mode, events) = match EnforceConfig::from_args(args.enforce) {
+/// Checks the node for the configuration `enforce` gives; `json`: the report as JSON.
+pub fn run(enforce: EnforceArgs, json: bool) -> ExitCode {
+    let state_dir = enforce.sources.genv_tmpdir.clone();
+    let nvml_lib = enforce.sources.nvml_lib.clone();
+    let pin_dir = enforce.events.pin_dir.clone();
+    let config_file = enforce.config.clone();
+    let (mode, events) = match EnforceConfig::from_args(enforce) {
         Ok(config) => match config.mode {
             Mode::Once => (Ok("one cycle (--interval 0)".to_owned()), None),
             Mode::Polling(every) => (Ok(format!("the full cycle every {every:?}")), None),
@@ -53,5 +40,5 @@ pub fn run(args: DoctorArgs) -> ExitCode {
         nvml_lib,
         pin_dir,
     };
-    doctor::run(&asked, args.json)
+    doctor::run(&asked, json)
 }

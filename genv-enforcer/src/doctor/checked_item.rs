@@ -5,7 +5,7 @@ use serde::Serialize;
 /// How an item stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Status {
+pub enum ItemStatus {
     /// Found, and as the configuration needs it.
     Ok,
     /// Not there, and nothing needs it (no pins, no systemd).
@@ -17,23 +17,23 @@ pub enum Status {
     Fail,
 }
 
-impl Status {
+impl ItemStatus {
     /// Its mark at the head of a text line, as wide as the widest.
     fn mark(self) -> &'static str {
         match self {
-            Status::Ok => "ok  ",
-            Status::Absent => "-   ",
-            Status::Warn => "warn",
-            Status::Fail => "FAIL",
+            ItemStatus::Ok => "ok  ",
+            ItemStatus::Absent => "-   ",
+            ItemStatus::Warn => "warn",
+            ItemStatus::Fail => "FAIL",
         }
     }
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub struct Finding {
+pub struct CheckedItem {
     /// What was looked at (`btf`, `tier lsm`, `nvml`, ...).
     pub item: String,
-    pub status: Status,
+    pub status: ItemStatus,
     /// What was found, or why it is missing or refused: the kernel's own words where
     /// it answered.
     pub detail: String,
@@ -41,8 +41,8 @@ pub struct Finding {
     pub fix: Option<String>,
 }
 
-impl Finding {
-    pub fn new(item: impl Into<String>, status: Status, detail: impl Into<String>) -> Self {
+impl CheckedItem {
+    pub fn new(item: impl Into<String>, status: ItemStatus, detail: impl Into<String>) -> Self {
         Self {
             item: item.into(),
             status,
@@ -52,7 +52,7 @@ impl Finding {
     }
 
     pub fn ok(item: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self::new(item, Status::Ok, detail)
+        Self::new(item, ItemStatus::Ok, detail)
     }
 
     pub fn with_fix(mut self, fix: impl Into<String>) -> Self {
@@ -60,16 +60,16 @@ impl Finding {
         self
     }
 
-    /// Whether it is [`Status::Ok`].
+    /// Whether it is [`ItemStatus::Ok`].
     pub fn found(&self) -> bool {
-        self.status == Status::Ok
+        self.status == ItemStatus::Ok
     }
 
     /// Its one line of text: control characters (a verifier's newlines, a path a user
     /// chose) shown escaped, so that an item stays one line.
     pub fn line(&self) -> String {
         let fix = match &self.fix {
-            Some(fix) if self.status != Status::Ok => format!(" (fix: {fix})"),
+            Some(fix) if self.status != ItemStatus::Ok => format!(" (fix: {fix})"),
             _ => String::new(),
         };
         let text = format!(
@@ -93,9 +93,13 @@ mod tests {
 
     #[test]
     fn a_line_is_one_line_and_shows_the_fix_only_when_needed() {
-        let refused = Finding::new("tier lsm", Status::Warn, "refused:\nEPERM").with_fix("boot");
-        assert_eq!(refused.line(), "warn tier lsm         refused:\\nEPERM (fix: boot)");
-        let fine = Finding::ok("btf", "present").with_fix("unused");
+        let refused =
+            CheckedItem::new("tier lsm", ItemStatus::Warn, "refused:\nEPERM").with_fix("boot");
+        assert_eq!(
+            refused.line(),
+            "warn tier lsm         refused:\\nEPERM (fix: boot)"
+        );
+        let fine = CheckedItem::ok("btf", "present").with_fix("unused");
         assert_eq!(fine.line(), "ok   btf              present");
         assert!(fine.found() && !refused.found());
     }
