@@ -47,8 +47,24 @@ pub fn checkup(asked: &Asked) -> Checkup {
         Err(why) => CheckedItem::new("configuration", ItemStatus::Fail, why.clone())
             .with_fix("see docs/reference.md for how the flags combine"),
     });
-    let (kernel, outcome) = kernel_checks::check(asked.events.as_ref(), private_mounts::enter());
-    items.extend(kernel);
+    let outcome = match &asked.mode {
+        Ok(_) => {
+            let probe = private_mounts::enter();
+            let (kernel, outcome) = kernel_checks::check(asked.events.as_ref(), probe);
+            items.extend(kernel);
+            outcome
+        }
+        // Flags `enforce` refuses load nothing there either: fixed first, they are
+        // what the kernel is asked about.
+        Err(_) => {
+            items.push(CheckedItem::new(
+                "kernel",
+                ItemStatus::Absent,
+                "not asked: programs are loaded for a configuration enforce accepts",
+            ));
+            kernel_checks::TierOutcome::default()
+        }
+    };
     let (nvml, beside_nvml) = gpu_checks::nvml(&asked.nvml_lib);
     items.push(nvml);
     let cuda_libs = asked.events.as_ref().map_or(&[][..], |s| &s.cuda_libs);

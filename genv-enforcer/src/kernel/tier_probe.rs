@@ -21,9 +21,10 @@ use super::cuda::{self, AllocProbes, RefusalAtAlloc};
 use super::error::{LoadError, chain};
 use super::loader::{LoadOptions, with_object};
 use super::open_tiers::{EXIT_TRACEPOINTS, active_lsms};
+use super::relocation;
 use super::tier::Tier;
 use super::tracefs;
-use super::trampoline::{self, Hook, Targets};
+use super::trampoline::{self, Targets};
 
 /// The kernel's answers, best tier first.
 #[derive(Debug)]
@@ -45,13 +46,14 @@ pub fn ask(options: &LoadOptions) -> Result<KernelAnswers, LoadError> {
     let lsms = active_lsms();
     let tracefs_root = tracefs::ensure_mounted()?;
     with_object(options, |mut ebpf, object, _| {
+        let mut trampolines = load_trampolines(&ebpf, object).into_iter();
+        let mut next = || trampolines.next().unwrap_or(Err("not loaded".to_owned()));
         let tiers = Tier::BEST_FIRST
             .iter()
             .map(|&tier| {
                 let answer = match tier {
-                    Tier::Lsm => lsm(&ebpf, object, lsms.as_deref()),
-                    Tier::FmodRet => load_trampoline(&ebpf, object, trampoline::FMOD_RET),
-                    Tier::Fentry => load_trampoline(&ebpf, object, trampoline::FENTRY),
+                    Tier::Lsm => lsm(next(), lsms.as_deref()),
+                    Tier::FmodRet | Tier::Fentry => next(),
                     Tier::Tracepoint => load_tracepoints(&mut ebpf, &tracefs_root),
                 };
                 (tier, answer)
@@ -67,8 +69,8 @@ pub fn ask(options: &LoadOptions) -> Result<KernelAnswers, LoadError> {
     })
 }
 
-/// The LSM tier: its program loaded, and the BPF LSM active to run it.
-fn lsm(ebpf: &Ebpf, object: (&[u8], &Targets), lsms: Option<&str>) -> Result<String, String> {
+/// The LSM tier: its program loaded (`loaded`), and the BPF LSM active to run it.
+fn lsm(loaded: Result<String, String>, lsms: Option<&str>) -> Result<String, String> {
     let active = match lsms {
         Some(list) if list.split(',').any(|lsm| lsm.trim() == "bpf") => Ok(()),
         Some(list) => Err(format!(
@@ -77,7 +79,7 @@ fn lsm(ebpf: &Ebpf, object: (&[u8], &Targets), lsms: Option<&str>) -> Result<Str
         )),
         None => Err("/sys/kernel/security/lsm cannot be read".to_owned()),
     };
-    match (load_trampoline(ebpf, object, trampoline::LSM), active) {
+    match (loaded, active) {
         (Ok(done), Ok(())) => Ok(format!("{done}; bpf is in the active LSMs")),
         (Ok(done), Err(why)) => Err(format!("{done}, but {why}: it would never run")),
         (Err(refused), Ok(())) => Err(refused),
@@ -85,22 +87,31 @@ fn lsm(ebpf: &Ebpf, object: (&[u8], &Targets), lsms: Option<&str>) -> Result<Str
     }
 }
 
-/// A trampoline tier's program loaded against its target, and unloaded.
-fn load_trampoline(
+/// The trampoline tiers' programs (lsm, fmod_ret, fentry, in that order), relocated
+/// once and each loaded against its target, then unloaded.
+fn load_trampolines(
     ebpf: &Ebpf,
     (bytes, targets): (&[u8], &Targets),
-    hook: Hook,
-) -> Result<String, String> {
-    let target = targets.id(&hook).map_err(|e| e.to_string())?;
-    let (instructions, license) =
-        trampoline::relocated(ebpf, bytes, hook.program).map_err(|e| e.to_string())?;
-    let program = trampoline::load(&instructions, &license, hook, target)
-        .map_err(|e| one_line(&e.to_string()))?;
-    drop(program);
-    Ok(format!(
-        "{} loaded and verified on {}, then unloaded (not attached)",
-        hook.program, hook.target
-    ))
+) -> Vec<Result<String, String>> {
+    let hooks = [trampoline::LSM, trampoline::FMOD_RET, trampoline::FENTRY];
+    let programs = match relocation::relocated(ebpf, bytes, &hooks.map(|h| h.program)) {
+        Ok(programs) => programs,
+        Err(e) => return hooks.map(|_| Err(e.to_string())).into(),
+    };
+    hooks
+        .into_iter()
+        .zip(programs)
+        .map(|(hook, (instructions, license))| {
+            let target = targets.id(&hook).map_err(|e| e.to_string())?;
+            let program = trampoline::load(&instructions, &license, hook, target)
+                .map_err(|e| one_line(&e.to_string()))?;
+            drop(program);
+            Ok(format!(
+                "{} loaded and verified on {}, then unloaded (not attached)",
+                hook.program, hook.target
+            ))
+        })
+        .collect()
 }
 
 /// The tracepoint tier's programs loaded and unloaded, and the tracepoint it cannot do
