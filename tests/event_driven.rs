@@ -747,11 +747,15 @@ fn kernel_doctor_names_the_tier_this_kernel_gives_and_why_better_ones_are_refuse
         .collect();
     assert_eq!(refused[..at], TIERS[..at], "{json:#}");
 
-    // Forced onto a tier the kernel refuses, else (every tier loads) flags that do not
-    // go together: not ready, exit 5.
+    // Forced onto a tier the kernel refuses (with the libcuda probes asked for, loaded
+    // too), else (every tier loads) flags that do not go together, which load nothing:
+    // not ready, exit 5.
     let (args, failing): (&[&str], &str) = match at {
         0 => (&["--deny"], "FAIL configuration"),
-        _ => (&["--bpf-tier", TIERS[0]], "FAIL event-driven"),
+        _ => (
+            &["--bpf-tier", TIERS[0], "--memory-at-alloc", "kill"],
+            "FAIL event-driven",
+        ),
     };
     let (code, text) = doctor(args);
     assert_eq!(code, Some(5), "{text}");
@@ -763,6 +767,17 @@ fn kernel_doctor_names_the_tier_this_kernel_gives_and_why_better_ones_are_refuse
             .starts_with("verdict: not ready: "),
         "{text}"
     );
+    if at > 0 {
+        let item = |l: &&str| {
+            l.get(5..)
+                .is_some_and(|r| r.starts_with("memory-at-alloc "))
+        };
+        let probes = text.lines().find(item).unwrap();
+        assert!(
+            probes.starts_with("ok ") && probes.contains("bpf_send_signal"),
+            "{probes}"
+        );
+    }
 
     assert!(!pins.exists(), "doctor made {}", pins.display());
     assert_eq!(kernel_mounts(), mounts);

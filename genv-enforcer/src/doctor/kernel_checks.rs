@@ -32,7 +32,8 @@ pub fn check(
         Err(why) => KernelAnswers {
             tiers: Tier::BEST_FIRST.map(|t| (t, Err(why.clone()))).into(),
             lsms: None,
-            memory_at_alloc: Err(why),
+            memory_at_alloc: Some(Err(why)),
+            uprobe_events: false,
         },
     };
     findings.push(lsm_finding(answers.lsms.as_deref()));
@@ -48,7 +49,10 @@ pub fn check(
             Err(why) => outcome.refused.push((*tier, why.clone())),
         }
     }
-    findings.push(memory_at_alloc_finding(settings, &answers.memory_at_alloc));
+    findings.push(match &answers.memory_at_alloc {
+        Some(loaded) => memory_at_alloc_finding(settings, loaded),
+        None => memory_at_alloc_not_asked(answers.uprobe_events),
+    });
     findings.push(configured_tier_finding(settings, &outcome));
     (findings, outcome)
 }
@@ -162,6 +166,23 @@ fn memory_at_alloc_finding(
         )
         .with_fix("a kernel with uprobes (CONFIG_UPROBE_EVENTS) and bpf_send_signal (5.3+)"),
     }
+}
+
+/// `--memory-at-alloc off`: its probes are not loaded (a dozen programs to verify);
+/// what the kernel offers them is said all the same.
+fn memory_at_alloc_not_asked(uprobe_events: bool) -> CheckedItem {
+    let uprobes = match uprobe_events {
+        true => "tracefs has uprobe_events",
+        false => "tracefs has no uprobe_events (CONFIG_UPROBE_EVENTS)",
+    };
+    CheckedItem::new(
+        "memory-at-alloc",
+        ItemStatus::Absent,
+        format!(
+            "not asked, its probes not loaded ({uprobes}); with --memory-at-alloc kill or \
+             refuse, doctor loads them here"
+        ),
+    )
 }
 
 /// What the configuration's `--bpf-tier` gets here.

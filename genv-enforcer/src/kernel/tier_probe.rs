@@ -33,13 +33,17 @@ pub struct KernelAnswers {
     pub tiers: Vec<(Tier, Result<String, String>)>,
     /// `/sys/kernel/security/lsm`, where it could be read.
     pub lsms: Option<String>,
-    /// `--memory-at-alloc`'s probes: loaded (and whether their refusing forms were), or
-    /// why not.
-    pub memory_at_alloc: Result<RefusalAtAlloc, String>,
+    /// `--memory-at-alloc`'s probes, where the options ask for them: loaded (and
+    /// whether their refusing forms were), or why not.
+    pub memory_at_alloc: Option<Result<RefusalAtAlloc, String>>,
+    /// Whether tracefs has `uprobe_events` (the kernel's uprobes, which the probes
+    /// are attached through).
+    pub uprobe_events: bool,
 }
 
-/// Loads and unloads every tier's programs and the libcuda probes, as `options` sizes
-/// the object (its `choice` and `pin_dir` are not used: every tier is asked, nothing is
+/// Loads and unloads every tier's programs, and the libcuda probes where `options` asks
+/// for them (each costs verifying time: a dozen programs), as `options` sizes the
+/// object (its `choice` and `pin_dir` are not used: every tier is asked, nothing is
 /// pinned). An error is one the daemon would meet before any tier (BTF, tracefs, the
 /// object): every tier is refused for it.
 pub fn ask(options: &LoadOptions) -> Result<KernelAnswers, LoadError> {
@@ -59,12 +63,14 @@ pub fn ask(options: &LoadOptions) -> Result<KernelAnswers, LoadError> {
                 (tier, answer)
             })
             .collect();
-        let memory_at_alloc = memory_at_alloc(&mut ebpf);
+        let memory_at_alloc =
+            (options.memory_at_alloc != AllocProbes::Off).then(|| memory_at_alloc(&mut ebpf));
         // Dropping `ebpf` here unloads the probes and frees every map it made.
         Ok(KernelAnswers {
             tiers,
             lsms: lsms.clone(),
             memory_at_alloc,
+            uprobe_events: tracefs_root.join("uprobe_events").exists(),
         })
     })
 }
