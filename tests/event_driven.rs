@@ -694,6 +694,12 @@ fn kernel_doctor_names_the_tier_this_kernel_gives_and_why_better_ones_are_refuse
         .unwrap_or_else(|| panic!("no tier in the verdict: {text}"));
     assert_eq!(code, Some(0), "{text}");
     assert!(verdict.starts_with("verdict: ready: "), "{text}");
+    // Straight to stderr: libtest keeps a passing test's output, and a run should show
+    // what each kernel answered.
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!("[doctor]\n{text}").as_bytes(),
+    );
     let at = TIERS
         .iter()
         .position(|t| *t == chosen)

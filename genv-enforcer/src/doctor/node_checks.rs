@@ -45,11 +45,13 @@ pub fn state_dir(dir: &Path) -> CheckedItem {
                 .with_fix("make it readable by root (GENV_TMPDIR names it)");
         }
     };
-    let owner = users::display_name(meta.uid());
+    let owner = match users::name_of(meta.uid()) {
+        Some(name) => format!("{name} (uid {})", meta.uid()),
+        None => format!("uid {}", meta.uid()),
+    };
     let seen = format!(
-        "{}: owner {owner} (uid {}), mode {:04o}",
+        "{}: owner {owner}, mode {:04o}",
         dir.display(),
-        meta.uid(),
         meta.mode() & 0o7777
     );
     match StateDir::new(dir).open_checked() {

@@ -51,6 +51,7 @@ pub fn ask(options: &LoadOptions) -> Result<KernelAnswers, LoadError> {
     let tracefs_root = tracefs::ensure_mounted()?;
     with_object(options, |mut ebpf, object, _| {
         let mut trampolines = load_trampolines(&ebpf, object).into_iter();
+        // In BEST_FIRST's order, as `load_trampolines` returns them.
         let mut next = || trampolines.next().unwrap_or(Err("not loaded".to_owned()));
         let tiers = Tier::BEST_FIRST
             .iter()
