@@ -28,10 +28,11 @@ pub struct RefusedTier {
 impl Checkup {
     /// `event_driven`: whether the configuration loads kernel programs.
     pub fn new(items: Vec<CheckedItem>, outcome: TierOutcome, event_driven: bool) -> Self {
-        let failed: Vec<&str> = items
+        // Each failing item with what it found: the verdict alone says what to fix.
+        let failed: Vec<String> = items
             .iter()
             .filter(|f| f.status == ItemStatus::Fail)
-            .map(|f| f.item.as_str())
+            .map(|f| format!("{}: {}", f.item, f.detail))
             .collect();
         let ready = failed.is_empty();
         let tier = outcome
@@ -51,7 +52,7 @@ impl Checkup {
         };
         let verdict = match ready {
             true => format!("ready: this configuration runs here: {runs_on}"),
-            false => format!("not ready: {} ({runs_on})", failed.join(", ")),
+            false => format!("not ready: {}", failed.join("; ")),
         };
         let refused = outcome
             .refused
@@ -104,11 +105,7 @@ mod tests {
         let checkup = Checkup::new(items, outcome, true);
         assert!(!checkup.ready);
         assert_eq!(checkup.tier.as_deref(), Some("tracepoint"));
-        assert!(
-            checkup.verdict.starts_with("not ready: root "),
-            "{}",
-            checkup.verdict
-        );
+        assert_eq!(checkup.verdict, "not ready: root: uid 1000");
         let json: serde_json::Value = serde_json::from_str(&checkup.json()).unwrap();
         assert_eq!(json["refused"][0]["tier"], "lsm");
         assert_eq!(json["items"][1]["status"], "fail");
