@@ -21,7 +21,7 @@ use genv_enforcer_tests::{rust_files, workspace_root};
 /// was done to their processes and why, sits low: it needs only the backends and the
 /// snapshot's index formatting, and the rules, the report, the executor and the kernel's
 /// side all report through it.
-const LAYERS: [&str; 22] = [
+const LAYERS: [&str; 23] = [
     "warn_once",
     "clock",
     "exit_code",
@@ -43,6 +43,7 @@ const LAYERS: [&str; 22] = [
     "react",
     "daemon",
     "remote",
+    "doctor",
     "cli",
 ];
 

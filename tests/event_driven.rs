@@ -646,3 +646,145 @@ fn kernel_a_tier_the_kernel_refuses_is_an_error_when_forced_naming_why() {
         );
     }
 }
+
+/// The mounts a daemon makes where the system has not (tracefs, securityfs, bpffs), as
+/// this process's mount namespace has them.
+fn kernel_mounts() -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| {
+            [" - tracefs ", " - securityfs ", " - bpf "]
+                .iter()
+                .any(|t| l.contains(t))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `doctor` loads every tier for real and says which one the configuration gets on this
+/// kernel, and why each better one was refused, in the kernel's words: the tracepoint
+/// tier on this machine's 6.18 (lsm, fmod_ret and fentry: EPERM), lsm in the VM's
+/// kernels booted with the BPF LSM. `--json` carries the same verdict; a forced tier
+/// the kernel refuses, or flags that do not go together, exit 5. Nothing is pinned
+/// (with `--keep-pinned` asked), and nothing is mounted where anyone else sees it.
+#[test]
+fn kernel_doctor_names_the_tier_this_kernel_gives_and_why_better_ones_are_refused() {
+    let (node, _gpu) = node();
+    let pins = node.dir.join("pins");
+    let doctor = |extra: &[&str]| {
+        let args = ["doctor", "--event-driven", "--keep-pinned", "--pin-dir"];
+        let out = node
+            .enforcer()
+            .args(args)
+            .arg(&pins)
+            .args(extra)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        (out.status.code(), text)
+    };
+    let mounts = kernel_mounts();
+    let (code, text) = doctor(&[]);
+    let verdict = text.lines().last().unwrap_or_default().to_owned();
+    let chosen = verdict
+        .split("event-driven on the ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("no tier in the verdict: {text}"));
+    assert_eq!(code, Some(0), "{text}");
+    assert!(verdict.starts_with("verdict: ready: "), "{text}");
+    // Straight to stderr: libtest keeps a passing test's output, and a run should show
+    // what each kernel answered.
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!("[doctor]\n{text}").as_bytes(),
+    );
+    let at = TIERS
+        .iter()
+        .position(|t| *t == chosen)
+        .expect("a known tier");
+    for tier in TIERS {
+        let line = text
+            .lines()
+            .find(|l| l.contains(&format!(" tier {tier} ")))
+            .unwrap_or_else(|| panic!("no line for {tier}: {text}"));
+        let refused = line.split(" refused: ").nth(1);
+        if TIERS[..at].contains(&tier) {
+            // The kernel's answer: its errno at the load, or the LSM list without bpf.
+            let why = refused.unwrap_or_else(|| panic!("{tier} not refused: {line}"));
+            assert!(
+                why.contains("os error") || why.contains("not active"),
+                "{line}"
+            );
+        } else if tier == chosen {
+            assert!(
+                line.starts_with("ok ") && line.contains("not attached"),
+                "{line}"
+            );
+        }
+    }
+    let requested = requested_tier();
+    if requested != "auto" {
+        let rank = TIERS
+            .iter()
+            .position(|t| *t == requested)
+            .expect("a known tier");
+        assert!(
+            at <= rank,
+            "doctor chose {chosen}, the test runs on {requested}"
+        );
+    }
+
+    let (code, json) = doctor(&["--json"]);
+    let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(code, Some(0));
+    assert_eq!(json["ready"], true);
+    assert_eq!(json["tier"], chosen);
+    assert_eq!(
+        format!("verdict: {}", json["verdict"].as_str().unwrap()),
+        verdict
+    );
+    let refused: Vec<&str> = json["refused"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["tier"].as_str().unwrap())
+        .collect();
+    assert_eq!(refused[..at], TIERS[..at], "{json:#}");
+
+    // Forced onto a tier the kernel refuses (with the libcuda probes asked for, loaded
+    // too), else (every tier loads) flags that do not go together, which load nothing:
+    // not ready, exit 5.
+    let (args, failing): (&[&str], &str) = match at {
+        0 => (&["--deny"], "FAIL configuration"),
+        _ => (
+            &["--bpf-tier", TIERS[0], "--memory-at-alloc", "kill"],
+            "FAIL event-driven",
+        ),
+    };
+    let (code, text) = doctor(args);
+    assert_eq!(code, Some(5), "{text}");
+    assert!(text.lines().any(|l| l.starts_with(failing)), "{text}");
+    assert!(
+        text.lines()
+            .last()
+            .unwrap()
+            .starts_with("verdict: not ready: "),
+        "{text}"
+    );
+    if at > 0 {
+        let item = |l: &&str| {
+            l.get(5..)
+                .is_some_and(|r| r.starts_with("memory-at-alloc "))
+        };
+        let probes = text.lines().find(item).unwrap();
+        assert!(
+            probes.starts_with("ok ") && probes.contains("bpf_send_signal"),
+            "{probes}"
+        );
+    }
+
+    assert!(!pins.exists(), "doctor made {}", pins.display());
+    assert_eq!(kernel_mounts(), mounts);
+}

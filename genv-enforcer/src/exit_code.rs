@@ -7,3 +7,6 @@
 pub const NOT_RUNNING: u8 = 3;
 /// The daemon runs, but its status was not written for longer than `--max-age`.
 pub const STUCK: u8 = 4;
+/// `doctor`: the configuration cannot run here as asked (its verdict says which item
+/// fails).
+pub const NOT_READY: u8 = 5;

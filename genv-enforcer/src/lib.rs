@@ -18,7 +18,7 @@
 //! Each module uses only modules below it in the layering that `tests/architecture.rs`
 //! checks (warn_once, clock, exit_code, limits, backends, state, snapshot, notify,
 //! rules, report, actions, cycle, kernel, intake, service, alloc, sync, react, daemon,
-//! remote, cli), and no file uses a sibling
+//! remote, doctor, cli), and no file uses a sibling
 //! that uses it back. What the enforcer did is told to the users it did it to through
 //! [`notify`].
 
@@ -29,6 +29,7 @@ pub mod cli;
 pub mod clock;
 pub mod cycle;
 pub mod daemon;
+pub mod doctor;
 pub mod exit_code;
 pub mod genv_lines;
 pub mod intake;

@@ -80,6 +80,16 @@ pub enum Command {
         #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_RUN_DIR", default_value = DEFAULT_RUN_DIR)]
         run_dir: PathBuf,
     },
+    /// What this node allows and what the configuration (enforce's flags, --config)
+    /// would get here, without a daemon and changing nothing; exit 5 when it cannot run
+    /// as asked.
+    Doctor {
+        /// Print the report as one JSON object (the same items and verdict).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        enforce: EnforceArgs,
+    },
     /// Remove the programs and maps an enforcer left pinned (--keep-pinned): the kernel
     /// stops deciding about GPU opens until an enforcer runs again.
     Unpin {

@@ -93,7 +93,7 @@ fn scalar(value: &toml::Value) -> Option<OsString> {
 }
 
 /// `argv` with `enforce --config FILE`'s flags put right after `enforce` (the command
-/// line's own, after them, win). Other commands are left as they are.
+/// line's own, after them, win); `doctor`'s alike. Other commands are left as they are.
 pub fn expand(argv: &[OsString]) -> Result<Vec<OsString>, ConfigFileError> {
     // Global flags (`--log-format X`) may come before the command.
     let mut at = 1;
@@ -104,7 +104,8 @@ pub fn expand(argv: &[OsString]) -> Result<Vec<OsString>, ConfigFileError> {
             _ => break,
         }
     }
-    if argv.get(at).is_none_or(|a| a != "enforce") {
+    // `doctor` reads the configuration as `enforce` does.
+    if argv.get(at).is_none_or(|a| a != "enforce" && a != "doctor") {
         return Ok(argv.to_vec());
     }
     let mut path = None;
@@ -336,6 +337,27 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// `doctor` checks the configuration `enforce` would run: the same file, read alike.
+    #[test]
+    fn doctor_reads_the_file_as_enforce_does() {
+        let path = file("event-driven = true\nbpf-tier = \"tracepoint\"\n");
+        let argv: Vec<OsString> = ["genv-enforcer", "doctor", "--json", "--config"]
+            .into_iter()
+            .map(OsString::from)
+            .chain([path.clone().into_os_string()])
+            .collect();
+        let cli = super::super::args::Cli::try_parse_from(expand(&argv).unwrap()).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let super::super::args::Command::Doctor { json, enforce } = cli.command else {
+            panic!("not doctor: {:?}", cli.command);
+        };
+        assert!(json && enforce.events.event_driven);
+        assert_eq!(
+            enforce.events.bpf_tier,
+            Some(crate::kernel::TierChoice::Tracepoint)
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@ pub mod args;
 mod ascii_stderr;
 pub mod config;
 pub mod config_file;
+mod doctor;
 pub mod logging;
 mod remote;
 pub mod remote_args;
@@ -98,6 +99,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             usage_watch(poll_interval, heartbeat, bpf_tier, gpu_node, &sources)
         }
         Command::Unpin { pin_dir } => unpin(&pin_dir),
+        Command::Doctor { json, enforce } => Ok(doctor::run(enforce, json)),
         Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
             session_end::end_with_reader();
             usage_snapshot(part, &sources)

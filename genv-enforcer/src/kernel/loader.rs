@@ -110,46 +110,9 @@ pub struct ProgramStats {
 impl KernelPrograms {
     /// Loads everything; `options.choice` must not be `None`.
     pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
-        let tracefs_root = tracefs::ensure_mounted()?;
-        // All the programs need of the kernel's BTF, read once and freed before aya
-        // loads the object (aya itself is kept from reading it: `ebpf_loader`).
-        let (offsets, targets) = {
-            let btf = Btf::from_sys_fs().map_err(OffsetsError::from)?;
-            let offsets = offsets::for_running_kernel(&btf, &tracefs_root)?;
-            (offsets, Targets::find(&btf))
-        };
-
-        let mut loader = ebpf_loader::without_kernel_btf();
-        loader.override_global(OFFSETS_GLOBAL, &offsets, true);
-        let log_level: u8 = if options.log_decisions {
-            LOG_LEVEL_INFO
-        } else {
-            0
-        };
-        loader.override_global(LOG_LEVEL_GLOBAL, &log_level, true);
-        cuda::size_maps(
-            &mut loader,
-            options.memory_at_alloc != cuda::AllocProbes::Off,
-        );
-        if let Some(bytes) = options.ring_bytes {
-            loader.map_max_entries(EVENTS_MAP, bytes);
-        }
-        // Sized for every process the machine can have, and allocated as processes come
-        // where the kernel allows (6.1): preallocated, the capacity costs ~50 bytes a
-        // process whether they exist or not, so there it stays bounded.
-        let lazy = match object::lazy_maps_supported() {
-            true => Some(object::with_lazy_map(OBJECT, PROC_ENV_MAP).map_err(LoadError::Object)?),
-            false => None,
-        };
-        let processes = lifecycle::process_capacity(lazy.is_some());
-        loader.map_max_entries(PROC_ENV_MAP, processes);
-        let bytes = lazy.as_ref().map_or(OBJECT, |o| o.bytes());
-        let ebpf = loader
-            .load(bytes)
-            .map_err(|e| LoadError::Object(chain(&e)))?;
-        let loaded = Self::attach(ebpf, (bytes, &targets), options, processes);
-        object::release_pages();
-        loaded
+        with_object(options, |ebpf, object, processes| {
+            Self::attach(ebpf, object, options, processes)
+        })
     }
 
     /// Attaches the loaded programs (`object`: the bytes they were loaded from, and the
@@ -262,4 +225,54 @@ impl KernelPrograms {
         }
         skipped
     }
+}
+
+/// The embedded object as `options` sizes it, its maps created and no program loaded
+/// yet, handed to `then` with the bytes it was loaded from, the trampoline tiers'
+/// targets and the identity map's capacity: the daemon attaches from there, `doctor`
+/// only loads ([`super::tier_probe`]).
+pub(super) fn with_object<T>(
+    options: &LoadOptions,
+    then: impl FnOnce(Ebpf, (&[u8], &Targets), u32) -> Result<T, LoadError>,
+) -> Result<T, LoadError> {
+    let tracefs_root = tracefs::ensure_mounted()?;
+    // All the programs need of the kernel's BTF, read once and freed before aya
+    // loads the object (aya itself is kept from reading it: `ebpf_loader`).
+    let (offsets, targets) = {
+        let btf = Btf::from_sys_fs().map_err(OffsetsError::from)?;
+        let offsets = offsets::for_running_kernel(&btf, &tracefs_root)?;
+        (offsets, Targets::find(&btf))
+    };
+
+    let mut loader = ebpf_loader::without_kernel_btf();
+    loader.override_global(OFFSETS_GLOBAL, &offsets, true);
+    let log_level: u8 = if options.log_decisions {
+        LOG_LEVEL_INFO
+    } else {
+        0
+    };
+    loader.override_global(LOG_LEVEL_GLOBAL, &log_level, true);
+    cuda::size_maps(
+        &mut loader,
+        options.memory_at_alloc != cuda::AllocProbes::Off,
+    );
+    if let Some(bytes) = options.ring_bytes {
+        loader.map_max_entries(EVENTS_MAP, bytes);
+    }
+    // Sized for every process the machine can have, and allocated as processes come
+    // where the kernel allows (6.1): preallocated, the capacity costs ~50 bytes a
+    // process whether they exist or not, so there it stays bounded.
+    let lazy = match object::lazy_maps_supported() {
+        true => Some(object::with_lazy_map(OBJECT, PROC_ENV_MAP).map_err(LoadError::Object)?),
+        false => None,
+    };
+    let processes = lifecycle::process_capacity(lazy.is_some());
+    loader.map_max_entries(PROC_ENV_MAP, processes);
+    let bytes = lazy.as_ref().map_or(OBJECT, |o| o.bytes());
+    let ebpf = loader
+        .load(bytes)
+        .map_err(|e| LoadError::Object(chain(&e)))?;
+    let done = then(ebpf, (bytes, &targets), processes);
+    object::release_pages();
+    done
 }

@@ -68,7 +68,7 @@ fn attach_compat_opens(ebpf: &mut Ebpf, ids: &mut Vec<Attached>) {
 /// The kernel's active LSMs, mounting securityfs first where nothing did (a minimal
 /// system, a VM's init). A BPF LSM program loads and attaches even where the BPF LSM is
 /// not active, and then never runs: this list is the only way to know.
-fn active_lsms() -> Option<String> {
+pub(super) fn active_lsms() -> Option<String> {
     const SECURITYFS: &str = "/sys/kernel/security";
     let list = std::path::Path::new(SECURITYFS).join("lsm");
     if !list.exists() {
@@ -132,6 +132,15 @@ fn attach_trampoline(
     Ok(())
 }
 
+/// The tracepoint tier's programs, and the `syscalls` tracepoint each is attached to.
+pub(super) const EXIT_TRACEPOINTS: [(&str, &str); 5] = [
+    ("open_exit_at", "sys_exit_openat"),
+    ("open_exit_at2", "sys_exit_openat2"),
+    ("open_exit_open", "sys_exit_open"),
+    ("open_exit_creat", "sys_exit_creat"),
+    ("open_exit_by_handle", "sys_exit_open_by_handle_at"),
+];
+
 /// The tracepoint tier: the exits of every syscall that opens a file, and (for `--deny`)
 /// 32-bit opens. `openat` is required; an architecture may lack the others.
 fn attach_exit_tracepoints(
@@ -142,13 +151,7 @@ fn attach_exit_tracepoints(
     let describe = |e: ProgramError| chain(&e);
     let mut attached = 0;
     let mut missing = Vec::new();
-    for (program, name) in [
-        ("open_exit_at", "sys_exit_openat"),
-        ("open_exit_at2", "sys_exit_openat2"),
-        ("open_exit_open", "sys_exit_open"),
-        ("open_exit_creat", "sys_exit_creat"),
-        ("open_exit_by_handle", "sys_exit_open_by_handle_at"),
-    ] {
+    for (program, name) in EXIT_TRACEPOINTS {
         let tp: &mut TracePoint = program_mut(ebpf, program)
             .map_err(|e| e.to_string())?
             .try_into()

@@ -14,20 +14,18 @@
 //! with `bpf()` directly. The programs call no subprogram (their decision is inlined), so
 //! they need no BTF of their own: only the target's id in the kernel's BTF.
 
-use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
 use aya::Ebpf;
-use aya::maps::{Map, MapData};
 use aya_obj::generated::{
     bpf_attach_type, bpf_attr, bpf_cmd, bpf_insn, bpf_prog_info, bpf_prog_type,
 };
 
 use super::btf::Btf;
-use super::error::chain;
+use super::relocation::{RelocationError, relocated};
 use super::verifier_log::LogBuffer;
 
 /// One trampoline tier's program: its name in the object (and in the kernel: under 16
@@ -37,7 +35,7 @@ pub(super) struct Hook {
     pub(super) program: &'static str,
     prog_type: bpf_prog_type,
     attach_type: bpf_attach_type,
-    target: &'static str,
+    pub(super) target: &'static str,
 }
 
 /// The BPF LSM's `file_open` hook: its BTF function is `bpf_lsm_file_open`.
@@ -79,7 +77,7 @@ impl Targets {
         Self(found)
     }
 
-    fn id(&self, hook: &Hook) -> Result<u32, TrampolineError> {
+    pub(super) fn id(&self, hook: &Hook) -> Result<u32, TrampolineError> {
         match self.0.iter().find(|(name, _)| *name == hook.target) {
             Some((_, Ok(id))) => Ok(*id),
             Some((_, Err(why))) => Err(TrampolineError::Target(why.clone())),
@@ -94,18 +92,8 @@ impl Targets {
 /// Why a trampoline program could not be loaded or attached, by step.
 #[derive(Debug, thiserror::Error)]
 pub enum TrampolineError {
-    #[error("parsing the object for {0}: {1}")]
-    Parse(&'static str, String),
-    #[error("{0} is not in the object")]
-    Missing(&'static str),
-    #[error("the object has CO-RE relocations, which the trampoline loader does not apply")]
-    CoRe,
-    #[error("relocating {program}'s {what}: {message}")]
-    Relocate {
-        program: &'static str,
-        what: &'static str,
-        message: String,
-    },
+    #[error(transparent)]
+    Relocation(#[from] RelocationError),
     #[error("finding the target in the kernel's BTF: {0}")]
     Target(String),
     #[error("BPF_PROG_LOAD ({:?} on {}): {error}{log}", hook.attach_type, hook.target)]
@@ -150,7 +138,9 @@ pub(super) fn load_and_attach(
     targets: &Targets,
 ) -> Result<(u32, Link), TrampolineError> {
     let target = targets.id(&hook)?;
-    let (instructions, license) = relocated(ebpf, object, hook.program)?;
+    let (instructions, license) = relocated(ebpf, object, &[hook.program])?
+        .pop()
+        .ok_or(RelocationError::Missing(hook.program))?;
     let program = load(&instructions, &license, hook, target)?;
     let id = info(program.as_fd().as_raw_fd())
         .map_err(|e| TrampolineError::Info(hook.program, e))?
@@ -164,58 +154,10 @@ pub(super) fn load_and_attach(
     Ok((id, Link(link)))
 }
 
-/// The program's instructions, relocated against `ebpf`'s maps as aya relocates its
-/// own programs, with the functions it calls linked in after it (`memcpy`, for
-/// `--bpf-log`'s records), and its license.
-fn relocated(
-    ebpf: &Ebpf,
-    object: &[u8],
-    name: &'static str,
-) -> Result<(Vec<bpf_insn>, CString), TrampolineError> {
-    let mut obj =
-        aya_obj::Object::parse(object).map_err(|e| TrampolineError::Parse(name, chain(&e)))?;
-    let program = obj
-        .programs
-        .get(name)
-        .ok_or(TrampolineError::Missing(name))?;
-    let (key, license) = (program.function_key(), program.license.clone());
-    if obj.has_btf_relocations() {
-        return Err(TrampolineError::CoRe);
-    }
-    let fds: HashMap<&str, RawFd> = ebpf
-        .maps()
-        .map(|(name, map)| (name, map_data(map).fd().as_fd().as_raw_fd()))
-        .collect();
-    let definitions: Vec<(String, aya_obj::Map)> = obj.maps.drain().collect();
-    let text: HashSet<usize> = obj.functions.keys().map(|&(section, _)| section).collect();
-    // A map the object names and aya did not create fails here, naming it.
-    let maps = definitions
-        .iter()
-        .filter_map(|(name, map)| Some((name.as_str(), *fds.get(name.as_str())?, map)));
-    obj.relocate_maps(maps, &text)
-        .map_err(|e| TrampolineError::Relocate {
-            program: name,
-            what: "map references",
-            message: chain(&e),
-        })?;
-    obj.relocate_calls(&text)
-        .map_err(|e| TrampolineError::Relocate {
-            program: name,
-            what: "calls",
-            message: chain(&e),
-        })?;
-    obj.sanitize_functions(aya::features());
-    let function = obj
-        .functions
-        .remove(&key)
-        .ok_or(TrampolineError::Missing(name))?;
-    Ok((function.instructions, license))
-}
-
 /// `BPF_PROG_LOAD` as `hook` says, on BTF function `target` of vmlinux. Tried without a
 /// verifier log first (the common case, and cheaper); a refusal is tried again with one,
 /// whose end, and that attempt's error, go into the error.
-fn load(
+pub(super) fn load(
     instructions: &[bpf_insn],
     license: &CStr,
     hook: Hook,
@@ -360,42 +302,6 @@ fn bpf_fd(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<OwnedFd> {
     let fd = bpf(cmd, attr)?;
     // SAFETY: a descriptor the kernel just returned, owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-}
-
-/// The map behind any of aya's map kinds.
-fn map_data(map: &Map) -> &MapData {
-    match map {
-        Map::Array(data)
-        | Map::ArrayOfMaps(data)
-        | Map::BloomFilter(data)
-        | Map::CgroupArray(data)
-        | Map::CgroupStorage(data)
-        | Map::CgrpStorage(data)
-        | Map::CpuMap(data)
-        | Map::DevMap(data)
-        | Map::DevMapHash(data)
-        | Map::HashMap(data)
-        | Map::HashOfMaps(data)
-        | Map::InodeStorage(data)
-        | Map::LpmTrie(data)
-        | Map::LruHashMap(data)
-        | Map::PerCpuArray(data)
-        | Map::PerCpuCgroupStorage(data)
-        | Map::PerCpuHashMap(data)
-        | Map::PerCpuLruHashMap(data)
-        | Map::PerfEventArray(data)
-        | Map::ProgramArray(data)
-        | Map::Queue(data)
-        | Map::ReusePortSockArray(data)
-        | Map::RingBuf(data)
-        | Map::SockHash(data)
-        | Map::SockMap(data)
-        | Map::SkStorage(data)
-        | Map::Stack(data)
-        | Map::StackTraceMap(data)
-        | Map::Unsupported(data)
-        | Map::XskMap(data) => data,
-    }
 }
 
 #[cfg(test)]
