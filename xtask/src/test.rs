@@ -66,6 +66,15 @@ fn phases(cargo_args: &[String]) -> Result<()> {
     }
     let options = Options::default();
     let (kernels, guest) = timings::phase("vm build", || vm::prepare(&root(), &options))?;
+    vm_and_host_lanes(&guest, &options, &kernels)
+}
+
+/// The three lanes, side by side, once everything is built; what failed, summed up.
+fn vm_and_host_lanes(
+    guest: &vm::Guest,
+    options: &Options,
+    kernels: &[(vm::Series, vm::Kernel)],
+) -> Result<()> {
     let kernel = |version: &str| {
         (kernels.iter())
             .find(|(series, _)| series.version == version)
@@ -73,41 +82,35 @@ fn phases(cargo_args: &[String]) -> Result<()> {
     };
     let [first, middle, newest] = [kernel("6.1")?, kernel("6.12")?, kernel("7")?];
     let outcome = std::sync::Mutex::new(Outcome { runs: Vec::new() });
-    let boot = |prepared| boot_job(&guest, &options, &outcome, prepared);
+    let boot = |prepared| boot_job(guest, options, &outcome, prepared);
     // One boot at a time may write a kernel's files: 6.1's for its suites and the
     // refusal check, 6.12's for its suites and the systemd boot, each held while it runs.
     let (files_61, files_612) = (std::sync::Mutex::new(()), std::sync::Mutex::new(()));
     let systemd = vm::SYSTEMD_KERNEL;
     let systemd_kernel = kernel(systemd)?;
-    let files_of = |version: &str| {
-        if version == "6.1" {
-            &files_61
-        } else {
-            &files_612
-        }
+    let systemd_files = if systemd == "6.1" {
+        &files_61
+    } else {
+        &files_612
     };
     // Three lanes on two cores: the host's suites mostly wait on processes, and a third
     // lane fills what they leave (`docs/dev/testing.md`, where the time goes). The
     // systemd boot comes after the host's suites, on 6.12's kernel, whose suites are long
     // done by then in lane 1: at the end of lane 1 (on 6.1's kernel) it ran alone on the
     // two cores, and made that lane the longest (1,233 s against 1,054 and 1,082).
+    let systemd_boot = job(format!("vm systemd ({systemd})"), || {
+        vm::systemd_check(guest, systemd_kernel)
+    });
+    let refusal = job("vm refusal check", || vm::refusal_check(guest, &first.1));
     let lanes: Vec<Lane> = vec![
         vec![
             holding(&files_612, boot(middle)),
             holding(&files_61, boot(first)),
-            holding(
-                &files_61,
-                job("vm refusal check", || vm::refusal_check(&guest, &first.1)),
-            ),
+            holding(&files_61, refusal),
         ],
         vec![
             job("host tests", host_tests),
-            holding(
-                files_of(systemd),
-                job(format!("vm systemd ({systemd})"), || {
-                    vm::systemd_check(&guest, systemd_kernel)
-                }),
-            ),
+            holding(systemd_files, systemd_boot),
         ],
         vec![boot(newest)],
     ];
