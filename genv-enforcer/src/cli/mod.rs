@@ -6,6 +6,7 @@ mod ascii_stderr;
 pub mod config;
 pub mod config_file;
 pub mod logging;
+pub mod man;
 mod remote;
 pub mod remote_args;
 mod session_end;
@@ -98,6 +99,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             usage_watch(poll_interval, heartbeat, bpf_tier, gpu_node, &sources)
         }
         Command::Unpin { pin_dir } => unpin(&pin_dir),
+        Command::ManualPages { dir } => man::write(&dir),
         Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
             session_end::end_with_reader();
             usage_snapshot(part, &sources)
