@@ -143,7 +143,9 @@ pub fn files(prefix: Prefix, binary: &Path, enforcer_path: &str) -> Result<Vec<E
 /// from the definitions it parses with, so that every command and flag it has, and
 /// only those, has its page, and nothing written by hand can fall behind.
 pub fn manual_pages(binary: &Path, man_dir: &str) -> Result<Vec<Entry>> {
-    let dir = std::env::temp_dir().join(format!("genv-enforcer-pages-{}", std::process::id()));
+    // In the target directory, the builder's: a name in a shared /tmp could be another
+    // user's link, which root would write through.
+    let dir = (crate::target_dir()?).join(format!("manual-pages-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let written = crate::run(
         std::process::Command::new(binary)
