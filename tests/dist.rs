@@ -1,7 +1,9 @@
 //! `cargo xtask dist`'s four artefacts, as a node gets them: run once per suite (cached
 //! under `target/dist/`, copied here before any test reads them), then checked:
 //! the same bytes from a second run; a binary that needs no glibc above 2.28 and is the
-//! same in all four; `lintian` on the `.deb` with every remaining tag explained; the RPM
+//! same in all four; `lintian` on the `.deb` with every remaining tag explained; a
+//! manual page for every command of the packaged binary, naming every flag, that `man`
+//! finds from the `.deb`'s files (`man genv-enforcer enforce`); the RPM
 //! installed with `rpm --root` holding exactly the `.deb`'s files, as do the tarball and
 //! `cargo xtask install` (the one list, `xtask/src/layout.rs`); and the wheel in a fresh
 //! venv beside genv 1.4.3, whose `genv-enforcer` enforces the demo's scenario.
@@ -186,16 +188,15 @@ fn the_binary_needs_no_glibc_above_2_28_and_is_the_same_in_every_artefact() {
 }
 
 /// lintian's tags on the `.deb` that are explained (the README's packaging note):
-/// no manual pages yet (`--help` is the reference); rustc's `.comment` section; no
+/// rustc's `.comment` section; no
 /// `_FORTIFY_SOURCE` functions (Rust calls none); no init.d script (the daemon's
 /// service is systemd's `Type=notify` unit); and, experimental, the front in `/usr/lib`
 /// (its directory goes first on users' `PATH` and holds only `genv`: where the issue
 /// and `cargo xtask install` put it, `/usr/libexec` would do as well). lintian's spelling
 /// check of the binary is explained only where the word it found is written nowhere in
 /// our sources ([`misspelt_words_are_ours`]).
-const EXPLAINED: [&str; 5] = [
+const EXPLAINED: [&str; 4] = [
     "executable-in-usr-lib",
-    "no-manual-page",
     "binary-has-unneeded-section",
     "hardening-no-fortify-functions",
     "package-supports-alternative-init-but-no-init.d-script",
@@ -262,16 +263,21 @@ fn a_command_lintian_finds_run_by_its_path_is_explained_only_for_ours() {
     assert!(!by_path_only_ours(&both));
 }
 
-#[test]
-fn lintian_finds_nothing_unexplained_in_the_deb() {
-    if Command::new("lintian").arg("--version").output().is_err() {
+/// Debian's `package`, installed unless its `program` answers `--version`.
+fn apt_install(package: &str, program: &str) {
+    if Command::new(program).arg("--version").output().is_err() {
         let status = Command::new("apt-get")
-            .args(["install", "-y", "--no-install-recommends", "lintian"])
+            .args(["install", "-y", "--no-install-recommends", package])
             .env("DEBIAN_FRONTEND", "noninteractive")
             .status()
             .unwrap();
-        assert!(status.success(), "apt-get install lintian failed");
+        assert!(status.success(), "apt-get install {package} failed");
     }
+}
+
+#[test]
+fn lintian_finds_nothing_unexplained_in_the_deb() {
+    apt_install("lintian", "lintian");
     let out = Command::new("lintian")
         .args(["--display-info", "--pedantic", "--display-experimental"])
         .arg(dist().deb())
@@ -298,6 +304,121 @@ fn lintian_finds_nothing_unexplained_in_the_deb() {
         "lintian: {unexplained:?} in\n{said}"
     );
     assert!(!said.lines().any(|l| l.starts_with("E: ")), "{said}");
+}
+
+/// The packaged binary's commands at every depth, as `-h` lists them under
+/// `Commands:` (clap's own `help` left out), each as its words after `genv-enforcer`.
+fn commands(binary: &Path, path: Vec<String>, found: &mut Vec<Vec<String>>) {
+    let help = help(binary, &path);
+    let mut listed = false;
+    for line in help.lines() {
+        if !line.starts_with(' ') {
+            listed = line == "Commands:";
+        } else if let Some(name) = line.split_whitespace().next().filter(|_| listed) {
+            if name != "help" {
+                let sub = [path.clone(), vec![name.to_owned()]].concat();
+                commands(binary, sub, found);
+            }
+        }
+    }
+    found.push(path);
+}
+
+fn help(binary: &Path, path: &[String]) -> String {
+    let out = Command::new(binary).args(path).arg("-h").output().unwrap();
+    assert!(out.status.success(), "{path:?} -h: {out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The flags `-h` lists: each option line's `-v` and `--verbose` (an option line is
+/// indented 2 with a short flag, 6 without; its help follows two spaces on).
+fn flags(help: &str) -> Vec<String> {
+    (help.lines())
+        .filter(|l| l.starts_with("  -") || l.starts_with("      --"))
+        .flat_map(|l| {
+            let spec = l.trim_start().split("  ").next().unwrap();
+            spec.split(", ")
+                .map(|f| f.split([' ', '=', '<', '[']).next().unwrap().to_owned())
+        })
+        .collect()
+}
+
+/// A manual page's text, gzip'd roff: escaped hyphens (`\-`) and font changes out.
+fn page_text(page: &Path) -> String {
+    let roff = output("gzip", &["-dc", page.to_str().unwrap()]);
+    (roff
+        .replace("\\-", "-")
+        .replace("\\fB", "")
+        .replace("\\fI", ""))
+    .replace("\\fR", "")
+}
+
+/// Whether `text` holds `flag` as a whole word (`--deny`, not `--deny-root`).
+fn names_flag(text: &str, flag: &str) -> bool {
+    text.match_indices(flag).any(|(at, _)| {
+        let next = text[at + flag.len()..].chars().next();
+        !next.is_some_and(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    })
+}
+
+/// Every command of the binary the `.deb` ships, nested ones included, has its page in
+/// the `.deb` (`genv-enforcer-remote-enforce.1.gz`), naming every flag its `-h` lists.
+#[test]
+fn every_flag_of_every_command_is_in_its_manual_page() {
+    let tree = deb_tree();
+    let binary = tree.join("usr/bin/genv-enforcer");
+    let mut found = vec![];
+    commands(&binary, vec![], &mut found);
+    assert!(
+        found.contains(&vec!["remote".into(), "enforce".into()]),
+        "{found:?}"
+    );
+    for path in found {
+        let name = [vec!["genv-enforcer".to_owned()], path.clone()]
+            .concat()
+            .join("-");
+        let page = tree.join(format!("usr/share/man/man1/{name}.1.gz"));
+        assert!(page.exists(), "no {}", page.display());
+        let text = page_text(&page);
+        let flags = flags(&help(&binary, &path));
+        assert!(flags.contains(&"--help".to_owned()), "{path:?}: {flags:?}");
+        for flag in flags {
+            assert!(names_flag(&text, &flag), "{name}(1) does not name {flag}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(tree);
+}
+
+/// `man genv-enforcer enforce` (man-db's page for a command's subcommand), `man genv`
+/// and `man 5 genv-enforcer.conf`, from the `.deb`'s files.
+#[test]
+fn man_finds_the_debs_pages_by_command() {
+    apt_install("man-db", "man");
+    let tree = deb_tree();
+    for (words, expected) in [
+        (
+            &["genv-enforcer", "enforce"][..],
+            "genv-enforcer-enforce - Enforce GPU usage",
+        ),
+        (&["genv"], "genv-enforcer's genv-compatible front"),
+        (
+            &["5", "genv-enforcer.conf"],
+            "max-devices-for-user = [USERNAME=MAXIMUM",
+        ),
+    ] {
+        let out = Command::new("man")
+            .arg("-M")
+            .arg(tree.join("usr/share/man"))
+            .args(words)
+            .env("MANWIDTH", "200")
+            .env("LC_ALL", "C.UTF-8")
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "man {words:?}: {out:?}");
+        assert!(said.contains(expected), "man {words:?}:\n{said}");
+    }
+    let _ = std::fs::remove_dir_all(tree);
 }
 
 /// Every non-directory path under `root`, with what it is (a file's hash, a link's
@@ -681,6 +802,9 @@ fn the_wheel_beside_genv_enforces_the_demo_scenario() {
     assert!(venv.join("bin/genv").exists(), "genv is not in the venv");
     let said = output(ours.to_str().unwrap(), &["--version"]);
     assert_eq!(said.trim(), format!("genv-enforcer {VERSION}"));
+    // Its pages, where man-db looks for those of the venv's `bin`.
+    let page = venv.join("share/man/man1/genv-enforcer-enforce.1.gz");
+    assert!(page.exists(), "no {}", page.display());
 
     // The demo: `demo` attached to GPU 0, an outsider and one of `demo`'s processes
     // opening GPU 1, one of `demo`'s on GPU 0 left alone.

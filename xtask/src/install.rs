@@ -10,7 +10,9 @@
 //! - `etc/systemd/system/genv-enforcer.service` (`deploy/systemd`), where systemd is, and
 //!   its `etc/genv-enforcer/config.toml` (`deploy/config.toml`), unless one is there
 //!   (the admin's is kept);
-//! - `usr/local/share/doc/genv-enforcer/`: the README, the copyright and the changelog.
+//! - `usr/local/share/doc/genv-enforcer/`: the README, the copyright and the changelog;
+//! - `usr/local/share/man/man{1,5,8}/`: the manual pages the binary writes
+//!   (`genv-enforcer(1)` and one per command, `genv-enforcer.conf(5)`, `genv(8)`).
 //!
 //! These are [`layout::files`] under the `/usr/local` prefix: the packages (`cargo xtask
 //! dist`) lay down the same list under `/usr`.
@@ -89,7 +91,6 @@ pub fn install(options: &Options) -> Result<()> {
             crate::target_dir()?.join("release/genv-enforcer")
         }
     };
-    let binary = std::fs::read(&binary).with_context(|| format!("reading {}", binary.display()))?;
     let enforcer = options
         .enforcer_path
         .to_str()
@@ -107,8 +108,9 @@ pub fn install(options: &Options) -> Result<()> {
     }
     eprintln!(
         "xtask: installed under {}: {BINARY}, the genv front ({FRONT_DIR}/genv, first on PATH \
-         through {PROFILE}, and {SBIN_LINK}), {UNIT}",
-        root.display()
+         through {PROFILE}, and {SBIN_LINK}), {UNIT}, the manual pages under /{}",
+        root.display(),
+        LOCAL.man_dir()
     );
     Ok(())
 }
@@ -127,6 +129,12 @@ pub fn uninstall(options: &Options) -> Result<()> {
     }
     if is_our_link(root)? {
         std::fs::remove_file(root.join(SBIN_LINK))?;
+    }
+    // The pages the installed binary writes are the ones `install` laid down.
+    if binary.exists() {
+        for page in layout::manual_pages(&binary, &LOCAL.man_dir())? {
+            remove(&root.join(page.path))?;
+        }
     }
     for file in [BINARY, PROFILE, UNIT] {
         remove(&root.join(file))?;

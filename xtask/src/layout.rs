@@ -73,6 +73,10 @@ impl Prefix {
     pub fn doc_dir(&self) -> String {
         format!("{}/share/doc/genv-enforcer", self.usr)
     }
+    /// Where man-db looks for the pages of commands under `bin` and `sbin` here.
+    pub fn man_dir(&self) -> String {
+        format!("{}/share/man", self.usr)
+    }
 }
 
 fn file(path: String, bytes: Vec<u8>, mode: u32) -> Entry {
@@ -88,14 +92,17 @@ fn file(path: String, bytes: Vec<u8>, mode: u32) -> Entry {
 
 /// Everything installed, in this order (the binary first: the front names it). The
 /// front runs `enforcer_path` (the binary's path on the node: `/` + [`Prefix::binary`]
-/// unless `--enforcer-path` said otherwise).
-pub fn files(prefix: Prefix, binary: &[u8], enforcer_path: &str) -> Result<Vec<Entry>> {
+/// unless `--enforcer-path` said otherwise). The manual pages are `binary`'s own
+/// ([`manual_pages`]).
+pub fn files(prefix: Prefix, binary: &Path, enforcer_path: &str) -> Result<Vec<Entry>> {
+    let pages = manual_pages(binary, &prefix.man_dir())?;
+    let binary = std::fs::read(binary).with_context(|| format!("reading {}", binary.display()))?;
     let repo = crate::root();
     let read = |p: &str| std::fs::read(repo.join(p)).with_context(|| format!("reading {p}"));
     let front_dir = prefix.front_dir();
     let doc = prefix.doc_dir();
     let mut entries = vec![
-        file(prefix.binary(), binary.to_vec(), 0o755),
+        file(prefix.binary(), binary, 0o755),
         file(
             format!("{front_dir}/genv"),
             front(&repo, enforcer_path)?.into_bytes(),
@@ -122,12 +129,57 @@ pub fn files(prefix: Prefix, binary: &[u8], enforcer_path: &str) -> Result<Vec<E
             0o644,
         ),
     ];
+    entries.extend(pages);
     // The README's links, beside it: SECURITY.md and docs/, as in the source tree.
     for doc_file in documentation(&repo)? {
         let bytes = read(&doc_file)?;
         entries.push(file(format!("{doc}/{doc_file}"), bytes, 0o644));
     }
     Ok(entries)
+}
+
+/// The manual pages under `man_dir` (`usr/share/man`), gzip'd as Debian's policy asks
+/// (`man1/genv-enforcer.1.gz`): `binary` writes them (its hidden `manual-pages DIR`)
+/// from the definitions it parses with, so that every command and flag it has, and
+/// only those, has its page, and nothing written by hand can fall behind.
+pub fn manual_pages(binary: &Path, man_dir: &str) -> Result<Vec<Entry>> {
+    // In the target directory, the builder's: a name in a shared /tmp could be another
+    // user's link, which root would write through.
+    let dir = (crate::target_dir()?).join(format!("manual-pages-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let written = crate::run(
+        std::process::Command::new(binary)
+            .arg("manual-pages")
+            .arg(&dir)
+            // It only writes text, and it is the binary being installed: whoever runs
+            // this chose it. Root's refusal of a binary in a tree others can write (a
+            // build tree) is for running the daemon.
+            .env("GENV_ENFORCER_ALLOW_UNTRUSTED_BINARY", "1"),
+    );
+    let pages = written
+        .and_then(|()| gzip_pages(&dir, man_dir))
+        .with_context(|| format!("{} manual-pages", binary.display()));
+    let _ = std::fs::remove_dir_all(&dir);
+    pages
+}
+
+/// `dir`'s pages (`name.section`), sorted, each gzip'd into `man_dir/man<section>/`.
+fn gzip_pages(dir: &Path, man_dir: &str) -> Result<Vec<Entry>> {
+    let mut names = vec![];
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        names.push(entry?.file_name().to_string_lossy().into_owned());
+    }
+    names.sort();
+    anyhow::ensure!(!names.is_empty(), "no manual pages written");
+    let mut pages = vec![];
+    for name in names {
+        let section = (name.rsplit_once('.').map(|(_, s)| s.to_owned()))
+            .with_context(|| format!("{name}: no section"))?;
+        let bytes = std::fs::read(dir.join(&name))?;
+        let path = format!("{man_dir}/man{section}/{name}.gz");
+        pages.push(file(path, gzip(&bytes)?, 0o644));
+    }
+    Ok(pages)
 }
 
 /// A configuration file under `/etc` (mode 0644).

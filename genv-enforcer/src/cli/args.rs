@@ -97,6 +97,14 @@ pub enum Command {
         #[arg(long, value_name = "DIR", env = "GENV_ENFORCER_PIN_DIR", default_value = crate::kernel::pins::DEFAULT_ROOT)]
         pin_dir: PathBuf,
     },
+    /// Write the manual pages (roff, one file a page) into DIR: `cargo xtask dist` and
+    /// `install` run the binary they ship so, and the pages say what it parses. Hidden:
+    /// a packaging step, not a user's command.
+    #[command(hide = true)]
+    ManualPages {
+        /// Where to write them (created if missing).
+        dir: PathBuf,
+    },
 }
 
 /// Where the event-driven daemon keeps its instance lock and status file.

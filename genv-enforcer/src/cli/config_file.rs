@@ -23,7 +23,10 @@ use super::config::{EnforceConfig, Mode};
 use crate::service::reload::{Reloadable, Reloader};
 
 /// The flags that have a `--no-` form: `false` in the file means it.
-const NEGATABLE: [&str; 3] = ["non-env-processes", "env-devices", "env-memory"];
+pub const NEGATABLE: [&str; 3] = ["non-env-processes", "env-devices", "env-memory"];
+/// Long flags a file cannot give: `config` (a file naming another), what only prints
+/// (`help`, `version`), and `log-format`, which is read before the file is.
+pub const REFUSED: [&str; 4] = ["config", "help", "version", "log-format"];
 /// A configuration file is a few hundred bytes; past this it is refused.
 const LIMIT: u64 = 1 << 20;
 
@@ -57,8 +60,7 @@ pub fn words(path: &Path) -> Result<Vec<OsString>, ConfigFileError> {
             key: key.clone(),
             message,
         };
-        let refused = ["config", "help", "version", "log-format"];
-        if refused.contains(&key.as_str()) || key.starts_with('-') || key.is_empty() {
+        if REFUSED.contains(&key.as_str()) || key.starts_with('-') || key.is_empty() {
             return Err(bad("not a flag a file can give"));
         }
         let flag = format!("--{key}");

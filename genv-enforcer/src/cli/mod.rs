@@ -7,6 +7,7 @@ pub mod config;
 pub mod config_file;
 mod doctor;
 pub mod logging;
+pub mod man;
 mod remote;
 pub mod remote_args;
 mod session_end;
@@ -100,6 +101,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Unpin { pin_dir } => unpin(&pin_dir),
         Command::Doctor { json, enforce } => Ok(doctor::run(enforce, json)),
+        Command::ManualPages { dir } => man::write(&dir),
         Command::Usage(UsageCommand::Snapshot { part, sources, .. }) => {
             session_end::end_with_reader();
             usage_snapshot(part, &sources)

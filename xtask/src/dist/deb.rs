@@ -62,8 +62,7 @@ fn write(path: &std::path::Path, text: &str, mode: u32) -> Result<()> {
 
 /// Every file the one list marks as the admin's, all under `/etc`.
 fn conffiles(build: &Build) -> Result<String> {
-    let bytes = std::fs::read(&build.binary)?;
-    let entries = layout::files(PACKAGE, &bytes, &format!("/{}", PACKAGE.binary()))?;
+    let entries = layout::files(PACKAGE, &build.binary, &format!("/{}", PACKAGE.binary()))?;
     let mut text = String::new();
     for entry in entries {
         if let Content::File { config: true, .. } = entry.content {

@@ -88,11 +88,10 @@ pub fn build_all() -> Result<[PathBuf; 4]> {
             return Err(e);
         }
     };
-    let bytes = std::fs::read(&binary)?;
     let enforcer = format!("/{}", PACKAGE.binary());
     layout::stage(
         &stage.join("root"),
-        &layout::files(PACKAGE, &bytes, &enforcer)?,
+        &layout::files(PACKAGE, &binary, &enforcer)?,
     )?;
     clamp_times(&stage.join("root"), epoch)?;
     let build = Build {

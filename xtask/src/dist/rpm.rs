@@ -50,8 +50,7 @@ pub fn build(build: &Build) -> Result<PathBuf> {
 
 /// `%files`: every path of the one list, and the directories only this package has.
 fn files_section(build: &Build) -> Result<String> {
-    let bytes = std::fs::read(&build.binary)?;
-    let entries = layout::files(PACKAGE, &bytes, &format!("/{}", PACKAGE.binary()))?;
+    let entries = layout::files(PACKAGE, &build.binary, &format!("/{}", PACKAGE.binary()))?;
     let mut lines = vec![
         "%dir /etc/genv-enforcer".to_owned(),
         format!("%dir /{}", PACKAGE.front_dir().trim_end_matches("/front")),

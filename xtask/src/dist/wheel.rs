@@ -44,6 +44,10 @@ pub fn path_with(tools: &Path) -> String {
 }
 
 /// The wheel in `out`, and the binary maturin built into it (in the target directory).
+/// The wheel holds the manual pages too (`<name>.data/data/share/man`, which pip puts
+/// under the venv's `share/man`, where man-db looks for the pages of its `bin`). The
+/// binary writes them, so maturin runs twice: once to build it, then to make the wheel
+/// with its pages, over the same build (cargo finds it fresh).
 pub fn build(
     tools: &Path,
     stage: &Path,
@@ -51,17 +55,12 @@ pub fn build(
     version: &str,
     epoch: u64,
 ) -> Result<(PathBuf, PathBuf)> {
-    let project = crate::root().join("deploy/python");
     let wheels = stage.join("wheel");
-    crate::run(
-        Command::new(tools.join("bin/maturin"))
-            .args(["build", "--zig", "--target", "x86_64-unknown-linux-gnu"])
-            .arg("--out")
-            .arg(&wheels)
-            .current_dir(&project)
-            .env("PATH", path_with(tools))
-            .env("SOURCE_DATE_EPOCH", epoch.to_string()),
-    )?;
+    maturin(tools, &crate::root().join("deploy/python"), &wheels, epoch)?;
+    std::fs::remove_dir_all(&wheels)?;
+    let binary = crate::target_dir()?.join("x86_64-unknown-linux-gnu/dist/genv-enforcer");
+    let project = project_with_pages(stage, &binary, epoch)?;
+    maturin(tools, &project, &wheels, epoch)?;
     let name = format!("genv_enforcer-{version}-py3-none-manylinux_2_28_x86_64.whl");
     let made: Vec<PathBuf> = (std::fs::read_dir(&wheels)?)
         .filter_map(|e| Some(e.ok()?.path()))
@@ -73,6 +72,46 @@ pub fn build(
     let to = out.join(&name);
     std::fs::rename(&made[0], &to)?;
     std::fs::remove_dir_all(&wheels)?;
-    let binary = crate::target_dir()?.join("x86_64-unknown-linux-gnu/dist/genv-enforcer");
+    std::fs::remove_dir_all(&project)?;
     Ok((to, binary))
+}
+
+fn maturin(tools: &Path, project: &Path, wheels: &Path, epoch: u64) -> Result<()> {
+    crate::run(
+        Command::new(tools.join("bin/maturin"))
+            .args(["build", "--zig", "--target", "x86_64-unknown-linux-gnu"])
+            .arg("--out")
+            .arg(wheels)
+            .current_dir(project)
+            .env("PATH", path_with(tools))
+            .env("SOURCE_DATE_EPOCH", epoch.to_string()),
+    )
+}
+
+/// `deploy/python` copied under `stage`, naming the crate by its absolute path, with
+/// the binary's manual pages as the wheel's data (`data` in `[tool.maturin]`).
+fn project_with_pages(stage: &Path, binary: &Path, epoch: u64) -> Result<PathBuf> {
+    let source = crate::root().join("deploy/python");
+    let project = stage.join("python");
+    let _ = std::fs::remove_dir_all(&project);
+    std::fs::create_dir_all(&project)?;
+    std::fs::copy(source.join("README.md"), project.join("README.md"))?;
+    let text = std::fs::read_to_string(source.join("pyproject.toml"))
+        .context("reading deploy/python/pyproject.toml")?;
+    let relative = "manifest-path = \"../../genv-enforcer/Cargo.toml\"\n";
+    ensure!(text.contains(relative), "pyproject.toml: no {relative}");
+    let manifest = crate::root().join("genv-enforcer/Cargo.toml");
+    let manifest = manifest
+        .to_str()
+        .context("the work tree's path is not UTF-8")?;
+    let text = text.replacen(
+        relative,
+        &format!("manifest-path = \"{manifest}\"\ndata = \"data\"\n"),
+        1,
+    );
+    std::fs::write(project.join("pyproject.toml"), text)?;
+    let pages = crate::layout::manual_pages(binary, "data/data/share/man")?;
+    crate::layout::stage(&project, &pages)?;
+    crate::dist::clamp_times(&project, epoch)?;
+    Ok(project)
 }
