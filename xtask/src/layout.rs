@@ -128,6 +128,18 @@ pub fn files(prefix: Prefix, binary: &Path, enforcer_path: &str) -> Result<Vec<E
             gzip(&read("deploy/packaging/changelog")?)?,
             0o644,
         ),
+        // The alerting rules, to load into Prometheus as they are (docs/operations.md),
+        // and their promtool tests.
+        file(
+            format!("{doc}/prometheus/genv-enforcer.rules.yml"),
+            read("deploy/prometheus/genv-enforcer.rules.yml")?,
+            0o644,
+        ),
+        file(
+            format!("{doc}/prometheus/genv-enforcer.rules.test.yml"),
+            read("deploy/prometheus/genv-enforcer.rules.test.yml")?,
+            0o644,
+        ),
     ];
     entries.extend(pages);
     // The README's links, beside it: SECURITY.md and docs/, as in the source tree.
