@@ -330,6 +330,15 @@ impl SshHost {
         self.node.dir.join("host")
     }
 
+    /// Replaces the last line of the host's sudoers (`root ALL=(ALL:ALL) NOPASSWD: ALL`)
+    /// with `rule`, in place (the file is bind-mounted into the host's namespace).
+    pub fn restrict_sudo(&self, rule: &str) {
+        let sudoers = self.dir().join("sudoers");
+        let text = std::fs::read_to_string(&sudoers).unwrap();
+        let text = text.replace("root ALL=(ALL:ALL) NOPASSWD: ALL\n", &format!("{rule}\n"));
+        std::fs::write(&sudoers, text).unwrap();
+    }
+
     /// The host's `--run-dir` (`GENV_ENFORCER_RUN_DIR` in its sessions).
     pub fn run_dir(&self) -> PathBuf {
         self.dir().join("run")

@@ -69,8 +69,7 @@ pub fn record(
 /// One request, one answer.
 fn exchange(run_dir: &Path, request: &WhyRequest, within: Duration) -> Result<Answer, WhyError> {
     let path = run_dir.join(SOCKET);
-    let mut stream =
-        UnixStream::connect(&path).map_err(|e| WhyError::NotRunning(path.clone(), e))?;
+    let mut stream = connect(&path)?;
     let io = |e| WhyError::Io(path.clone(), e);
     stream.set_read_timeout(Some(within)).map_err(io)?;
     stream.set_write_timeout(Some(within)).map_err(io)?;
@@ -83,6 +82,29 @@ fn exchange(run_dir: &Path, request: &WhyRequest, within: Duration) -> Result<An
         .read_to_end(&mut text)
         .map_err(io)?;
     serde_json::from_slice(&text).map_err(WhyError::BadAnswer)
+}
+
+/// Connects without waiting: a blocking connect to a socket whose backlog is full waits
+/// for room for ever, and any user can fill it (`usage execute` relays its decisions
+/// holding genv's lock).
+fn connect(path: &Path) -> Result<UnixStream, WhyError> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let flags = SocketFlags::NONBLOCK | SocketFlags::CLOEXEC;
+    let io = |e: std::io::Error| WhyError::Io(path.to_owned(), e);
+    let socket = rustix::net::socket_with(AddressFamily::UNIX, SocketType::STREAM, flags, None)
+        .map_err(|e| io(e.into()))?;
+    let address = SocketAddrUnix::new(path).map_err(|e| io(e.into()))?;
+    match rustix::net::connect(&socket, &address) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::AGAIN) => {
+            return Err(io(std::io::Error::other(
+                "the daemon's socket takes no more connections now (its backlog is full)",
+            )));
+        }
+        Err(e) => return Err(WhyError::NotRunning(path.to_owned(), e.into())),
+    }
+    rustix::io::ioctl_fionbio(&socket, false).map_err(|e| io(e.into()))?;
+    Ok(UnixStream::from(socket))
 }
 
 /// The decisions as `why` prints them: a header, a row each and the line its user saw

@@ -7,6 +7,7 @@
 //! ([`super::told_file`]), where `why` finds it, and the caller tells the terminal.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::Terminal;
 use super::client::{self, WhyError};
@@ -27,21 +28,34 @@ pub enum RelayedTo {
 #[derive(Debug)]
 pub struct Relay {
     run_dir: PathBuf,
+    /// The daemon did not take a decision: the rest go to the file, so that one
+    /// execute (under genv's lock) waits on the daemon once at most.
+    daemon_failed: AtomicBool,
 }
 
 impl Relay {
     pub fn new(run_dir: &Path) -> Self {
         Self {
             run_dir: run_dir.to_owned(),
+            daemon_failed: AtomicBool::new(false),
         }
     }
 
-    /// Hands `decision` to the daemon, else keeps it in the uid's file.
+    /// Hands `decision` to the daemon, else keeps it in the uid's file. A daemon that
+    /// took it but whose answer did not come in time has it twice (rare, and shown twice
+    /// by `why`): keeping it once more beats losing it.
     pub fn keep(&self, decision: &Decision, terminal: Option<Terminal>) -> RelayedTo {
-        match client::record(&self.run_dir, decision, terminal) {
-            Ok(()) => return RelayedTo::ByDaemon,
-            Err(WhyError::NotRunning(..)) => {}
-            Err(e) => tracing::debug!("The daemon did not take the decision: {e}"),
+        // Nothing is sent to a socket in a directory another user could have made.
+        if let Err(e) = told_file::check_run_dir(&self.run_dir) {
+            return RelayedTo::Nowhere(e.to_string());
+        }
+        if !self.daemon_failed.load(Ordering::Relaxed) {
+            match client::record(&self.run_dir, decision, terminal) {
+                Ok(()) => return RelayedTo::ByDaemon,
+                Err(WhyError::NotRunning(..)) => {}
+                Err(e) => tracing::debug!("The daemon did not take the decision: {e}"),
+            }
+            self.daemon_failed.store(true, Ordering::Relaxed);
         }
         match told_file::append(&self.run_dir, decision) {
             Ok((path, readable)) => RelayedTo::InFile { path, readable },

@@ -27,6 +27,9 @@ use super::decision::Decision;
 pub const DIR: &str = "told";
 /// Decisions kept per uid.
 pub const PER_FILE: usize = 256;
+/// Files kept at most: past it, the one written longest ago goes for a new uid's (a
+/// user's subordinate uids could otherwise each have one).
+const MAX_FILES: usize = 4096;
 /// The most read of one file: far more than [`PER_FILE`] decisions take.
 const MAX_BYTES: u64 = 1 << 20;
 /// The writers' lock, root's alone.
@@ -62,6 +65,9 @@ pub fn append(run_dir: &Path, decision: &Decision) -> Result<(PathBuf, bool), To
     .map_err(|e| at(e.into()))?;
     rfs::flock(&lock, rfs::FlockOperation::LockExclusive).map_err(|e| at(e.into()))?;
     let file = path(run_dir, decision.uid);
+    if !file.exists() {
+        make_room(&dir);
+    }
     let mut kept = read_file(&file).unwrap_or_default();
     kept.push(decision.clone());
     let excess = kept.len().saturating_sub(PER_FILE);
@@ -102,15 +108,46 @@ pub fn read(run_dir: &Path, caller: u32) -> Result<Vec<Decision>, ToldFileError>
     Ok(all)
 }
 
+/// Whether `run_dir` may be used: missing, or a directory root owns that no one else
+/// may write (a socket or a file there is root's to trust).
+pub fn check_run_dir(run_dir: &Path) -> Result<(), ToldFileError> {
+    match std::fs::symlink_metadata(run_dir) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(ToldFileError::Io(run_dir.to_owned(), e)),
+        Ok(meta) if !meta.is_dir() || meta.uid() != 0 || meta.mode() & 0o022 != 0 => Err(
+            ToldFileError::Unsafe(run_dir.to_owned(), meta.uid(), meta.mode() & 0o7777),
+        ),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Removes the file written longest ago where `dir` holds [`MAX_FILES`] already.
+fn make_room(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let files: Vec<(std::time::SystemTime, PathBuf)> = (entries.flatten())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    if files.len() >= MAX_FILES {
+        if let Some((_, oldest)) = files.into_iter().min() {
+            let _ = std::fs::remove_file(oldest);
+        }
+    }
+}
+
 /// Only `uid`'s: the file is named by uid, and a line about another is not believed.
 fn mine(decisions: Vec<Decision>, uid: u32) -> Vec<Decision> {
     decisions.into_iter().filter(|d| d.uid == uid).collect()
 }
 
-/// `dir`, made root's 0755 if missing; refused unless it is a directory root owns that
-/// no one else may write.
+/// `dir`, made root's 0711 if missing (anyone may reach a file by its name, no one but
+/// root list whose are there); refused unless it is a directory root owns that no one
+/// else may write.
 fn root_dir(dir: &Path) -> Result<(), ToldFileError> {
-    match std::fs::create_dir(dir) {
+    use std::os::unix::fs::DirBuilderExt;
+    match std::fs::DirBuilder::new().mode(0o711).create(dir) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
             return Err(ToldFileError::Io(dir.to_owned(), e));
         }
@@ -229,8 +266,14 @@ mod tests {
         assert_eq!(alice.first().map(|d| d.pid), Some(3), "the oldest went");
         assert_eq!(read(&dir, 4343).unwrap().len(), 1);
         assert_eq!(read(&dir, 0).unwrap().len(), PER_FILE + 1);
-        let meta = std::fs::metadata(path(&dir, 4242)).unwrap();
-        assert_eq!((meta.uid(), meta.mode() & 0o7777 & !0o040), (0, 0o600));
+        let (file, readable) = append(&dir, &decision(9, 4343)).unwrap();
+        assert!(readable, "this machine's file systems keep ACLs");
+        let meta = std::fs::metadata(&file).unwrap();
+        assert_eq!((meta.uid(), meta.mode() & 0o7777), (0, 0o640));
+        let acl = rustix::fs::getxattr(&file, "system.posix_acl_access", &mut [0u8; 64]);
+        assert_eq!(acl.unwrap(), 4 + 5 * 8, "five entries, one for uid 4343");
+        let told = std::fs::metadata(dir.join(DIR)).unwrap();
+        assert_eq!(told.mode() & 0o7777, 0o711);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -260,13 +260,14 @@ impl Fleet {
     pub async fn execute_one(&self, host: usize, report: &Report) -> Result<HostAnswer, SshError> {
         let _permit = self.executing.acquire().await.expect("never closed");
         let mut answer = None;
-        if !self.plain.is_plain(host) {
+        let now = std::time::Instant::now();
+        if !self.plain.is_plain(host, now) {
             let words = self.words(&["usage", "execute", plain_hosts::FLAG]);
             match self
                 .run_execute(host, &words, &reasons::to_json(report))
                 .await
             {
-                Ok(refused) if plain_hosts::refused_flag(&refused) => self.plain.mark(host),
+                Ok(refused) if plain_hosts::refused_flag(&refused) => self.plain.mark(host, now),
                 other => answer = Some(other),
             }
         }

@@ -23,6 +23,10 @@ use super::{Report, Why};
 /// which are far fewer.
 pub const MAX_REASONS: usize = 4096;
 
+/// GPUs named in one reason at most: a node has a handful (the bound keeps a kept
+/// decision small).
+const MAX_GPUS: usize = 64;
+
 /// The member of the report's JSON object that holds them.
 const MEMBER: &str = "reasons";
 
@@ -64,7 +68,8 @@ pub fn from_json(text: &str) -> (BTreeMap<u32, Why>, Vec<String>) {
         let pid = key.parse::<u32>().ok().filter(|pid| *pid > 0);
         let why = serde_json::from_value::<Why>(value.clone());
         match (pid, why) {
-            (Some(pid), Ok(why)) => {
+            (Some(pid), Ok(mut why)) => {
+                why.gpus.truncate(MAX_GPUS);
                 reasons.insert(pid, why);
             }
             (None, _) => warnings.push(format!("{MEMBER}[{key:?}]: not a pid")),
