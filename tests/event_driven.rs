@@ -647,21 +647,6 @@ fn kernel_a_tier_the_kernel_refuses_is_an_error_when_forced_naming_why() {
     }
 }
 
-/// The mounts a daemon makes where the system has not (tracefs, securityfs, bpffs), as
-/// this process's mount namespace has them.
-fn kernel_mounts() -> Vec<String> {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .filter(|l| {
-            [" - tracefs ", " - securityfs ", " - bpf "]
-                .iter()
-                .any(|t| l.contains(t))
-        })
-        .map(str::to_owned)
-        .collect()
-}
-
 /// `doctor` loads every tier for real and says which one the configuration gets on this
 /// kernel, and why each better one was refused, in the kernel's words: the tracepoint
 /// tier on this machine's 6.18 (lsm, fmod_ret and fentry: EPERM), lsm in the VM's
@@ -672,19 +657,7 @@ fn kernel_mounts() -> Vec<String> {
 fn kernel_doctor_names_the_tier_this_kernel_gives_and_why_better_ones_are_refused() {
     let (node, _gpu) = node();
     let pins = node.dir.join("pins");
-    let doctor = |extra: &[&str]| {
-        let args = ["doctor", "--event-driven", "--keep-pinned", "--pin-dir"];
-        let out = node
-            .enforcer()
-            .args(args)
-            .arg(&pins)
-            .args(extra)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        (out.status.code(), text)
-    };
-    let mounts = kernel_mounts();
+    let doctor = |extra: &[&str]| run_doctor(&node, &pins, extra);
     let (code, text) = doctor(&[]);
     let verdict = text.lines().last().unwrap_or_default().to_owned();
     let chosen = verdict
@@ -786,5 +759,54 @@ fn kernel_doctor_names_the_tier_this_kernel_gives_and_why_better_ones_are_refuse
     }
 
     assert!(!pins.exists(), "doctor made {}", pins.display());
-    assert_eq!(kernel_mounts(), mounts);
+    doctor_leaves_no_mount_behind(&node);
+}
+
+/// `doctor --event-driven --keep-pinned --pin-dir PINS EXTRA`: its exit code and stdout.
+fn run_doctor(
+    node: &genv_enforcer_tests::Node,
+    pins: &std::path::Path,
+    extra: &[&str],
+) -> (Option<i32>, String) {
+    let args = ["doctor", "--event-driven", "--keep-pinned", "--pin-dir"];
+    let out = node
+        .enforcer()
+        .args(args)
+        .arg(pins)
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// The mounts a daemon makes where the system has not (tracefs, securityfs, bpffs) are
+/// the same before and after a `doctor` run, as its caller sees them: both taken in a
+/// mount namespace of the caller's own (private), so that what other tests of this
+/// suite mount meanwhile does not show.
+fn doctor_leaves_no_mount_behind(node: &genv_enforcer_tests::Node) {
+    let enforcer = node.enforcer();
+    let mut command = Command::new("unshare");
+    command
+        .args(["--mount", "--propagation", "private", "--", "sh", "-c"])
+        .arg(
+            "m() { grep -E ' - (tracefs|securityfs|bpf) ' /proc/self/mountinfo; }; \
+             m; echo ---; \"$0\" doctor --event-driven >/dev/null; m",
+        )
+        .arg(enforcer.get_program());
+    for (key, value) in enforcer.get_envs() {
+        match value {
+            Some(value) => command.env(key, value),
+            None => command.env_remove(key),
+        };
+    }
+    let out = command.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (before, after) = text.split_once("---\n").expect("both lists");
+    assert_eq!(
+        after, before,
+        "doctor left mounts where its caller sees them"
+    );
 }

@@ -104,6 +104,15 @@ fn deb() -> String {
 /// host's, not the package's (PackageKit's has D-Bus start PackageKit and polkit, which
 /// under TCG cost more than the install).
 fn apt_install(deb: &str, dir: &Path) {
+    // man-db's trigger re-indexes every manual page on the machine once a package ships
+    // some (this one does): about 100 s of TCG per install. Its switch is this file; the
+    // package's pages are checked by the dist suite, with man itself.
+    match std::fs::remove_file("/var/lib/man-db/auto-update") {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            panic!("turning man-db's trigger off in the guest: {e}")
+        }
+        _ => {}
+    }
     let config = dir.join("apt.conf");
     std::fs::write(
         &config,

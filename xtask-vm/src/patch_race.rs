@@ -22,19 +22,47 @@
 //! shows the watchdog's lines; once one names a `genv-enforcer` task stuck for
 //! [`WEDGED_AFTER_S`], the guest is stopped instead of being left to its deadline.
 //!
-//! So either death reboots the kernel once, running only the tiers that had not ended;
-//! the run says so in its summary. Any other death, or a second one, fails the run.
+//! And a third: a double fault in kernel code no BPF program runs in, its registers
+//! garbage (seen once in CI, 6.12's LSM tier, while a test unpinned its programs, with
+//! a compile sharing the cores: a `kworker` of `rcu_gp` in `kmalloc`, `EFLAGS:
+//! 01ef8a62`). A double fault is the CPU faulting while it delivers a fault: a stack
+//! pointer gone wrong. A verified program cannot set a kernel thread's stack pointer;
+//! a stale translation of freed or patched trampoline text can. One whose `RIP` is in a
+//! program or a trampoline is not excused.
+//!
+//! So any of these deaths reboots the kernel once, running only the tiers that had not
+//! ended; the run says so in its summary. Any other death, or a second one, fails the
+//! run.
 
 /// How long the guest's watchdog must have seen a daemon's CPU stuck before the guest
 /// counts as wedged (its soft-lockup threshold is 20 s; a test never legitimately keeps
 /// a CPU in the kernel for a minute).
 pub const WEDGED_AFTER_S: u64 = 60;
 
-/// What excuses the guest's death, if anything: the `int3` Oops, or the wedge.
+/// What excuses the guest's death, if anything: the `int3` Oops, the wedge, or a double
+/// fault outside the programs.
 pub fn excused(console: &[String]) -> Option<String> {
     int3_oops(console)
         .map(|oops| format!("died of an int3 in kernel text being patched, {oops}"))
         .or_else(|| wedged(console).map(|line| format!("wedged: {line}")))
+        .or_else(|| {
+            double_fault(console)
+                .map(|fault| format!("died of a double fault outside the programs, {fault}"))
+        })
+}
+
+/// The console's double fault and the `RIP` line after it, unless that `RIP` is in a
+/// BPF program or trampoline (then it may be ours).
+pub fn double_fault(console: &[String]) -> Option<String> {
+    let at = (console.iter()).position(|line| {
+        line.contains("PANIC: double fault") || line.contains("Oops: double fault")
+    })?;
+    let rip = console[at..]
+        .iter()
+        .find(|line| line.contains("RIP: 0010:"))?
+        .trim();
+    let ours = rip.contains("bpf_prog") || rip.contains("bpf_trampoline");
+    (!ours).then(|| format!("{} ({rip})", console[at].trim()))
 }
 
 /// The guest watchdog's first line naming a `genv-enforcer` task stuck on its CPU for
@@ -108,6 +136,28 @@ mod tests {
         assert_eq!(wedged(&console[..3]), None);
         let other = lines("[ 9.0] watchdog: BUG: soft lockup - CPU#0 stuck for 99s! [sh:741]");
         assert_eq!(excused(&other), None);
+    }
+
+    #[test]
+    fn the_ci_consoles_double_fault_is_excused_and_one_in_a_program_is_not() {
+        let console = lines(
+            "[lsm tier] tier_pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned\n\
+             [  373.182570] traps: PANIC: double fault, error_code: 0x0\n\
+             [  373.188773] Oops: double fault: 0000 [#1] PREEMPT SMP NOPTI\n\
+             [  373.193213] CPU: 0 UID: 0 PID: 10 Comm: kworker/0:1 Not tainted 6.12.117+deb12-amd64 #1\n\
+             [  373.195214] RIP: 0010:__kmalloc_node_track_caller_noprof+0x148/0x440\n\
+             [  373.209301] Kernel panic - not syncing: Fatal exception in interrupt",
+        );
+        let why = excused(&console).unwrap();
+        assert!(
+            why.contains("double fault") && why.contains("__kmalloc_node"),
+            "{why}"
+        );
+        let in_program = lines(
+            "[ 1.0] traps: PANIC: double fault, error_code: 0x0\n\
+             [ 1.0] RIP: 0010:bpf_prog_6deef7357e7b4530_open_lsm+0x40",
+        );
+        assert_eq!(excused(&in_program), None);
     }
 
     #[test]

@@ -30,8 +30,8 @@ pub fn run_kernel(
             .collect();
         eprintln!(
             "vm-test: kernel {version}: the guest {why}: QEMU/TCG racing a trampoline's \
-             text_poke (xtask-vm/src/patch_race.rs); booting it once more for the tiers that \
-             had not ended: {}",
+             patched or freed text (xtask-vm/src/patch_race.rs); booting it once more for the \
+             tiers that had not ended: {}",
             left.join(", ")
         );
         let again = boot(guest, series, kernel, options, &left)?;

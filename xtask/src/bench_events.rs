@@ -62,6 +62,14 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
         "Watching GPU nodes",
     )?;
     let (reacted_ms, gone_ms) = reactions(target, &gpu, &nvml, &lines)?;
+    let title = format!("Event-driven reaction ({tier} tier)");
+    // The reaction alone, for runs beside a load of one's own (what sets its tail).
+    if std::env::var_os("GENV_BENCH_REACTION_ONLY").is_some() {
+        // SAFETY: kill(2) takes no pointer; the daemon is this benchmark's child.
+        unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
+        daemon.wait()?;
+        return Ok(reaction_table(&title, reacted_ms, gone_ms));
+    }
     write_bench_nvml(&nvml, json!([]))?;
     let load = bench_kernel::BackgroundLoad::run(&run_dir)?;
     let status = bench_kernel::fresh_status(&run_dir)?;
@@ -72,7 +80,6 @@ fn measure(target: &Path, dir: &Path) -> Result<String> {
     let without_nvml = reaction_without_nvml(target, dir, &gpu, &nvml)?;
     let host_loop = attempt_loop(target, dir, &gpu, &nvml)?;
 
-    let title = format!("Event-driven reaction ({tier} tier)");
     let mut table = reaction_table(&title, reacted_ms, gone_ms);
     table += &without_nvml;
     table += &bench_kernel::programs_table(&load, &status)?;
