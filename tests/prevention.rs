@@ -292,10 +292,10 @@ fn tier_pinned_programs_keep_deciding_while_the_daemon_is_down_until_unpinned() 
     assert_untouched(&mut node, rogue, &lines, 1, "after unpin");
 }
 
-/// How many attempts the loop makes: `GENV_TEST_ATTEMPTS`, else 10,000. CI's guests of
-/// 6.1 and 6.12 ask for 1,000 (`xtask-vm/src/guest.rs` says why); the host, the newest
-/// kernel's guest, and `vm-test` given this test's name (as the benchmark does), make
-/// 10,000.
+/// How many attempts the loop makes: `GENV_TEST_ATTEMPTS`, else 10,000. CI's guests ask
+/// for 1,000 on every tier but the newest kernel's fentry tier (`xtask-vm/src/guest.rs`
+/// says why); that one, the host, and `vm-test` given this test's name (as the benchmark
+/// does), make 10,000.
 fn attempts_asked() -> u32 {
     match std::env::var("GENV_TEST_ATTEMPTS") {
         Ok(n) => n
