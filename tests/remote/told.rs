@@ -51,13 +51,9 @@ fn alice_at_a_terminal(fleet: &mut SshFleet) -> (u32, std::process::Child, Termi
     (job, shell, terminal)
 }
 
-/// With no daemon on the host, `usage execute --with-reasons` tells the terminal and
-/// keeps the decision in alice's file there, which her `why` reads; the admin's lines
-/// are genv's, unchanged. (Before, the terminal got nothing and `why` found nothing.)
-#[test]
-fn a_remote_stop_is_told_on_the_processs_terminal_and_in_the_hosts_why() {
-    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
-    let (job, mut shell, terminal) = alice_at_a_terminal(&mut fleet);
+/// `remote enforce --interval 0 --max-devices-per-user 2`: genv's lines, and alice's job
+/// on the first host stopped.
+fn enforce_the_limit(fleet: &mut SshFleet, job: u32) {
     let output = fleet
         .remote(&["enforce", "--interval", "0", "--max-devices-per-user", "2"])
         .output()
@@ -68,10 +64,20 @@ fn a_remote_stop_is_told_on_the_processs_terminal_and_in_the_hosts_why() {
         .collect();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
-    assert_eq!(stdout, expected_alice_lines(&fleet, job), "{stderr}");
+    assert_eq!(stdout, expected_alice_lines(fleet, job), "{stderr}");
     wait_until("alice's job stopped", DEATH, || {
         !fleet.hosts[0].node.alive(job)
     });
+}
+
+/// With no daemon on the host, `usage execute --with-reasons` tells the terminal and
+/// keeps the decision in alice's file there, which her `why` reads; the admin's lines
+/// are genv's, unchanged. (Before, the terminal got nothing and `why` found nothing.)
+#[test]
+fn a_remote_stop_is_told_on_the_processs_terminal_and_in_the_hosts_why() {
+    let mut fleet = SshFleet::start(&[Runs::Enforcer, Runs::Enforcer], 2);
+    let (job, mut shell, terminal) = alice_at_a_terminal(&mut fleet);
+    enforce_the_limit(&mut fleet, job);
     let expected = format!(
         "genv-enforcer: detached GPU 0 from environment with id \"a1\" in envs.json and stopped process \"sleep\" (pid {job}): user \"alice\" had 3 GPUs attached across 2 hosts, 2 allowed; run 'genv detach' in the environments you do not need"
     );
@@ -123,19 +129,6 @@ fn a_host_whose_sudo_allows_only_the_plain_execute_is_still_enforced() {
     fleet.hosts[0].restrict_sudo(&format!(
         "root ALL=(root) NOPASSWD: {bin} usage snapshot, {bin} usage execute"
     ));
-    let output = fleet
-        .remote(&["enforce", "--interval", "0", "--max-devices-per-user", "2"])
-        .output()
-        .unwrap();
-    let stdout: Vec<String> = String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{stderr}");
-    assert_eq!(stdout, expected_alice_lines(&fleet, job), "{stderr}");
-    wait_until("alice's job stopped", DEATH, || {
-        !fleet.hosts[0].node.alive(job)
-    });
+    enforce_the_limit(&mut fleet, job);
     let _ = shell.wait();
 }
