@@ -127,17 +127,21 @@ impl Report {
 
     /// The JSON `genv usage execute` reads on stdin.
     pub fn to_genv_json(&self) -> String {
+        crate::state::to_python_json(&self.to_genv_value()).expect("a report serializes")
+    }
+
+    /// [`Self::to_genv_json`]'s document, for a caller that adds to it.
+    pub fn to_genv_value(&self) -> Value {
         use crate::snapshot::wire_process;
         let detach: serde_json::Map<String, Value> = self
             .detach
             .iter()
             .map(|d| (d.index.to_string(), serde_json::json!({ "envs": d.envs })))
             .collect();
-        let value = serde_json::json!({
+        serde_json::json!({
             "terminate": {"processes": self.terminate.iter().map(wire_process).collect::<Vec<_>>()},
             "detach": detach,
-        });
-        crate::state::to_python_json(&value).expect("a report serializes")
+        })
     }
 
     /// Reads a report as genv's `remote enforce` sends it to `usage execute`.

@@ -108,11 +108,15 @@ impl Notifier {
     /// Starts the terminal writer's thread (where that fails, the lines go to the
     /// journal and the log only, as said); `mode` says whether it is used.
     pub fn new(mode: NotifyMode) -> Self {
-        let writer = TtyWriter::spawn()
-            .inspect_err(|e| tracing::warn!("Cannot start the terminal writer: {e}"))
-            .ok();
         let logger = Logger::spawn()
             .inspect_err(|e| tracing::warn!("Cannot start the decisions' logger: {e}"))
+            .ok();
+        Self::with_logger(mode, logger, None)
+    }
+
+    fn with_logger(mode: NotifyMode, logger: Option<Logger>, relay: Option<Relay>) -> Self {
+        let writer = TtyWriter::spawn()
+            .inspect_err(|e| tracing::warn!("Cannot start the terminal writer: {e}"))
             .ok();
         Self {
             writer,
@@ -123,7 +127,7 @@ impl Notifier {
             logs: Mutex::new(ratelimit::Buckets::new(LOG_RATE)),
             decisions: AtomicU64::new(0),
             logs_held_back: AtomicU64::new(0),
-            relay: None,
+            relay,
         }
     }
 
@@ -133,10 +137,7 @@ impl Notifier {
     /// the decision in the uid's file ([`told_file`]). Nothing is logged: this
     /// process's output goes back to the admin's terminal as genv's lines.
     pub fn relaying(run_dir: &Path) -> Self {
-        let mut notifier = Self::new(NotifyMode::Tty);
-        notifier.logger = None;
-        notifier.relay = Some(Relay::new(run_dir));
-        notifier
+        Self::with_logger(NotifyMode::Tty, None, Some(Relay::new(run_dir)))
     }
 
     /// `--notify` read again (SIGHUP).
@@ -174,7 +175,14 @@ impl Notifier {
 
     /// A decision of a remote stop: the daemon here keeps and tells it, else this
     /// process tells the terminal and the uid's file keeps it.
-    fn relayed(&self, relay: &Relay, decision: Decision, terminal: Option<Terminal>) -> Decision {
+    fn relayed(
+        &self,
+        relay: &Relay,
+        mut decision: Decision,
+        terminal: Option<Terminal>,
+    ) -> Decision {
+        // The terminal's limits are per user here too.
+        decision.owner = self.owners.owner(decision.uid, Some(decision.pid));
         match relay.keep(&decision, terminal) {
             RelayedTo::ByDaemon => return decision,
             RelayedTo::InFile { readable: true, .. } => {}

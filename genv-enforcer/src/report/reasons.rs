@@ -32,8 +32,7 @@ const MEMBER: &str = "reasons";
 
 /// genv's report for `usage execute`, with the reasons beside it.
 pub fn to_json(report: &Report) -> String {
-    let mut document: Value =
-        serde_json::from_str(&report.to_genv_json()).expect("a report reads back");
+    let mut document = report.to_genv_value();
     let reasons: serde_json::Map<String, Value> = (report.why.iter())
         .map(|(pid, why)| {
             let why = serde_json::to_value(why).expect("a reason serializes");
