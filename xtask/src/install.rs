@@ -130,11 +130,10 @@ pub fn uninstall(options: &Options) -> Result<()> {
     if is_our_link(root)? {
         std::fs::remove_file(root.join(SBIN_LINK))?;
     }
-    // The pages the installed binary writes are the ones `install` laid down.
-    if binary.exists() {
-        for page in layout::manual_pages(&binary, &LOCAL.man_dir())? {
-            remove(&root.join(page.path))?;
-        }
+    // The pages `install` laid down, by name: nothing is run to uninstall (a binary
+    // that no longer runs, or one in a staging tree, must not stop or steer it).
+    for page in installed_pages(&root.join(LOCAL.man_dir()))? {
+        remove(&page)?;
     }
     for file in [BINARY, PROFILE, UNIT] {
         remove(&root.join(file))?;
@@ -202,6 +201,29 @@ fn is_our_link(root: &Path) -> Result<bool> {
         Ok(target) => Ok(target == Path::new(&format!("/{FRONT_DIR}/genv"))),
         Err(_) => Ok(false),
     }
+}
+
+/// genv-enforcer's pages under `man_dir`: `man1/genv-enforcer*.1.gz`,
+/// `man5/genv-enforcer.conf.5.gz` and `man8/genv.8.gz` (the front's).
+fn installed_pages(man_dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let mut pages = vec![
+        man_dir.join("man5/genv-enforcer.conf.5.gz"),
+        man_dir.join("man8/genv.8.gz"),
+    ];
+    let section1 = man_dir.join("man1");
+    let entries = match std::fs::read_dir(&section1) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(pages),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", section1.display())),
+    };
+    for entry in entries {
+        let name = entry?.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("genv-enforcer") && name.ends_with(".1.gz") {
+            pages.push(section1.join(&*name));
+        }
+    }
+    Ok(pages)
 }
 
 fn remove(path: &Path) -> Result<()> {

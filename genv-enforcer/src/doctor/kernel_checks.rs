@@ -99,7 +99,7 @@ fn lsm_finding(lsms: Option<&str>) -> CheckedItem {
         )
         .with_fix("a kernel with securityfs (CONFIG_SECURITYFS)");
     };
-    match list.split(',').any(|lsm| lsm.trim() == "bpf") {
+    match crate::kernel::bpf_lsm_active(list) {
         true => CheckedItem::ok("lsm list", format!("{list}: bpf is in it")),
         false => CheckedItem::new(
             "lsm list",
@@ -120,7 +120,7 @@ fn tier_finding(tier: Tier, answer: &Result<String, String>, lsms: Option<&str>)
     };
     let fix = match tier {
         Tier::Lsm => match lsms.map(str::trim) {
-            Some(list) if list.split(',').any(|lsm| lsm.trim() == "bpf") => {
+            Some(list) if crate::kernel::bpf_lsm_active(list) => {
                 "a kernel that lets root load BPF LSM programs (no sandbox forbidding them)"
                     .to_owned()
             }

@@ -40,5 +40,6 @@ mod verifier_log;
 
 pub use error::LoadError;
 pub use loader::{EventMaps, KernelPrograms, LoadOptions, Loaded, ProgramStats};
+pub(crate) use open_tiers::bpf_lsm_active;
 pub use skipped_runs::SkippedRuns;
 pub use tier::{Tier, TierChoice};

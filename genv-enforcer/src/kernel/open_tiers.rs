@@ -86,6 +86,11 @@ pub(super) fn active_lsms() -> Option<String> {
     std::fs::read_to_string(list).ok()
 }
 
+/// Whether `list` (the kernel's active LSMs, [`active_lsms`]) names the BPF LSM.
+pub(crate) fn bpf_lsm_active(list: &str) -> bool {
+    list.split(',').any(|lsm| lsm.trim() == "bpf")
+}
+
 /// Loads and attaches one open tier (`object`: as for [`attach_best`]); the reason it
 /// was refused otherwise.
 fn attach_open_tier(
@@ -100,7 +105,7 @@ fn attach_open_tier(
             let active = active_lsms().ok_or(
                 "cannot read /sys/kernel/security/lsm, so whether the BPF LSM runs is unknown",
             )?;
-            if !active.split(',').any(|lsm| lsm.trim() == "bpf") {
+            if !bpf_lsm_active(&active) {
                 return Err(format!(
                     "BPF LSM is not active (active LSMs: {}; boot with lsm=...,bpf)",
                     active.trim()

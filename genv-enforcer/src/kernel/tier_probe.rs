@@ -79,7 +79,7 @@ pub fn ask(options: &LoadOptions) -> Result<KernelAnswers, LoadError> {
 /// The LSM tier: its program loaded (`loaded`), and the BPF LSM active to run it.
 fn lsm(loaded: Result<String, String>, lsms: Option<&str>) -> Result<String, String> {
     let active = match lsms {
-        Some(list) if list.split(',').any(|lsm| lsm.trim() == "bpf") => Ok(()),
+        Some(list) if super::open_tiers::bpf_lsm_active(list) => Ok(()),
         Some(list) => Err(format!(
             "the BPF LSM is not active (active LSMs: {})",
             list.trim()
