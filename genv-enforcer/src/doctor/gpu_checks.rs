@@ -41,12 +41,18 @@ pub fn nvml(library: &OsStr) -> (CheckedItem, Option<PathBuf>) {
 /// The libcuda copies `--memory-at-alloc` would probe from the start (`ldconfig`'s, the
 /// one beside NVML, `--cuda-lib`); copies processes map from elsewhere are found as
 /// they open a GPU.
-pub fn libcuda(given: &[PathBuf], beside_nvml: Option<&Path>) -> CheckedItem {
+pub fn libcuda(given: &[PathBuf], beside_nvml: Option<&Path>, needed: bool) -> CheckedItem {
     let found = cuda::libraries(given, beside_nvml);
     if found.is_empty() {
+        // Only --memory-at-alloc looks for it.
+        let status = if needed {
+            ItemStatus::Warn
+        } else {
+            ItemStatus::Absent
+        };
         return CheckedItem::new(
             "libcuda",
-            ItemStatus::Warn,
+            status,
             "none found (ldconfig -p lists no libcuda.so.1, none beside NVML)",
         )
         .with_fix("install the NVIDIA driver's libcuda.so.1, or give one with --cuda-lib");

@@ -68,15 +68,11 @@ pub fn checkup(asked: &Asked) -> Checkup {
     let (nvml, beside_nvml) = gpu_checks::nvml(&asked.nvml_lib);
     items.push(nvml);
     let cuda_libs = asked.events.as_ref().map_or(&[][..], |s| &s.cuda_libs);
-    let mut libcuda = gpu_checks::libcuda(cuda_libs, beside_nvml.as_deref());
     let memory_at_alloc = asked
         .events
         .as_ref()
         .is_some_and(|s| s.memory_at_alloc != MemoryAtAlloc::Off);
-    if !memory_at_alloc && libcuda.status == ItemStatus::Warn {
-        // Only --memory-at-alloc looks for it.
-        libcuda.status = ItemStatus::Absent;
-    }
+    let libcuda = gpu_checks::libcuda(cuda_libs, beside_nvml.as_deref(), memory_at_alloc);
     items.push(libcuda);
     items.push(gpu_checks::device_nodes());
     items.push(node_checks::state_dir(&asked.state_dir));
